@@ -1,0 +1,72 @@
+"""Dense baselines: identity and low-precision casts."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from commopt._src import base
+
+_CAST_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def identity() -> base.Compressor:
+  """The dense baseline: the payload is the input itself.
+
+  Returns:
+    A linear :class:`~commopt.Compressor`; ``compressed_mean(identity(), axis)``
+    is a plain ``pmean``.
+
+  Example:
+    >>> import jax.numpy as jnp, commopt
+    >>> c = commopt.identity()
+    >>> payload, _ = c.encode(jnp.ones(3), c.init(jnp.ones(3)), None)
+    >>> c.decode(payload, None, jnp.ones(3)).tolist()
+    [1.0, 1.0, 1.0]
+  """
+  return base.Compressor(
+      name="identity",
+      init=base.stateless_init,
+      encode=lambda x, state, key: (x, state),
+      decode=lambda payload, state, like: payload.astype(like.dtype),
+      payload_bits=lambda shape, dtype: base.leaf_size(shape) * base.dtype_bits(dtype),
+      linear=True,
+  )
+
+
+def cast(dtype="bfloat16") -> base.Compressor:
+  """Sends every coordinate in a lower-precision float format.
+
+  Args:
+    dtype: the wire format, one of ``bfloat16``, ``float16``, ``float32``.
+
+  Returns:
+    A linear :class:`~commopt.Compressor` whose payload is summed in ``dtype``
+    by the all-reduce.
+
+  Example:
+    >>> import jax.numpy as jnp, commopt
+    >>> c = commopt.cast("bfloat16")
+    >>> payload, _ = c.encode(jnp.ones(4), c.init(jnp.ones(4)), None)
+    >>> str(payload.dtype)
+    'bfloat16'
+
+  References:
+    Micikevicius et al., Mixed Precision Training, ICLR 2018.
+  """
+  try:
+    wire = jnp.dtype(dtype)
+  except TypeError:
+    wire = None
+  if wire is None or wire.name not in _CAST_DTYPES:
+    raise ValueError(
+        f"cast: `dtype` must be one of {_CAST_DTYPES}, got {dtype!r}.")
+  bits = int(np.dtype(wire).itemsize * 8)
+  return base.Compressor(
+      name=f"cast({wire.name})",
+      init=base.stateless_init,
+      encode=lambda x, state, key: (x.astype(wire), state),
+      decode=lambda payload, state, like: payload.astype(like.dtype),
+      payload_bits=lambda shape, in_dtype: base.leaf_size(shape) * bits,
+      linear=True,
+  )

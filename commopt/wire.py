@@ -1,0 +1,210 @@
+"""Wire accounting: what one worker sends per step, analytically and from HLO.
+
+:func:`payload_bytes` says what :func:`~commopt.compressed_mean` should put on
+the wire for a pytree of parameters; :func:`hlo_collectives` reads every
+collective out of a compiled program, so tests can prove the two agree and
+that no dense gradient crosses the axis.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, NamedTuple, Optional
+
+import jax
+import numpy as np
+
+from commopt._src import base
+from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE, compresses
+
+__all__ = [
+    "Collective",
+    "PayloadReport",
+    "hlo_collectives",
+    "payload_bytes",
+    "total_bytes",
+]
+
+
+class PayloadReport(NamedTuple):
+  """Bytes one worker contributes per step.
+
+  Attributes:
+    per_leaf: a pytree like the parameters with each leaf's bytes (None
+      leaves stay None).
+    compressed: a pytree of bools: whether each leaf goes through the
+      compressor (else it is sent dense).
+    total: the sum over leaves, in bytes.
+    dense: what plain dense all-reduce inputs would be, in bytes.
+  """
+  per_leaf: Any
+  compressed: Any
+  total: int
+  dense: int
+
+  @property
+  def ratio(self) -> float:
+    """Dense bytes over payload bytes (the compression ratio, ≥ 1 is a saving)."""
+    return self.dense / self.total if self.total else math.inf
+
+
+def payload_bytes(compressor: base.Compressor, params,
+                  *, min_size: int = DEFAULT_MIN_SIZE) -> PayloadReport:
+  """The analytic bytes one worker contributes per step under ``compressed_mean``.
+
+  Args:
+    compressor: the compressor given to :func:`~commopt.compressed_mean`.
+    params: a pytree of arrays or ``jax.ShapeDtypeStruct``\\ s (None leaves
+      are skipped).
+    min_size: the same ``min_size`` as given to ``compressed_mean``.
+
+  Returns:
+    A :class:`PayloadReport`.
+
+  Example:
+    >>> import jax.numpy as jnp, commopt
+    >>> r = commopt.wire.payload_bytes(commopt.scaled_sign(), {"w": jnp.zeros((64, 64))})
+    >>> r.total, r.dense   # 128 words of signs + one float32 scale
+    (516, 16384)
+  """
+  def leaf_bytes(leaf):
+    if leaf is None:
+      return None
+    if compresses(compressor, leaf.shape, leaf.dtype, min_size):
+      return -(-compressor.payload_bits(tuple(leaf.shape), leaf.dtype) // 8)
+    return base.leaf_size(leaf.shape) * np.dtype(leaf.dtype).itemsize
+
+  is_none = lambda x: x is None
+  per_leaf = jax.tree.map(leaf_bytes, params, is_leaf=is_none)
+  flags = jax.tree.map(
+      lambda l: None if l is None else compresses(compressor, l.shape, l.dtype, min_size),
+      params, is_leaf=is_none)
+  dense = sum(base.leaf_size(l.shape) * np.dtype(l.dtype).itemsize
+              for l in jax.tree.leaves(params))
+  return PayloadReport(per_leaf=per_leaf, compressed=flags,
+                       total=int(sum(jax.tree.leaves(per_leaf))), dense=int(dense))
+
+
+class Collective(NamedTuple):
+  """One collective of a compiled program.
+
+  Attributes:
+    kind: ``all-reduce``, ``all-gather``, ``all-to-all``, ``reduce-scatter`` or
+      ``collective-permute``.
+    dtypes: the element type of each operand (combined collectives have several).
+    shapes: the result shape of each operand.
+    group_size: the number of workers in each replica group.
+    replica_groups: the groups of device ids that communicate.
+    contributed_bytes: bytes one worker puts into the collective.
+    sent_bytes: bytes one worker sends under a ring model.
+    line: the HLO instruction.
+  """
+  kind: str
+  dtypes: tuple
+  shapes: tuple
+  group_size: int
+  replica_groups: tuple
+  contributed_bytes: int
+  sent_bytes: int
+  line: str
+
+
+_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+_INSTR = re.compile(
+    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(_KINDS) + r")(?P<start>-start)?\(")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+             "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+             "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+def _replica_groups(line: str, num_devices: int) -> tuple:
+  m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})?\}", line)
+  if m:
+    groups = tuple(tuple(int(i) for i in g.split(",") if i)
+                   for g in re.findall(r"\{([0-9,]*)\}", m.group(1) or ""))
+    return groups or (tuple(range(num_devices)),)
+  m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
+  if m:
+    shape = [int(i) for i in m.group(1).split(",")]
+    ids = np.arange(math.prod(int(i) for i in m.group(2).split(",")))
+    ids = ids.reshape([int(i) for i in m.group(2).split(",")])
+    if m.group(3):
+      ids = ids.transpose([int(i) for i in m.group(3).split(",")])
+    return tuple(tuple(int(i) for i in g) for g in ids.reshape(shape[0], -1))
+  m = re.search(r"source_target_pairs=\{([0-9,{}]*)\}", line)
+  if m:
+    return tuple(tuple(int(i) for i in p.split(",")) for p in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+  return (tuple(range(num_devices)),)
+
+
+def parse_hlo(text: str, num_devices: Optional[int] = None) -> list[Collective]:
+  """Every collective in HLO ``text`` (the ``-done`` halves of async pairs are skipped)."""
+  if num_devices is None:
+    m = re.search(r"num_partitions=(\d+)", text)
+    num_devices = int(m.group(1)) if m else jax.device_count()
+  out = []
+  for line in text.splitlines():
+    m = _INSTR.search(line)
+    if not m:
+      continue
+    kind = m.group("op")
+    arrays = _ARRAY.findall(m.group("shape"))
+    if m.group("start") and kind in ("all-gather", "collective-permute") and len(arrays) % 2 == 0:
+      arrays = arrays[len(arrays) // 2:]   # (operands, results) of an async start
+    groups = _replica_groups(line, num_devices)
+    n = 1 if kind == "collective-permute" else len(groups[0])
+    dtypes = tuple(a[0] for a in arrays)
+    shapes = tuple(tuple(int(d) for d in a[1].split(",") if d) for a in arrays)
+    nbytes = sum(_ITEMSIZE[d] * math.prod(s) for d, s in zip(dtypes, shapes))
+    contributed = {"all-reduce": nbytes, "all-gather": nbytes // max(n, 1), "all-to-all": nbytes,
+                   "reduce-scatter": nbytes * n, "collective-permute": nbytes}[kind]
+    sent = {"all-reduce": 2 * (n - 1) * nbytes / n if n else 0,
+            "all-gather": (n - 1) * contributed,
+            "all-to-all": (n - 1) * nbytes / n if n else 0,
+            "reduce-scatter": (n - 1) * nbytes,
+            "collective-permute": nbytes}[kind]
+    out.append(Collective(kind=kind, dtypes=dtypes, shapes=shapes, group_size=n,
+                          replica_groups=groups, contributed_bytes=int(contributed),
+                          sent_bytes=int(round(sent)), line=line.strip()))
+  return out
+
+
+def hlo_collectives(fn, *args, stage: str = "compiled", **kwargs) -> list[Collective]:
+  """Every collective in the compiled HLO of ``fn(*args, **kwargs)``.
+
+  Args:
+    fn: a jitted function, anything with a ``lower`` method (e.g.
+      :meth:`~commopt.DataParallel.lower` via ``dp``), or a plain function
+      (jitted here).
+    *args: its arguments, placed as it expects them.
+    stage: ``"compiled"`` (after XLA's passes, what runs) or ``"lowered"``
+      (before backend passes; e.g. XLA:CPU widens 16-bit all-reduces to f32
+      when compiling, which GPUs do not).
+    **kwargs: keyword arguments of ``fn``.
+
+  Returns:
+    A list of :class:`Collective`, in program order.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, commopt
+    >>> f = jax.jit(lambda x: x * 2)
+    >>> commopt.wire.hlo_collectives(f, jnp.ones(3))
+    []
+  """
+  if stage not in ("compiled", "lowered"):
+    raise ValueError(f"hlo_collectives: `stage` must be 'compiled' or 'lowered', got {stage!r}.")
+  if hasattr(fn, "lower"):
+    lowered = fn.lower(*args, **kwargs)
+  else:
+    lowered = jax.jit(fn).lower(*args, **kwargs)
+  if stage == "lowered":
+    return parse_hlo(lowered.as_text(dialect="hlo"))
+  return parse_hlo(lowered.compile().as_text())
+
+
+def total_bytes(collectives, field: str = "contributed_bytes") -> int:
+  """Sum of ``field`` (``contributed_bytes`` or ``sent_bytes``) over collectives."""
+  return int(sum(getattr(c, field) for c in collectives))
