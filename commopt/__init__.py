@@ -6,7 +6,7 @@ payload on the wire; :func:`data_parallel` builds a ``shard_map`` training
 step around it; :mod:`commopt.wire` accounts for and audits the bytes.
 """
 
-from commopt import wire
+from commopt import compressors, testing, wire
 from commopt._src.base import Compressor, EmptyState, Reduced
 from commopt.compressors import (
     PowerSGDLeafState,
@@ -34,11 +34,13 @@ __all__ = [
     "PowerSGDLeafState",
     "Reduced",
     "cast",
+    "compressors",
     "compressed_mean",
     "data_parallel",
     "identity",
     "power_sgd",
     "scaled_sign",
+    "testing",
     "top_k",
     "wire",
 ]

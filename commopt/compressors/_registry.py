@@ -1,0 +1,53 @@
+"""Compressors by name, for command lines, benchmarks and the shared test suite."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+from commopt._src import base
+from commopt.compressors._basic import cast, identity
+from commopt.compressors._lowrank import power_sgd
+from commopt.compressors._quantize import scaled_sign
+from commopt.compressors._sparsify import top_k
+
+REGISTRY: dict[str, Callable[..., base.Compressor]] = {
+    "identity": identity,
+    "cast": cast,
+    "scaled_sign": scaled_sign,
+    "top_k": top_k,
+    "power_sgd": power_sgd,
+}
+"""Every compressor factory, by name."""
+
+DEFAULTS: dict[str, dict] = {
+    "identity": {},
+    "cast": {"dtype": "bfloat16"},
+    "scaled_sign": {},
+    "top_k": {"ratio": 0.01},
+    "power_sgd": {"rank": 2},
+}
+"""The options :func:`make` uses when none are given."""
+
+
+def make(name: str, **options) -> base.Compressor:
+  """Builds a registered compressor, ignoring options its factory does not take.
+
+  Args:
+    name: a key of :data:`REGISTRY`.
+    **options: factory options (e.g. ``ratio=0.01``, ``rank=4``); ``None``
+      values and options the factory does not accept fall back to
+      :data:`DEFAULTS`.
+
+  Example:
+    >>> import commopt
+    >>> commopt.compressors.make("top_k", ratio=0.05, rank=4)
+    Compressor(top_k(ratio=0.05))
+  """
+  if name not in REGISTRY:
+    raise ValueError(f"make: unknown compressor {name!r}; valid names are {sorted(REGISTRY)}.")
+  factory = REGISTRY[name]
+  accepted = inspect.signature(factory).parameters
+  kwargs = dict(DEFAULTS[name])
+  kwargs.update({k: v for k, v in options.items() if k in accepted and v is not None})
+  return factory(**kwargs)

@@ -1,0 +1,81 @@
+"""Simulated workers: run a transform over N workers with vmap or shard_map.
+
+Both take and return per-worker values stacked on a leading axis, so the same
+inputs can be pushed through either and the results compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+__all__ = ["Workers", "shard_map_workers", "vmap_workers"]
+
+
+class Workers(NamedTuple):
+  """``init(params) -> stacked state`` and jitted ``update(stacked updates, stacked state)``."""
+  init: Callable[[Any], Any]
+  update: Callable[[Any, Any], tuple[Any, Any]]
+
+
+def _stacked_init(tx, num_workers):
+  return lambda params: jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (num_workers,) + jnp.shape(x)), tx.init(params))
+
+
+def vmap_workers(tx: optax.GradientTransformation, num_workers: int,
+                 axis_name: str = "workers") -> Workers:
+  """``num_workers`` simulated workers on one device, via ``jax.vmap(axis_name=...)``.
+
+  Example:
+    >>> import jax.numpy as jnp, commopt
+    >>> w = commopt.testing.vmap_workers(commopt.compressed_mean(commopt.identity(), "workers"), 4)
+    >>> state = w.init({"x": jnp.zeros(2)})
+    >>> out, state = w.update({"x": jnp.arange(8.0).reshape(4, 2)}, state)
+    >>> out["x"][0].tolist()
+    [3.0, 4.0]
+  """
+  update = jax.jit(jax.vmap(lambda u, s: tx.update(u, s), axis_name=axis_name))
+  return Workers(_stacked_init(tx, num_workers), update)
+
+
+def shard_map_workers(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                      axis_name: str) -> Workers:
+  """One worker per device of ``mesh``'s ``axis_name``, via ``jax.shard_map``.
+
+  Inputs are stacked ``[N, ...]`` and placed sharded over the axis for you.
+  """
+  n = int(mesh.shape[axis_name])
+  sharded = NamedSharding(mesh, P(axis_name))
+
+  def body(u, s):
+    squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
+    out, new = tx.update(squeeze(u), squeeze(s))
+    expand = lambda t: jax.tree.map(lambda x: x[None], t)
+    return expand(out), expand(new)
+
+  mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(axis_name)),
+                                 out_specs=(P(axis_name), P(axis_name))))
+
+  def place(tree):
+    return jax.device_put(tree, sharded)
+
+  def init(params):
+    with jax.set_mesh(mesh):
+      return place(_stacked_init(tx, n)(params))
+
+  def update(u, s):
+    with jax.set_mesh(mesh):
+      return mapped(place(u), place(s))
+
+  update.lower = lambda u, s: _lower(mesh, mapped, place(u), place(s))
+  return Workers(init, update)
+
+
+def _lower(mesh, fn, *args):
+  with jax.set_mesh(mesh):
+    return fn.lower(*args)
