@@ -1,0 +1,100 @@
+"""Bad input fails with a ValueError naming the argument, the value and what is valid."""
+
+import jax.numpy as jnp
+import pytest
+
+import commopt
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"k": 0}, r"`k` must be a positive integer, got 0"),
+    ({"k": -3}, r"`k` must be a positive integer, got -3"),
+    ({"ratio": 0.0}, r"`ratio` must be a fraction in \(0, 1\], got 0.0"),
+    ({"ratio": 1.5}, r"`ratio` must be a fraction in \(0, 1\], got 1.5"),
+    ({}, r"give exactly one of `ratio` and `k`"),
+    ({"ratio": 0.1, "k": 3}, r"give exactly one of `ratio` and `k`"),
+])
+def test_top_k_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    commopt.top_k(**kwargs)
+
+
+def test_top_k_k_larger_than_leaf():
+  tx = commopt.compressed_mean(commopt.top_k(k=100), min_size=0)
+  with pytest.raises(ValueError, match=r"`k` must be at most the leaf size, got k=100 .* \(size 50\)"):
+    tx.update({"w": jnp.ones(50)}, tx.init({"w": jnp.ones(50)}))
+
+
+@pytest.mark.parametrize("rank", [0, -1, 1.5])
+def test_power_sgd_rank(rank):
+  with pytest.raises(ValueError, match=rf"`rank` must be a positive integer, got {rank}"):
+    commopt.power_sgd(rank=rank)
+
+
+def test_power_sgd_view():
+  with pytest.raises(ValueError, match="`view` must be 'last', 'first' or a callable"):
+    commopt.power_sgd(view="middle")
+
+
+def test_cast_dtype():
+  with pytest.raises(ValueError, match=r"`dtype` must be one of .*got 'int8'"):
+    commopt.cast("int8")
+
+
+def test_integer_leaves_rejected():
+  tx = commopt.compressed_mean(commopt.scaled_sign())
+  with pytest.raises(ValueError, match=r"leaf \['step'\] has dtype int32.*floating-point"):
+    tx.init({"w": jnp.ones(4), "step": jnp.zeros((), jnp.int32)})
+  state = tx.init({"w": jnp.ones(4)})
+  with pytest.raises(ValueError, match=r"leaf \['w'\] has dtype int32"):
+    tx.update({"w": jnp.ones(4, jnp.int32)}, state)
+
+
+def test_state_mismatch():
+  tx = commopt.compressed_mean(commopt.scaled_sign(), min_size=0)
+  state = tx.init({"w": jnp.ones((8, 8))})
+  with pytest.raises(ValueError, match=r"state does not match `updates`.*shape \(8, 8\).*\(4, 4\)"):
+    tx.update({"w": jnp.ones((4, 4))}, state)
+  with pytest.raises(ValueError, match=r"state does not match `updates`"):
+    tx.update({"w": jnp.ones((8, 8)), "extra": jnp.ones(3)}, state)
+
+
+def test_none_leaves_pass_through():
+  tx = commopt.compressed_mean(commopt.top_k(0.5), min_size=0)
+  params = {"w": jnp.ones(8), "frozen": None}
+  out, _ = tx.update({"w": jnp.arange(8.0), "frozen": None}, tx.init(params))
+  assert out["frozen"] is None
+  assert int(jnp.count_nonzero(out["w"])) == 4
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strategy": "ring"}, r"`strategy` must be one of .*got 'ring'"),
+    ({"min_size": -1}, r"`min_size` must be an integer >= 0, got -1"),
+    ({"residual_dtype": jnp.int32}, r"`residual_dtype` must be a floating-point dtype"),
+])
+def test_compressed_mean_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    commopt.compressed_mean(commopt.scaled_sign(), **kwargs)
+
+
+def test_psum_needs_linear_compressor():
+  with pytest.raises(ValueError, match="strategy='psum' needs a linear compressor"):
+    commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="psum")
+
+
+def test_not_a_compressor():
+  with pytest.raises(ValueError, match="`compressor` must be a commopt Compressor"):
+    commopt.compressed_mean("sign")
+
+
+def test_unknown_registry_name():
+  with pytest.raises(ValueError, match=r"unknown compressor 'sgn'; valid names are"):
+    commopt.compressors.make("sgn")
+
+
+def test_residual_dtype_for_bf16():
+  tx = commopt.compressed_mean(commopt.scaled_sign(), residual_dtype=jnp.float32, min_size=0)
+  state = tx.init({"w": jnp.ones(64, jnp.bfloat16)})
+  assert state.residual["w"].dtype == jnp.float32
+  out, state = tx.update({"w": jnp.linspace(-1, 1, 64).astype(jnp.bfloat16)}, state)
+  assert out["w"].dtype == jnp.bfloat16 and state.residual["w"].dtype == jnp.float32
