@@ -112,7 +112,7 @@ class Collective(NamedTuple):
 
 _KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 _INSTR = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(_KINDS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,

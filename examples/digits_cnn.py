@@ -1,0 +1,49 @@
+"""The demo's data and model: sklearn's bundled 8x8 digits and a small Flax nnx CNN."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+from flax import nnx
+
+
+def load_digits_split(seed: int = 0):
+  """(x_train, y_train, x_test, y_test): 1797 images in [0, 1], NHWC, split 80/20."""
+  from sklearn.datasets import load_digits
+  digits = load_digits()
+  x = (digits.images.astype(np.float32) / 16.0)[..., None]
+  y = digits.target.astype(np.int32)
+  order = np.random.default_rng(seed).permutation(len(x))
+  n_test = len(x) // 5
+  test, train = order[:n_test], order[n_test:]
+  return x[train], y[train], x[test], y[test]
+
+
+class CNN(nnx.Module):
+  """conv 3x3x32, conv 3x3x64, dense 256, dense 10 (1.07M parameters)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 32, (3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(32, 64, (3, 3), rngs=rngs)
+    self.fc1 = nnx.Linear(8 * 8 * 64, 256, rngs=rngs)
+    self.fc2 = nnx.Linear(256, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.conv1(x))
+    x = nnx.relu(self.conv2(x))
+    x = nnx.relu(self.fc1(x.reshape(x.shape[0], -1)))
+    return self.fc2(x)
+
+
+def model_fns(seed: int = 0):
+  """(params, logits_fn, loss_fn) with params an ``nnx.State`` of the CNN's parameters."""
+  graphdef, params = nnx.split(CNN(nnx.Rngs(seed)), nnx.Param)
+
+  def logits_fn(params, images):
+    return nnx.merge(graphdef, params)(images)
+
+  def loss_fn(params, batch):
+    logits = logits_fn(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  return params, logits_fn, loss_fn
