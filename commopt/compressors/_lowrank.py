@@ -71,7 +71,8 @@ def power_sgd(rank: int = 1, *, view: View = "last",
 
   Example:
     >>> import jax, jax.numpy as jnp, commopt
-    >>> tx = commopt.compressed_mean(commopt.power_sgd(rank=1), min_size=0)
+    >>> tx = commopt.compressed_mean(
+    ...     commopt.power_sgd(rank=1, min_compression_rate=0), min_size=0)
     >>> m = jnp.outer(jnp.arange(4.0), jnp.ones(3))   # exactly rank 1
     >>> out, _ = tx.update({"w": m}, tx.init({"w": m}))
     >>> bool(jnp.allclose(out["w"], m, atol=1e-5))
