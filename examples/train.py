@@ -150,7 +150,7 @@ def main(argv=None):
   ax.set_ylabel("training loss")
   ax.set_title(f"digits CNN, {args.workers} workers: loss against bytes on the wire")
   ax.grid(True, which="both", alpha=0.3)
-  ax.legend()
+  ax.legend(loc="lower left")
   fig.tight_layout()
   fig.savefig(out_dir / "train_loss_vs_bytes.png", dpi=120)
   print(f"\nwrote {out_dir / 'train_loss_vs_bytes.png'} and {out_dir / 'train_metrics.json'}")

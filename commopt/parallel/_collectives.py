@@ -62,7 +62,16 @@ def all_gather(tree: Any, axis_name: Optional[str]) -> Any:
 
   def gather(x):
     if axis_name in varying_axes(x):
-      return jax.lax.all_gather(x, axis_name, to="invarying")
+      return _all_gather_invariant(x, axis_name)
     return jax.lax.all_gather(x, axis_name)
 
   return jax.tree.map(gather, tree)
+
+
+def _all_gather_invariant(x, axis_name):
+  # Spelled `all_gather(..., to="invarying")` in JAX 0.10; older and newer
+  # releases expose `all_gather_invariant`.
+  try:
+    return jax.lax.all_gather(x, axis_name, to="invarying")
+  except TypeError:
+    return jax.lax.all_gather_invariant(x, axis_name)
