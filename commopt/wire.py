@@ -110,14 +110,19 @@ class Collective(NamedTuple):
   line: str
 
 
-_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
+          "collective-broadcast")
 _INSTR = re.compile(
-    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,<=]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(_KINDS) + r")(?P<start>-start)?\(")
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_ITEMSIZE = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-             "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-             "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,<=]*)\]")
+
+
+def _element_bits(dtype: str) -> int:
+  """Bits per element of an HLO element type (pred is a byte; f8e4m3fn is 8)."""
+  if dtype == "pred":
+    return 8
+  return int(re.match(r"[a-z]+(\d+)", dtype).group(1))
 
 
 def _replica_groups(line: str, num_devices: int) -> tuple:
@@ -152,20 +157,26 @@ def parse_hlo(text: str, num_devices: Optional[int] = None) -> list[Collective]:
       continue
     kind = m.group("op")
     arrays = _ARRAY.findall(m.group("shape"))
-    if m.group("start") and kind in ("all-gather", "collective-permute") and len(arrays) % 2 == 0:
-      arrays = arrays[len(arrays) // 2:]   # (operands, results) of an async start
+    if m.group("start") and kind != "all-reduce":
+      # An async start returns (operands, results[, context scalars]).
+      arrays = [a for a in arrays if a[1]]
+      arrays = arrays[len(arrays) // 2:]
     groups = _replica_groups(line, num_devices)
     n = 1 if kind == "collective-permute" else len(groups[0])
+    if not arrays:
+      continue
     dtypes = tuple(a[0] for a in arrays)
-    shapes = tuple(tuple(int(d) for d in a[1].split(",") if d) for a in arrays)
-    nbytes = sum(_ITEMSIZE[d] * math.prod(s) for d, s in zip(dtypes, shapes))
+    shapes = tuple(tuple(int(d.lstrip("<=")) for d in a[1].split(",") if d) for a in arrays)
+    nbytes = sum(-(-_element_bits(d) * math.prod(s) // 8) for d, s in zip(dtypes, shapes))
     contributed = {"all-reduce": nbytes, "all-gather": nbytes // max(n, 1), "all-to-all": nbytes,
-                   "reduce-scatter": nbytes * n, "collective-permute": nbytes}[kind]
+                   "reduce-scatter": nbytes * n, "collective-permute": nbytes,
+                   "collective-broadcast": nbytes}[kind]
     sent = {"all-reduce": 2 * (n - 1) * nbytes / n if n else 0,
             "all-gather": (n - 1) * contributed,
             "all-to-all": (n - 1) * nbytes / n if n else 0,
             "reduce-scatter": (n - 1) * nbytes,
-            "collective-permute": nbytes}[kind]
+            "collective-permute": nbytes,
+            "collective-broadcast": (n - 1) * nbytes / n if n else 0}[kind]
     out.append(Collective(kind=kind, dtypes=dtypes, shapes=shapes, group_size=n,
                           replica_groups=groups, contributed_bytes=int(contributed),
                           sent_bytes=int(round(sent)), line=line.strip()))
@@ -186,7 +197,9 @@ def hlo_collectives(fn, *args, stage: str = "compiled", **kwargs) -> list[Collec
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
-    A list of :class:`Collective`, in program order.
+    A list of :class:`Collective`, in program order. Each instruction counts
+    once as written: a collective inside a loop body is not multiplied by its
+    trip count.
 
   Example:
     >>> import jax, jax.numpy as jnp, commopt

@@ -148,3 +148,26 @@ def test_bad_mesh_and_batch(mesh):
   state = dp.init(params)
   with pytest.raises(ValueError, match="divisible by the 8 workers"):
     dp.step(params, state, make_batch(size=12))
+
+
+@pytest.mark.parametrize("line, kind, contributed, sent", [
+    ("%a = f32[1024]{0} all-reduce(%x), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%r",
+     "all-reduce", 4096, 7168),
+    ("%a = (f32[1024]{0}, f32[8,1024]{1,0}) all-gather-start(%x), replica_groups=[1,8]<=[8], dimensions={0}",
+     "all-gather", 4096, 28672),
+    ("%a = ((f32[1024]{0}), f32[128]{0}) reduce-scatter-start(%x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}",
+     "reduce-scatter", 4096, 3584),
+    ("%a = (f32[1024]{0}, f32[1024]{0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}",
+     "collective-permute", 4096, 4096),
+    ("%a = (s4[64]{0}, f8e4m3fn[32]{0}) all-reduce(%x, %y), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%r",
+     "all-reduce", 64, 96),
+])
+def test_hlo_parser_forms(line, kind, contributed, sent):
+  (c,) = wire.parse_hlo(line, num_devices=8)
+  assert (c.kind, c.contributed_bytes, c.sent_bytes) == (kind, contributed, sent)
+
+
+def test_hlo_parser_iota_groups():
+  (c,) = wire.parse_hlo("%a = f32[4]{0} all-reduce(%x), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%r",
+                        num_devices=8)
+  assert c.replica_groups == ((0, 2, 4, 6), (1, 3, 5, 7)) and c.group_size == 4

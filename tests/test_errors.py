@@ -98,3 +98,27 @@ def test_residual_dtype_for_bf16():
   assert state.residual["w"].dtype == jnp.float32
   out, state = tx.update({"w": jnp.linspace(-1, 1, 64).astype(jnp.bfloat16)}, state)
   assert out["w"].dtype == jnp.bfloat16 and state.residual["w"].dtype == jnp.float32
+
+
+def test_inside_optax_masked():
+  import optax
+  tx = optax.masked(commopt.compressed_mean(commopt.scaled_sign(), min_size=0),
+                    {"w": True, "step": False})
+  params = {"w": jnp.ones((8, 8)), "step": jnp.zeros((), jnp.int32)}
+  out, _ = tx.update({"w": jnp.ones((8, 8)), "step": jnp.zeros((), jnp.int32)}, tx.init(params))
+  assert out["step"].dtype == jnp.int32
+
+
+def test_state_mismatch_without_error_feedback():
+  tx = commopt.compressed_mean(commopt.power_sgd(rank=1), error_feedback=False, min_size=0)
+  state = tx.init({"w": jnp.ones((64, 32))})
+  with pytest.raises(ValueError, match=r"state does not match `updates`.*compressor state"):
+    tx.update({"w": jnp.ones((32, 64))}, state)
+
+
+def test_make_with_k_and_zero_size_leaves():
+  assert commopt.compressors.make("top_k", k=5).name == "top_k(k=5)"
+  tx = commopt.compressed_mean(commopt.top_k(0.5), min_size=0)
+  out, _ = tx.update({"e": jnp.zeros((0, 4))}, tx.init({"e": jnp.zeros((0, 4))}))
+  assert out["e"].shape == (0, 4)
+  assert commopt.top_k(0.07).payload_bits((100,), jnp.float32) == 7 * 64

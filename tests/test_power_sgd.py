@@ -77,3 +77,13 @@ def test_q_is_the_same_on_every_worker_and_warm_started():
   q1 = np.asarray(state.compressor_state["w"].q)
   assert not np.allclose(q0, q1)
   np.testing.assert_allclose(q1, np.broadcast_to(q1[0], q1.shape), rtol=1e-6)
+
+
+def test_zero_step_keeps_the_warm_start():
+  m = jnp.outer(jnp.arange(1.0, 9.0), jnp.arange(1.0, 7.0))
+  tx = commopt.compressed_mean(commopt.power_sgd(rank=1), error_feedback=False, min_size=0)
+  state = tx.init({"w": m})
+  _, state = tx.update({"w": m}, state)
+  _, state = tx.update({"w": jnp.zeros_like(m)}, state)
+  out, _ = tx.update({"w": m}, state)
+  np.testing.assert_allclose(out["w"], m, rtol=1e-4)

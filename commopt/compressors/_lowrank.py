@@ -125,7 +125,10 @@ def power_sgd(rank: int = 1, *, view: View = "last",
     q_local = q_local.astype(jnp.float32)
     mean = (p_hat @ q_mean.T).reshape(x.shape).astype(x.dtype)
     local = (p_hat @ q_local.T).reshape(x.shape).astype(x.dtype)
-    return base.Reduced(mean=mean, local=local, state=PowerSGDLeafState(q=q_mean))
+    # An all-zero step (e.g. a frozen layer) would leave Q = 0 and lose the
+    # warm start; keep the previous Q then.
+    q_next = jnp.where(jnp.any(q_mean != 0), q_mean, state.q)
+    return base.Reduced(mean=mean, local=local, state=PowerSGDLeafState(q=q_next))
 
   def encode(x, state, key):
     # The one-worker protocol as a payload: orthonormal P̂ and Q = Mᵀ P̂.

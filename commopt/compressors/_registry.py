@@ -30,6 +30,9 @@ DEFAULTS: dict[str, dict] = {
 """The options :func:`make` uses when none are given."""
 
 
+_EXCLUSIVE = {"top_k": {"ratio", "k"}}
+
+
 def make(name: str, **options) -> base.Compressor:
   """Builds a registered compressor, ignoring options its factory does not take.
 
@@ -48,6 +51,9 @@ def make(name: str, **options) -> base.Compressor:
     raise ValueError(f"make: unknown compressor {name!r}; valid names are {sorted(REGISTRY)}.")
   factory = REGISTRY[name]
   accepted = inspect.signature(factory).parameters
-  kwargs = dict(DEFAULTS[name])
+  given = {k for k, v in options.items() if k in accepted and v is not None}
+  # Defaults that exclude a given option (top_k's ratio against k) are dropped.
+  kwargs = {k: v for k, v in DEFAULTS[name].items()
+            if not (given & _EXCLUSIVE.get(name, set()) - {k})}
   kwargs.update({k: v for k, v in options.items() if k in accepted and v is not None})
   return factory(**kwargs)

@@ -48,7 +48,8 @@ def top_k(ratio: float | None = None, *, k: int | None = None) -> base.Compresso
   def leaf_k(shape) -> int:
     size = base.leaf_size(shape)
     if ratio is not None:
-      return max(1, min(size, math.ceil(ratio * size)))
+      # Rounded first so that e.g. 0.07 * 100 keeps 7, not 8.
+      return max(1, min(size, math.ceil(round(ratio * size, 6))))
     if k > size:
       raise ValueError(
           f"top_k: `k` must be at most the leaf size, got k={k} for a leaf of "

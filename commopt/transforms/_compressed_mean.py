@@ -38,7 +38,8 @@ class CompressedMeanState(NamedTuple):
 
 def compresses(compressor: base.Compressor, shape, dtype, min_size: int) -> bool:
   """Whether a leaf goes through ``compressor`` (else it is sent dense)."""
-  return base.leaf_size(shape) >= min_size and bool(compressor.accepts(tuple(shape), dtype))
+  return (base.leaf_size(shape) >= max(min_size, 1)
+          and bool(compressor.accepts(tuple(shape), dtype)))
 
 
 def _is_node(x) -> bool:
@@ -50,15 +51,15 @@ def _flatten(tree):
 
 
 def _check_leaf(path, leaf, what: str):
-  if leaf is None:
+  if _is_node(leaf):
     return
   dtype = getattr(leaf, "dtype", None)
   if dtype is None or not base.is_float_dtype(dtype):
     raise ValueError(
         f"compressed_mean: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has "
         f"dtype {dtype}, but only floating-point leaves can be compressed. "
-        "Pass None for leaves that carry no gradient, or mask them out with "
-        "optax.masked.")
+        "Pass None for leaves that carry no gradient, or wrap the transform in "
+        "optax.masked so that it skips them.")
 
 
 def _reduce_leaf(compressor, strategy, x, cstate, key, axis_name) -> base.Reduced:
@@ -168,7 +169,7 @@ def compressed_mean(
         f"None, got {residual_dtype!r}.")
 
   def plan(leaf) -> bool:
-    return leaf is not None and compresses(compressor, leaf.shape, leaf.dtype, min_size)
+    return not _is_node(leaf) and compresses(compressor, leaf.shape, leaf.dtype, min_size)
 
   def init_fn(params):
     leaves, treedef = _flatten(params)
@@ -190,27 +191,31 @@ def compressed_mean(
     )
 
   def check_state(state, leaves, treedef):
+    def mismatch(detail):
+      return ValueError(
+          f"compressed_mean: the state does not match `updates`: {detail}. Call "
+          "init with the pytree whose updates you pass.")
+
     r_leaves, r_treedef = _flatten(state.residual)
     if r_treedef != treedef:
-      raise ValueError(
-          "compressed_mean: the state does not match `updates`: it was "
-          f"initialised for the structure {r_treedef}, but the updates have "
-          f"{treedef}. Call init with the pytree whose updates you pass.")
-    for (path, u), (_, r) in zip(leaves, r_leaves):
-      if u is None or isinstance(r, optax.MaskedNode):
-        if u is not None and error_feedback and plan(u):
-          raise ValueError(
-              "compressed_mean: the state does not match `updates`: leaf "
-              f"{jax.tree_util.keystr(path)} has no residual, but its update "
-              f"{u.shape} is compressed. Call init with the pytree whose "
-              "updates you pass.")
+      raise mismatch(f"it was initialised for the structure {r_treedef}, but the "
+                     f"updates have {treedef}")
+    cstates = treedef.flatten_up_to(state.compressor_state)
+    for (path, u), (_, r), cs in zip(leaves, r_leaves, cstates):
+      if not plan(u):
         continue
-      if tuple(r.shape) != tuple(u.shape):
-        raise ValueError(
-            "compressed_mean: the state does not match `updates`: leaf "
-            f"{jax.tree_util.keystr(path)} has a residual of shape "
-            f"{tuple(r.shape)} but an update of shape {tuple(u.shape)}. Call "
-            "init with the pytree whose updates you pass.")
+      where = jax.tree_util.keystr(path)
+      if error_feedback and isinstance(r, optax.MaskedNode):
+        raise mismatch(f"leaf {where} has no residual, but its update {u.shape} is compressed")
+      if not isinstance(r, optax.MaskedNode) and tuple(r.shape) != tuple(u.shape):
+        raise mismatch(f"leaf {where} has a residual of shape {tuple(r.shape)} but an "
+                       f"update of shape {tuple(u.shape)}")
+      expected = jax.eval_shape(compressor.init, jax.ShapeDtypeStruct(u.shape, u.dtype))
+      got = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), cs)
+      want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), expected)
+      if got != want:
+        raise mismatch(f"leaf {where} has compressor state {got}, but an update of "
+                       f"shape {tuple(u.shape)} needs {want}")
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -228,8 +233,8 @@ def compressed_mean(
 
     out, new_res, new_cs = [], [], []
     for i, ((_, u), e, cs) in enumerate(zip(leaves, residuals, cstates)):
-      if u is None or not plan(u):
-        out.append(None if u is None else coll.pmean(u, axis_name))
+      if _is_node(u) or not plan(u):
+        out.append(u if _is_node(u) else coll.pmean(u, axis_name))
         new_res.append(e)
         new_cs.append(cs)
         continue
