@@ -183,7 +183,10 @@ def parse_hlo(text: str, num_devices: Optional[int] = None) -> list[Collective]:
   return out
 
 
-def hlo_collectives(fn, *args, stage: str = "compiled", **kwargs) -> list[Collective]:
+_NARROW_FLOATS = ("bf16", "f16")
+
+
+def hlo_collectives(fn, *args, stage: str = "auto", **kwargs) -> list[Collective]:
   """Every collective in the compiled HLO of ``fn(*args, **kwargs)``.
 
   Args:
@@ -191,9 +194,11 @@ def hlo_collectives(fn, *args, stage: str = "compiled", **kwargs) -> list[Collec
       :meth:`~commopt.DataParallel.lower` via ``dp``), or a plain function
       (jitted here).
     *args: its arguments, placed as it expects them.
-    stage: ``"compiled"`` (after XLA's passes, what runs) or ``"lowered"``
-      (before backend passes; e.g. XLA:CPU widens 16-bit all-reduces to f32
-      when compiling, which GPUs do not).
+    stage: ``"compiled"`` (after XLA's passes, what runs), ``"lowered"``
+      (before backend passes) or ``"auto"``. XLA:CPU widens 16-bit float
+      all-reduces to f32 when it compiles (GPUs keep them narrow), so
+      ``"auto"`` reads the lowered program on CPU when it all-reduces a
+      16-bit float, and the compiled one otherwise.
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
@@ -207,12 +212,19 @@ def hlo_collectives(fn, *args, stage: str = "compiled", **kwargs) -> list[Collec
     >>> commopt.wire.hlo_collectives(f, jnp.ones(3))
     []
   """
-  if stage not in ("compiled", "lowered"):
-    raise ValueError(f"hlo_collectives: `stage` must be 'compiled' or 'lowered', got {stage!r}.")
+  if stage not in ("auto", "compiled", "lowered"):
+    raise ValueError(
+        f"hlo_collectives: `stage` must be 'auto', 'compiled' or 'lowered', got {stage!r}.")
   if hasattr(fn, "lower"):
     lowered = fn.lower(*args, **kwargs)
   else:
     lowered = jax.jit(fn).lower(*args, **kwargs)
+  if stage == "auto":
+    before = parse_hlo(lowered.as_text(dialect="hlo"))
+    narrow = any(c.kind in ("all-reduce", "reduce-scatter")
+                 and any(d in _NARROW_FLOATS for d in c.dtypes) for c in before)
+    if narrow and jax.default_backend() == "cpu":
+      return before
   if stage == "lowered":
     return parse_hlo(lowered.as_text(dialect="hlo"))
   return parse_hlo(lowered.compile().as_text())

@@ -137,11 +137,12 @@ def test_payload_bytes_equal_hlo_audit(name, mesh):
   u = worker_updates(40)
   collectives = wire.hlo_collectives(sm.update, u, sm.init(params))
   # XLA:CPU widens 16-bit all-reduces to f32 when it compiles (GPUs keep them);
-  # for casts on CPU the wire format is read before that pass.
+  # stage="auto" then reads the wire format before that pass.
   if name == "cast" and jax.default_backend() == "cpu":
-    assert any("f32" in c.dtypes for c in collectives)
-    collectives = wire.hlo_collectives(sm.update, u, sm.init(params), stage="lowered")
+    compiled = wire.hlo_collectives(sm.update, u, sm.init(params), stage="compiled")
+    assert any("f32" in c.dtypes for c in compiled)
+    assert any("bf16" in c.dtypes for c in collectives)
   expected = wire.payload_bytes(make(name), params, min_size=256)
   assert wire.total_bytes(collectives) == expected.total
   if name not in ("identity", "cast"):
-    assert expected.ratio > 5
+    assert expected.ratio > 3   # int8 and natural (9 bits) are the least

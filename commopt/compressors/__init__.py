@@ -2,9 +2,21 @@
 
 from commopt.compressors._basic import cast, identity
 from commopt.compressors._lowrank import PowerSGDLeafState, power_sgd
-from commopt.compressors._quantize import scaled_sign
+from commopt.compressors._quantize import (
+    adaptive_levels,
+    int_quant,
+    natural,
+    onebit,
+    qsgd,
+    qsgd_coded_bits,
+    qsgd_elias_bits,
+    scaled_sign,
+    sign,
+    terngrad,
+)
 from commopt.compressors._registry import DEFAULTS, REGISTRY, make
 from commopt.compressors._sparsify import top_k
 
-__all__ = ["DEFAULTS", "REGISTRY", "cast", "identity", "make", "power_sgd",
-           "PowerSGDLeafState", "scaled_sign", "top_k"]
+__all__ = ["DEFAULTS", "REGISTRY", "adaptive_levels", "cast", "identity", "int_quant",
+           "make", "natural", "onebit", "power_sgd", "PowerSGDLeafState", "qsgd",
+           "qsgd_coded_bits", "qsgd_elias_bits", "scaled_sign", "sign", "terngrad", "top_k"]

@@ -1,19 +1,148 @@
-"""Quantisation compressors: every coordinate in a few bits."""
+"""Quantisation compressors: every coordinate in a few bits.
+
+Every payload here is packed: codes of ``b`` bits are laid into uint32 words
+by :mod:`commopt._src.bits` (``⌈d·b/32⌉`` words for ``d`` coordinates), and
+scales or norms travel as float32. The stochastic compressors draw their
+random bits from the key that :func:`~commopt.compressed_mean` passes in.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from commopt._src import base
 from commopt._src import bits as bitops
+from commopt.parallel import _collectives as coll
+
+_F32 = jnp.float32
 
 
-def scaled_sign() -> base.Compressor:
+# ---------------------------------------------------------------------------
+# Shared pieces.
+
+
+def _check_block_size(block_size, fn: str) -> Optional[int]:
+  if block_size is None:
+    return None
+  return base.check_positive_int("block_size", block_size, fn=fn)
+
+
+def _num_blocks(n: int, block_size: Optional[int]) -> int:
+  return 1 if block_size is None else -(-n // block_size)
+
+
+def _blocks(flat: jax.Array, block_size: Optional[int]) -> jax.Array:
+  """``flat`` zero-padded to whole blocks, shaped ``[blocks, block]``."""
+  n = flat.shape[0]
+  size = n if block_size is None else min(block_size, n)
+  nb = -(-n // size)
+  return jnp.pad(flat, (0, nb * size - n)).reshape(nb, size)
+
+
+def _per_element(per_block: jax.Array, n: int, block_size: Optional[int]) -> jax.Array:
+  """Broadcasts one value per block back to the ``n`` coordinates."""
+  size = n if block_size is None else min(block_size, n)
+  return jnp.repeat(per_block, size, total_repeat_length=per_block.shape[0] * size)[:n]
+
+
+def _block_counts(n: int, block_size: Optional[int]) -> np.ndarray:
+  size = n if block_size is None else min(block_size, n)
+  counts = np.full(-(-n // size), size, np.float32)
+  counts[-1] = n - size * (counts.size - 1)
+  return counts
+
+
+def _uniform(key, n: int, fn: str) -> jax.Array:
+  if key is None:
+    raise ValueError(
+        f"{fn}: this compressor is stochastic and needs a PRNG key; got key=None. "
+        "compressed_mean passes one; when calling encode yourself pass "
+        "jax.random.key(0) or similar.")
+  return jax.random.uniform(key, (n,), _F32)
+
+
+def _stochastic_round(y: jax.Array, u: jax.Array) -> jax.Array:
+  """``⌊y⌋ + 1`` with probability ``y - ⌊y⌋``, else ``⌊y⌋`` (unbiased)."""
+  return jnp.floor(y + u)
+
+
+def _flat32(x: jax.Array) -> jax.Array:
+  return x.reshape(-1).astype(_F32)
+
+
+def _sign_words(flat: jax.Array) -> jax.Array:
+  """One bit per coordinate, set where the coordinate is negative."""
+  return bitops.pack(flat < 0, bits=1)
+
+
+def _signs_from_words(words: jax.Array, n: int) -> jax.Array:
+  """±1.0 per coordinate from :func:`_sign_words` (zeros were sent as +1)."""
+  return 1.0 - 2.0 * bitops.unpack(words, n, bits=1).astype(_F32)
+
+
+def _words_bits(n: int, bits: int) -> int:
+  return 32 * bitops.packed_words(n, bits)
+
+
+def _out(values: jax.Array, like) -> jax.Array:
+  return values.reshape(like.shape).astype(like.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Signs.
+
+
+def sign() -> base.Compressor:
+  """signSGD's compressor: ``sign(x)``, one bit per coordinate, no scale.
+
+  The payload is ``⌈d/32⌉`` uint32 words; zeros are sent as ``+1``. The output
+  has the magnitude 1 whatever the input's, so use it where only directions
+  matter: :func:`~commopt.majority_vote` (signSGD with majority vote), or
+  followed by a learning rate. It is neither unbiased nor a contraction.
+
+  Returns:
+    A non-linear :class:`~commopt.Compressor`.
+
+  Example:
+    >>> import jax.numpy as jnp, commopt
+    >>> c = commopt.sign()
+    >>> x = jnp.array([0.5, -3.0, 0.0])
+    >>> payload, _ = c.encode(x, c.init(x), None)
+    >>> payload["signs"].tolist(), c.decode(payload, None, x).tolist()
+    ([2], [1.0, -1.0, 1.0])
+
+  References:
+    Bernstein et al., signSGD: Compressed Optimisation for Non-Convex
+    Problems, ICML 2018.
+  """
+
+  def encode(x, state, key):
+    return {"signs": _sign_words(x.reshape(-1))}, state
+
+  def decode(payload, state, like):
+    return _out(_signs_from_words(payload["signs"], base.leaf_size(like.shape)), like)
+
+  return base.Compressor(
+      name="sign", init=base.stateless_init, encode=encode, decode=decode,
+      payload_bits=lambda shape, dtype: _words_bits(base.leaf_size(shape), 1))
+
+
+def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
   """EF-signSGD's compressor: ``‖x‖₁/d · sign(x)``, signs packed 32 to a word.
 
-  The payload is one float32 scale and ``⌈d/32⌉`` uint32 words. Zeros are
-  sent as ``+scale``. The compressor is biased (a contraction with
-  ``δ = ‖x‖₁²/(d‖x‖₂²)``), so use it with error feedback.
+  The payload is one float32 scale per block (the block's mean magnitude)
+  and ``⌈d/32⌉`` uint32 words of signs. Zeros are sent as ``+scale``. The
+  compressor is biased, a contraction with ``δ = ‖x‖₁²/(d‖x‖₂²)`` per block,
+  so use it with error feedback. Smaller blocks cost more scales and track
+  the magnitudes of different regions of a tensor better.
+
+  Args:
+    block_size: coordinates per scale; ``None`` gives one scale per leaf.
 
   Returns:
     A non-linear :class:`~commopt.Compressor` (reduced by gather-decode-mean).
@@ -25,31 +154,494 @@ def scaled_sign() -> base.Compressor:
     >>> payload, _ = c.encode(x, c.init(x), None)
     >>> c.decode(payload, None, x).tolist()
     [2.0, -2.0, 2.0]
+    >>> c = commopt.scaled_sign(block_size=2)
+    >>> c.decode(c.encode(x, None, None)[0], None, x).tolist()
+    [2.0, -2.0, 2.0]
 
   References:
     Karimireddy et al., Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes, ICML 2019.
+    Zheng et al., Communication-Efficient Distributed Blockwise Momentum SGD
+    with Error-Feedback, NeurIPS 2019.
   """
+  block_size = _check_block_size(block_size, "scaled_sign")
 
   def encode(x, state, key):
-    flat = x.reshape(-1)
-    scale = jnp.mean(jnp.abs(flat.astype(jnp.float32)))
-    signs = bitops.pack(flat < 0, bits=1)
-    return {"scale": scale, "signs": signs}, state
+    flat = _flat32(x)
+    n = flat.shape[0]
+    scale = jnp.sum(jnp.abs(_blocks(flat, block_size)), axis=1) / _block_counts(n, block_size)
+    return {"scale": scale, "signs": _sign_words(flat)}, state
 
   def decode(payload, state, like):
     n = base.leaf_size(like.shape)
-    negative = bitops.unpack(payload["signs"], n, bits=1)
-    values = payload["scale"] * (1.0 - 2.0 * negative.astype(jnp.float32))
-    return values.reshape(like.shape).astype(like.dtype)
+    scale = _per_element(payload["scale"], n, block_size)
+    return _out(scale * _signs_from_words(payload["signs"], n), like)
 
   def payload_bits(shape, dtype):
-    return 32 + 32 * bitops.packed_words(base.leaf_size(shape), 1)
+    n = base.leaf_size(shape)
+    return 32 * _num_blocks(n, block_size) + _words_bits(n, 1)
+
+  name = "scaled_sign" if block_size is None else f"scaled_sign(block_size={block_size})"
+  return base.Compressor(name=name, init=base.stateless_init, encode=encode,
+                         decode=decode, payload_bits=payload_bits)
+
+
+def onebit() -> base.Compressor:
+  """1-bit SGD's quantiser: each sign is reconstructed to its group's mean.
+
+  Coordinates ``≥ 0`` decode to the mean of the non-negative coordinates and
+  negative ones to the mean of the negative coordinates: the least-squares
+  reconstruction from one bit per coordinate, so its error is never larger
+  than :func:`scaled_sign`'s. The payload is two float32 means and
+  ``⌈d/32⌉`` words. Biased; use it with error feedback, as Seide et al. did.
+
+  Returns:
+    A non-linear :class:`~commopt.Compressor`.
+
+  Example:
+    >>> import jax.numpy as jnp, commopt
+    >>> c = commopt.onebit()
+    >>> x = jnp.array([1.0, -3.0, 2.0, -1.0])
+    >>> c.decode(c.encode(x, None, None)[0], None, x).tolist()
+    [1.5, -2.0, 1.5, -2.0]
+
+  References:
+    Seide et al., 1-Bit Stochastic Gradient Descent and its Application to
+    Data-Parallel Distributed Training of Speech DNNs, Interspeech 2014.
+  """
+
+  def encode(x, state, key):
+    flat = _flat32(x)
+    neg = flat < 0
+    n_neg = jnp.sum(neg)
+    n_pos = flat.shape[0] - n_neg
+    mean_pos = jnp.sum(jnp.where(neg, 0.0, flat)) / jnp.maximum(n_pos, 1)
+    mean_neg = jnp.sum(jnp.where(neg, flat, 0.0)) / jnp.maximum(n_neg, 1)
+    return {"means": jnp.stack([mean_pos, mean_neg]), "signs": _sign_words(flat)}, state
+
+  def decode(payload, state, like):
+    n = base.leaf_size(like.shape)
+    neg = bitops.unpack(payload["signs"], n, bits=1)
+    return _out(payload["means"][neg], like)
 
   return base.Compressor(
-      name="scaled_sign",
-      init=base.stateless_init,
-      encode=encode,
-      decode=decode,
-      payload_bits=payload_bits,
-  )
+      name="onebit", init=base.stateless_init, encode=encode, decode=decode,
+      payload_bits=lambda shape, dtype: 64 + _words_bits(base.leaf_size(shape), 1))
+
+
+# ---------------------------------------------------------------------------
+# Stochastic levels.
+
+
+def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
+  """TernGrad: stochastic ternary levels ``{-1, 0, +1} · s`` with ``s = max|x|``.
+
+  Coordinate ``x_i`` becomes ``s · sign(x_i)`` with probability ``|x_i|/s``
+  and 0 otherwise, which is unbiased. With ``clip`` the input is first
+  clipped to ``±clip·σ`` (``σ`` its standard deviation), as in the paper;
+  this shrinks ``s`` and the variance, and biases the largest coordinates.
+  The payload is one float32 ``s`` and 2 bits per coordinate (0, +, -).
+
+  Args:
+    clip: the clipping factor ``c`` (> 0), or ``None`` for no clipping
+      (unbiased).
+
+  Returns:
+    A non-linear, stochastic :class:`~commopt.Compressor`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, commopt
+    >>> c = commopt.terngrad(clip=None)
+    >>> x = jnp.array([0.5, -1.0, 0.0, 0.25])
+    >>> y = c.decode(c.encode(x, None, jax.random.key(0))[0], None, x)
+    >>> bool(jnp.all((y == 0) | (jnp.abs(y) == 1.0)))
+    True
+
+  References:
+    Wen et al., TernGrad: Ternary Gradients to Reduce Communication in
+    Distributed Deep Learning, NeurIPS 2017.
+  """
+  if clip is not None:
+    clip = _check_positive_float("clip", clip, fn="terngrad")
+
+  def encode(x, state, key):
+    flat = _flat32(x)
+    if clip is not None:
+      bound = clip * jnp.std(flat)
+      flat = jnp.where(bound > 0, jnp.clip(flat, -bound, bound), flat)
+    s = jnp.max(jnp.abs(flat))
+    p = jnp.where(s > 0, jnp.abs(flat) / jnp.where(s > 0, s, 1.0), 0.0)
+    keep = _uniform(key, flat.shape[0], "terngrad") < p
+    codes = jnp.where(keep, jnp.where(flat < 0, 2, 1), 0)
+    return {"scale": s.reshape(1), "codes": bitops.pack(codes, 2)}, state
+
+  def decode(payload, state, like):
+    codes = bitops.unpack(payload["codes"], base.leaf_size(like.shape), 2)
+    level = jnp.where(codes == 2, -1.0, codes.astype(_F32))
+    return _out(payload["scale"][0] * level, like)
+
+  return base.Compressor(
+      name=f"terngrad(clip={clip})", init=base.stateless_init, encode=encode, decode=decode,
+      payload_bits=lambda shape, dtype: 32 + _words_bits(base.leaf_size(shape), 2))
+
+
+def _check_positive_float(name: str, value, *, fn: str) -> float:
+  try:
+    v = float(value)
+  except (TypeError, ValueError):
+    v = float("nan")
+  if isinstance(value, bool) or not (v > 0 and math.isfinite(v)):
+    raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {value!r}.")
+  return v
+
+
+def _check_levels(levels, fn: str, minimum: int = 1) -> int:
+  if (isinstance(levels, bool) or not isinstance(levels, (int, np.integer))
+      or levels < minimum):
+    raise ValueError(f"{fn}: `levels` must be an integer >= {minimum}, got {levels!r}.")
+  return int(levels)
+
+
+def _signed_levels(block_size, width: int, top: int, scale_key: str):
+  """decode and payload_bits of ``scale_block · l / top`` with codes ``l + top``."""
+
+  def decode(payload, state, like):
+    n = base.leaf_size(like.shape)
+    level = bitops.unpack(payload["codes"], n, width).astype(_F32) - top
+    return _out(_per_element(payload[scale_key], n, block_size) * level / top, like)
+
+  def payload_bits(shape, dtype):
+    n = base.leaf_size(shape)
+    return 32 * _num_blocks(n, block_size) + _words_bits(n, width)
+
+  return decode, payload_bits
+
+
+def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
+  """QSGD: stochastic rounding to ``s`` uniform levels of each bucket's norm.
+
+  Each bucket of ``bucket_size`` coordinates is sent as its float32 norm
+  ``‖v‖₂`` and, per coordinate, a signed level ``l ∈ {-s, …, s}``:
+  ``|v_i|/‖v‖₂ · s`` is rounded down or up at random so that the result
+  ``‖v‖₂ · l / s`` is unbiased. Its variance is at most
+  ``min(n/s², √n/s) · ‖v‖₂²`` for a bucket of ``n``. The levels are packed
+  at a fixed width of ``⌈log₂(2s+1)⌉`` bits; :func:`qsgd_elias_bits` gives
+  what the paper's Elias coding would cost instead.
+
+  Args:
+    levels: ``s``, the number of positive levels (≥ 1).
+    bucket_size: coordinates per norm; ``None`` gives one norm per leaf.
+
+  Returns:
+    A non-linear, stochastic :class:`~commopt.Compressor`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, commopt
+    >>> c = commopt.qsgd(levels=1, bucket_size=None)   # ternary, 2 bits each
+    >>> c.payload_bits((64,), jnp.float32)
+    160
+    >>> x = jnp.array([3.0, -4.0])
+    >>> y = c.decode(c.encode(x, None, jax.random.key(0))[0], None, x)
+    >>> set(jnp.abs(y).tolist()) <= {0.0, 5.0}
+    True
+
+  References:
+    Alistarh et al., QSGD: Communication-Efficient SGD via Gradient
+    Quantization and Encoding, NeurIPS 2017.
+  """
+  levels = _check_levels(levels, "qsgd")
+  bucket_size = _check_block_size(bucket_size, "qsgd")
+  width = bitops.code_bits(2 * levels + 1)
+
+  def encode(x, state, key):
+    flat = _flat32(x)
+    n = flat.shape[0]
+    norms = jnp.linalg.norm(_blocks(flat, bucket_size), axis=1)
+    norm = _per_element(norms, n, bucket_size)
+    r = jnp.where(norm > 0, jnp.abs(flat) / jnp.where(norm > 0, norm, 1.0), 0.0) * levels
+    level = jnp.minimum(_stochastic_round(r, _uniform(key, n, "qsgd")), levels)
+    signed = jnp.where(flat < 0, -level, level)
+    codes = (signed + levels).astype(jnp.uint32)
+    return {"norms": norms, "codes": bitops.pack(codes, width)}, state
+
+  decode, payload_bits = _signed_levels(bucket_size, width, levels, "norms")
+
+  return base.Compressor(
+      name=f"qsgd(levels={levels}, bucket_size={bucket_size})", init=base.stateless_init,
+      encode=encode, decode=decode, payload_bits=payload_bits)
+
+
+def qsgd_elias_bits(shape, levels: int, bucket_size: Optional[int] = 512) -> float:
+  """QSGD's bound on the expected size of its Elias-coded payload, in bits.
+
+  Theorem 3.4 of Alistarh et al.: a bucket of ``n`` coordinates with ``s``
+  levels, coded as its float32 norm followed by (Elias(gap), sign,
+  Elias(level)) for each non-zero, costs at most
+  ``(3 + 1.5·log₂(2(s²+n)/(s(s+√n)))) · s(s+√n) + 32`` bits in expectation
+  (the lower-order ``o(1)`` term dropped). :func:`qsgd` sends the fixed-width
+  packing instead, which a collective can move without a variable-length
+  decoder; this is what entropy coding would have saved.
+
+  Args:
+    shape: the leaf's shape.
+    levels: ``s``.
+    bucket_size: as given to :func:`qsgd`.
+
+  Returns:
+    The bound for the whole leaf, summed over buckets.
+
+  Example:
+    >>> from commopt.compressors import qsgd_elias_bits
+    >>> round(qsgd_elias_bits((1 << 20,), levels=1, bucket_size=None))   # vs 2 Mbit packed
+    20017
+  """
+  levels = _check_levels(levels, "qsgd_elias_bits")
+  n = base.leaf_size(shape)
+  total = 0.0
+  for count in _block_counts(n, _check_block_size(bucket_size, "qsgd_elias_bits")):
+    count = float(count)
+    nonzeros = levels * (levels + math.sqrt(count))
+    total += (3 + 1.5 * math.log2(2 * (levels ** 2 + count) / nonzeros)) * nonzeros + 32
+  return total
+
+
+def _elias_omega_bits(k: jax.Array) -> jax.Array:
+  """Length of the Elias omega code of each positive integer in ``k``."""
+  k = k.astype(jnp.uint32)
+  total = jnp.ones(k.shape, jnp.int32)
+  for _ in range(6):  # 2**32 -> 32 -> 5 -> 2 -> 1: five rounds suffice.
+    active = k > 1
+    length = 32 - jax.lax.clz(k).astype(jnp.int32)
+    total = total + jnp.where(active, length, 0)
+    k = jnp.where(active, (length - 1).astype(jnp.uint32), k)
+  return total
+
+
+def qsgd_coded_bits(payload, shape, levels: int, bucket_size: Optional[int] = 512) -> jax.Array:
+  """Measured size of one :func:`qsgd` payload under the paper's Elias coding.
+
+  Per bucket: 32 bits of norm, then per non-zero level the Elias omega code
+  of its gap from the previous non-zero, a sign bit and the Elias omega code
+  of ``|l|``. Compare with :func:`qsgd_elias_bits` (the bound) and with
+  ``payload_bits`` (the fixed width actually sent).
+
+  Args:
+    payload: from ``qsgd(levels, bucket_size).encode``.
+    shape: the leaf's shape.
+    levels, bucket_size: as given to :func:`qsgd`.
+
+  Returns:
+    An int32 scalar.
+  """
+  levels = _check_levels(levels, "qsgd_coded_bits")
+  n = base.leaf_size(shape)
+  level = bitops.unpack(payload["codes"], n, bitops.code_bits(2 * levels + 1)).astype(jnp.int32)
+  level = _blocks(level - levels, bucket_size)
+  nb, size = level.shape
+  valid = (jnp.arange(nb * size) < n).reshape(nb, size)
+  nonzero = (level != 0) & valid
+  pos = jnp.broadcast_to(jnp.arange(size), (nb, size))
+  last = jax.lax.cummax(jnp.where(nonzero, pos, -1), axis=1)
+  previous = jnp.pad(last[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  per = _elias_omega_bits(pos - previous) + 1 + _elias_omega_bits(jnp.abs(level))
+  return 32 * nb + jnp.sum(jnp.where(nonzero, per, 0))
+
+
+def natural() -> base.Compressor:
+  """Natural compression: unbiased random rounding to a signed power of two.
+
+  ``|x| ∈ [2^e, 2^(e+1))`` rounds up to ``2^(e+1)`` with probability
+  ``(|x| − 2^e)/2^e`` and down to ``2^e`` otherwise, so ``E[C(x)] = x`` and
+  ``E‖C(x) − x‖² ≤ ‖x‖²/8``. Only the sign and the float32 exponent remain:
+  9 bits per coordinate, packed. Values below the smallest normal float32
+  round between 0 and ``2^-126``; infinities and NaNs are sent as infinities.
+
+  Returns:
+    A non-linear, stochastic :class:`~commopt.Compressor`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, commopt
+    >>> c = commopt.natural()
+    >>> x = jnp.array([1.0, -0.75, 3.0, 0.0])
+    >>> y = c.decode(c.encode(x, None, jax.random.key(1))[0], None, x)
+    >>> y[0].item(), y[3].item(), y[1].item() in (-0.5, -1.0), y[2].item() in (2.0, 4.0)
+    (1.0, 0.0, True, True)
+
+  References:
+    Horváth et al., Natural Compression for Distributed Deep Learning, 2019.
+  """
+
+  def power(exponent_field):
+    return jax.lax.bitcast_convert_type(exponent_field << 23, _F32)
+
+  def encode(x, state, key):
+    flat = _flat32(x)
+    raw = jax.lax.bitcast_convert_type(flat, jnp.uint32)
+    field = (raw >> 23) & 0xFF
+    magnitude = jnp.abs(flat)
+    low = power(field)
+    high = power(jnp.minimum(field + 1, 255))
+    finite = field < 255
+    p = jnp.where(finite & (high > low), (magnitude - low) / (high - low), 0.0)
+    up = (_uniform(key, flat.shape[0], "natural") < p).astype(jnp.uint32)
+    field = jnp.where(finite, field + up, field)
+    codes = ((raw >> 31) << 8) | field
+    return {"codes": bitops.pack(codes, 9)}, state
+
+  def decode(payload, state, like):
+    codes = bitops.unpack(payload["codes"], base.leaf_size(like.shape), 9)
+    raw = ((codes >> 8) << 31) | ((codes & 0xFF) << 23)
+    return _out(jax.lax.bitcast_convert_type(raw, _F32), like)
+
+  return base.Compressor(
+      name="natural", init=base.stateless_init, encode=encode, decode=decode,
+      payload_bits=lambda shape, dtype: _words_bits(base.leaf_size(shape), 9))
+
+
+ROUNDINGS = ("stochastic", "nearest")
+
+
+def int_quant(bits: int = 8, block_size: Optional[int] = 256,
+              rounding: str = "stochastic") -> base.Compressor:
+  """Blockwise absmax integer quantisation to 8 or 4 bits.
+
+  Each block is scaled by its largest magnitude ``m`` onto the integers
+  ``{-q, …, q}`` with ``q = 2^(bits-1) − 1`` (127 or 7), rounded
+  stochastically (unbiased) or to the nearest level (biased, a
+  contraction), and sent as ``bits``-bit codes plus one float32 ``m`` per block.
+
+  Args:
+    bits: 8 or 4.
+    block_size: coordinates per scale; ``None`` gives one scale per leaf.
+    rounding: ``"stochastic"`` or ``"nearest"``.
+
+  Returns:
+    A non-linear :class:`~commopt.Compressor` (stochastic with stochastic rounding).
+
+  Example:
+    >>> import jax.numpy as jnp, commopt
+    >>> c = commopt.int_quant(bits=4, block_size=None, rounding="nearest")
+    >>> x = jnp.array([7.0, -3.5, 1.2, 0.0])
+    >>> y = c.decode(c.encode(x, None, None)[0], None, x)
+    >>> [round(v, 5) for v in y.tolist()]      # levels of 7/7 = 1: 7, -4, 1, 0
+    [7.0, -4.0, 1.0, 0.0]
+
+  References:
+    Dettmers, 8-Bit Approximations for Parallelism in Deep Learning, ICLR 2016.
+    Dettmers et al., 8-bit Optimizers via Block-wise Quantization, ICLR 2022.
+  """
+  if bits not in (4, 8) or isinstance(bits, bool):
+    raise ValueError(f"int_quant: `bits` must be 4 or 8, got {bits!r}.")
+  block_size = _check_block_size(block_size, "int_quant")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"int_quant: `rounding` must be one of {ROUNDINGS}, got {rounding!r}.")
+  q = 2 ** (bits - 1) - 1
+
+  def encode(x, state, key):
+    flat = _flat32(x)
+    n = flat.shape[0]
+    scales = jnp.max(jnp.abs(_blocks(flat, block_size)), axis=1)
+    m = _per_element(scales, n, block_size)
+    y = jnp.where(m > 0, flat / jnp.where(m > 0, m, 1.0), 0.0) * q
+    if rounding == "stochastic":
+      level = _stochastic_round(y, _uniform(key, n, "int_quant"))
+    else:
+      level = jnp.round(y)
+    codes = (jnp.clip(level, -q, q) + q).astype(jnp.uint32)
+    return {"scales": scales, "codes": bitops.pack(codes, bits)}, state
+
+  decode, payload_bits = _signed_levels(block_size, bits, q, "scales")
+
+  return base.Compressor(
+      name=f"int_quant(bits={bits}, block_size={block_size}, rounding={rounding})",
+      init=base.stateless_init, encode=encode, decode=decode, payload_bits=payload_bits)
+
+
+def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
+  """Variance-optimal quantisation points from the data, with stochastic rounding.
+
+  The points are chosen per leaf and per step, as ZipML does: the range
+  ``[min x, max x]`` is cut into ``bins`` equal bins (counts, sums and sums
+  of squares in one pass), and dynamic programming over the bin edges picks
+  the ``levels`` points (both ends included) that minimise the variance of
+  stochastic rounding, ``Σ (b − x)(x − a)`` for each ``x`` between
+  neighbouring points ``a ≤ x ≤ b``. Each coordinate is then rounded to one
+  of its two neighbours without bias. The payload is the points as float32
+  and ``⌈log₂ levels⌉`` bits per coordinate.
+
+  Args:
+    levels: number of quantisation points (≥ 2).
+    bins: histogram bins whose edges are the candidate points (raised to at
+      least ``levels``); more bins fit the distribution more finely at
+      ``O(levels · bins²)`` extra work per leaf.
+
+  Returns:
+    A non-linear, stochastic :class:`~commopt.Compressor`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, commopt
+    >>> c = commopt.adaptive_levels(levels=4)
+    >>> x = jnp.concatenate([jnp.zeros(60), jnp.array([1.0, 2.0, 3.0, 10.0])])
+    >>> payload, _ = c.encode(x, None, jax.random.key(0))
+    >>> payload["levels"][0].item(), payload["levels"][-1].item()
+    (0.0, 10.0)
+
+  References:
+    Zhang et al., ZipML: Training Linear Models with End-to-End Low
+    Precision, and a Little Bit of Deep Learning, ICML 2017.
+  """
+  levels = _check_levels(levels, "adaptive_levels", minimum=2)
+  bins = max(base.check_positive_int("bins", bins, fn="adaptive_levels"), levels)
+  width = bitops.code_bits(levels)
+
+  def points(flat):
+    lo, hi = jnp.min(flat), jnp.max(flat)
+    span = hi - lo
+    safe = jnp.where(span > 0, span, 1.0)
+    idx = jnp.clip(jnp.floor((flat - lo) / safe * bins), 0, bins - 1).astype(jnp.int32)
+    # Moments about lo keep the sums well conditioned.
+    z = flat - lo
+    moments = jnp.zeros((3, bins), _F32).at[:, idx].add(jnp.stack([jnp.ones_like(z), z, z * z]))
+    prefix = jnp.pad(jnp.cumsum(moments, axis=1), ((0, 0), (1, 0)))
+    edges = span * jnp.arange(bins + 1, dtype=_F32) / bins
+    s0, s1, s2 = (p[None, :] - p[:, None] for p in prefix)   # [i, j]: bins i..j-1
+    a, b = edges[:, None], edges[None, :]
+    cost = -s2 + (a + b) * s1 - a * b * s0
+    cost = jnp.where(jnp.arange(bins + 1)[:, None] < jnp.arange(bins + 1)[None, :],
+                     jnp.maximum(cost, 0.0), jnp.inf)
+
+    def extend(best, _):
+      total = best[:, None] + cost
+      return jnp.min(total, axis=0), jnp.argmin(total, axis=0).astype(jnp.int32)
+
+    _, choices = jax.lax.scan(extend, cost[0], None, length=levels - 2)
+
+    def back(j, choice):
+      return choice[j], choice[j]
+
+    last = coll.vary_like(jnp.int32(bins), choices)
+    _, chosen = jax.lax.scan(back, last, choices, reverse=True)
+    ends = jnp.array([0, bins], jnp.int32)
+    index = jnp.concatenate([ends[:1], chosen, ends[1:]])
+    return lo + edges[index]
+
+  def encode(x, state, key):
+    flat = _flat32(x)
+    pts = points(flat)
+    k = jnp.clip(jnp.searchsorted(pts, flat, side="right") - 1, 0, levels - 2)
+    a, b = pts[k], pts[k + 1]
+    p = jnp.where(b > a, (flat - a) / jnp.where(b > a, b - a, 1.0), 0.0)
+    up = _uniform(key, flat.shape[0], "adaptive_levels") < p
+    codes = (k + up).astype(jnp.uint32)
+    return {"levels": pts, "codes": bitops.pack(codes, width)}, state
+
+  def decode(payload, state, like):
+    codes = bitops.unpack(payload["codes"], base.leaf_size(like.shape), width)
+    return _out(payload["levels"][codes], like)
+
+  def payload_bits(shape, dtype):
+    return 32 * levels + _words_bits(base.leaf_size(shape), width)
+
+  return base.Compressor(
+      name=f"adaptive_levels(levels={levels})", init=base.stateless_init, encode=encode,
+      decode=decode, payload_bits=payload_bits)

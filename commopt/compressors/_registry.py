@@ -8,13 +8,29 @@ from typing import Callable
 from commopt._src import base
 from commopt.compressors._basic import cast, identity
 from commopt.compressors._lowrank import power_sgd
-from commopt.compressors._quantize import scaled_sign
+from commopt.compressors._quantize import (
+    adaptive_levels,
+    int_quant,
+    natural,
+    onebit,
+    qsgd,
+    scaled_sign,
+    sign,
+    terngrad,
+)
 from commopt.compressors._sparsify import top_k
 
 REGISTRY: dict[str, Callable[..., base.Compressor]] = {
     "identity": identity,
     "cast": cast,
     "scaled_sign": scaled_sign,
+    "sign": sign,
+    "onebit": onebit,
+    "terngrad": terngrad,
+    "qsgd": qsgd,
+    "natural": natural,
+    "int_quant": int_quant,
+    "adaptive_levels": adaptive_levels,
     "top_k": top_k,
     "power_sgd": power_sgd,
 }
@@ -24,6 +40,13 @@ DEFAULTS: dict[str, dict] = {
     "identity": {},
     "cast": {"dtype": "bfloat16"},
     "scaled_sign": {},
+    "sign": {},
+    "onebit": {},
+    "terngrad": {"clip": 2.5},
+    "qsgd": {"levels": 7, "bucket_size": 512},
+    "natural": {},
+    "int_quant": {"bits": 8, "block_size": 256, "rounding": "stochastic"},
+    "adaptive_levels": {"levels": 16},
     "top_k": {"ratio": 0.01},
     "power_sgd": {"rank": 2},
 }

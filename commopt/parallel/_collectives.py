@@ -23,6 +23,12 @@ def varying_axes(x) -> frozenset:
   return frozenset(vma)
 
 
+def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` typed varying over the axes ``like`` varies over (e.g. a scan's initial carry)."""
+  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def axis_size(axis_name: Optional[str]) -> int:
   """Number of workers on ``axis_name`` (1 when it is None)."""
   if axis_name is None:

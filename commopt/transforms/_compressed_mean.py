@@ -111,8 +111,8 @@ def compressed_mean(
   their own multi-round protocol (PowerSGD) run it instead.
 
   Randomness: the step key is ``fold_in(key, count)`` and the worker key
-  ``fold_in(step_key, axis_index)``; compressors with shared randomness use
-  the step key alone. Leaf ``i`` uses ``fold_in(worker_key, i)``.
+  ``fold_in(step_key, axis_index)`` (index 0 when ``axis_name`` is None);
+  compressors with shared randomness use the step key alone. Leaf ``i`` uses ``fold_in(worker_key, i)``.
 
   Args:
     compressor: a :class:`~commopt.Compressor`.
@@ -228,8 +228,10 @@ def compressed_mean(
 
     step_key = jax.random.fold_in(state.key, state.count)
     worker_key = step_key
-    if axis_name is not None and not compressor.shared_randomness:
-      worker_key = jax.random.fold_in(step_key, coll.axis_index(axis_name))
+    if not compressor.shared_randomness:
+      # One local worker (axis_name=None) draws as worker 0 of a mesh would.
+      index = 0 if axis_name is None else coll.axis_index(axis_name)
+      worker_key = jax.random.fold_in(step_key, index)
 
     out, new_res, new_cs = [], [], []
     for i, ((_, u), e, cs) in enumerate(zip(leaves, residuals, cstates)):
