@@ -10,16 +10,6 @@ import commopt
 from commopt._src import bits
 
 
-@given(bits_=st.sampled_from([1, 2, 4, 8, 16, 32]), n=st.integers(1, 300), seed=st.integers(0, 2**31))
-def test_bit_pack_round_trip_exact(bits_, n, seed):
-  rng = np.random.default_rng(seed)
-  codes = rng.integers(0, 2**bits_, size=n, dtype=np.uint64).astype(np.uint32)
-  words = bits.pack(jnp.asarray(codes), bits_)
-  assert words.dtype == jnp.uint32
-  assert words.shape == (bits.packed_words(n, bits_),)
-  np.testing.assert_array_equal(np.asarray(bits.unpack(words, n, bits_)), codes)
-
-
 def test_sign_bits_layout():
   # Code i sits at bit i % 32 of word i // 32.
   codes = np.zeros(40, np.uint32)

@@ -26,10 +26,10 @@ _F32 = jnp.float32
 # Shared pieces.
 
 
-def _check_block_size(block_size, fn: str) -> Optional[int]:
+def _check_block_size(block_size, fn: str, name: str = "block_size") -> Optional[int]:
   if block_size is None:
     return None
-  return base.check_positive_int("block_size", block_size, fn=fn)
+  return base.check_positive_int(name, block_size, fn=fn)
 
 
 def _num_blocks(n: int, block_size: Optional[int]) -> int:
@@ -350,7 +350,7 @@ def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
     Quantization and Encoding, NeurIPS 2017.
   """
   levels = _check_levels(levels, "qsgd")
-  bucket_size = _check_block_size(bucket_size, "qsgd")
+  bucket_size = _check_block_size(bucket_size, "qsgd", "bucket_size")
   width = bitops.code_bits(2 * levels + 1)
 
   def encode(x, state, key):
@@ -398,7 +398,7 @@ def qsgd_elias_bits(shape, levels: int, bucket_size: Optional[int] = 512) -> flo
   levels = _check_levels(levels, "qsgd_elias_bits")
   n = base.leaf_size(shape)
   total = 0.0
-  for count in _block_counts(n, _check_block_size(bucket_size, "qsgd_elias_bits")):
+  for count in _block_counts(n, _check_block_size(bucket_size, "qsgd_elias_bits", "bucket_size")):
     count = float(count)
     nonzeros = levels * (levels + math.sqrt(count))
     total += (3 + 1.5 * math.log2(2 * (levels ** 2 + count) / nonzeros)) * nonzeros + 32
@@ -623,7 +623,8 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
     _, chosen = jax.lax.scan(back, last, choices, reverse=True)
     ends = jnp.array([0, bins], jnp.int32)
     index = jnp.concatenate([ends[:1], chosen, ends[1:]])
-    return lo + edges[index]
+    # The ends are exactly the extremes, so every coordinate has two neighbours.
+    return (lo + edges[index]).at[0].set(lo).at[-1].set(hi)
 
   def encode(x, state, key):
     flat = _flat32(x)
@@ -631,7 +632,7 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
     k = jnp.clip(jnp.searchsorted(pts, flat, side="right") - 1, 0, levels - 2)
     a, b = pts[k], pts[k + 1]
     p = jnp.where(b > a, (flat - a) / jnp.where(b > a, b - a, 1.0), 0.0)
-    up = _uniform(key, flat.shape[0], "adaptive_levels") < p
+    up = _uniform(key, flat.shape[0], "adaptive_levels") < jnp.clip(p, 0.0, 1.0)
     codes = (k + up).astype(jnp.uint32)
     return {"levels": pts, "codes": bitops.pack(codes, width)}, state
 
