@@ -9,6 +9,11 @@ against cumulative bytes sent per worker, and the metrics as JSON.
     python examples/train.py                               # dense vs scaled_sign, top_k, power_sgd
     python examples/train.py --compressors top_k --ratio 0.05 --epochs 5
     python examples/train.py --compressors power_sgd --rank 4 --workers 4
+    python examples/train.py --compressors identity,qsgd,int_quant,natural,signum --epochs 4
+
+Besides the registry's compressors (run through compressed_mean with error
+feedback, then SGD with momentum), ``signum`` runs signSGD with majority vote
+on each worker's momentum: only sign bits cross the wire.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--compressors", default="identity,scaled_sign,top_k,power_sgd",
-                 help="comma-separated registry names (identity is the dense baseline)")
+                 help="comma-separated registry names (identity is the dense baseline), "
+                      "or signum (majority vote of worker momentum signs)")
   p.add_argument("--workers", type=int, default=8, help="simulated CPU devices (data axis size)")
   p.add_argument("--epochs", type=int, default=12)
   p.add_argument("--batch-size", type=int, default=128, help="global batch, split over workers")
@@ -34,6 +40,13 @@ def parse_args(argv=None):
   p.add_argument("--ratio", type=float, default=None, help="top_k: fraction of each leaf sent")
   p.add_argument("--rank", type=int, default=None, help="power_sgd: rank")
   p.add_argument("--dtype", default=None, help="cast: wire dtype (bfloat16, float16)")
+  p.add_argument("--levels", type=int, default=None, help="qsgd, adaptive_levels: levels")
+  p.add_argument("--bits", type=int, default=None, help="int_quant: 4 or 8")
+  p.add_argument("--block-size", type=int, default=None,
+                 help="scaled_sign, int_quant: coordinates per scale")
+  p.add_argument("--bucket-size", type=int, default=None, help="qsgd: coordinates per norm")
+  p.add_argument("--clip", type=float, default=None, help="terngrad: clipping factor")
+  p.add_argument("--sign-lr", type=float, default=1e-3, help="signum: step size")
   p.add_argument("--no-error-feedback", action="store_true")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="folder for the plot and metrics")
@@ -62,9 +75,10 @@ def main(argv=None):
     sys.exit(f"--workers {args.workers} needs that many devices; this backend has "
              f"{len(jax.devices())} ({jax.default_backend()}).")
   names = [n.strip() for n in args.compressors.split(",") if n.strip()]
+  valid = sorted(commopt.compressors.REGISTRY) + ["signum"]
   for n in names:
-    if n not in commopt.compressors.REGISTRY:
-      sys.exit(f"--compressors: unknown {n!r}; valid: {sorted(commopt.compressors.REGISTRY)}")
+    if n not in valid:
+      sys.exit(f"--compressors: unknown {n!r}; valid: {valid}")
 
   x_train, y_train, x_test, y_test = load_digits_split(args.seed)
   batch = args.batch_size - args.batch_size % args.workers
@@ -82,25 +96,46 @@ def main(argv=None):
   print(f"{len(x_train)} training images, {len(x_test)} test; {args.workers} workers, "
         f"global batch {batch}, {steps_per_epoch} steps/epoch, {args.epochs} epochs")
 
-  for name in names:
-    compressor = commopt.compressors.make(name, ratio=args.ratio, rank=args.rank, dtype=args.dtype)
+  def optimizer(name):
+    """(label, optax transform, compressor whose payload crosses the wire, min_size)."""
+    if name == "signum":
+      tx = optax.chain(optax.trace(decay=args.momentum), commopt.majority_vote("data"),
+                       optax.scale(-args.sign_lr))
+      return "signum(majority vote)", tx, commopt.sign(), 0
+    compressor = commopt.compressors.make(
+        name, ratio=args.ratio, rank=args.rank, dtype=args.dtype, levels=args.levels,
+        bits=args.bits, block_size=args.block_size, bucket_size=args.bucket_size,
+        clip=args.clip)
     tx = optax.chain(
         commopt.compressed_mean(compressor, "data", error_feedback=not args.no_error_feedback),
         optax.sgd(args.lr, momentum=args.momentum))
+    return compressor.name, tx, compressor, commopt.DEFAULT_MIN_SIZE
+
+  for name in names:
+    label, tx, compressor, min_size = optimizer(name)
     dp = commopt.data_parallel(loss_fn, tx, mesh)
     params = init_params
     state = dp.init(params)
     first = {"x": x_train[:batch], "y": y_train[:batch]}
 
-    report = wire.payload_bytes(compressor, params)
+    report = wire.payload_bytes(compressor, params, min_size=min_size)
     audit = wire.hlo_collectives(dp, params, state, first)
     dense_sent = 2 * (args.workers - 1) / args.workers * report.dense
     sent = wire.total_bytes(audit, "sent_bytes")
-    print(f"\n== {compressor.name}: payload {report.total / 1e3:,.1f} kB/worker/step "
+    print(f"\n== {label}: payload {report.total / 1e3:,.1f} kB/worker/step "
           f"(HLO audit {wire.total_bytes(audit) / 1e3:,.1f} kB, {len(audit)} collectives) "
           f"vs dense {report.dense / 1e3:,.1f} kB: {report.ratio:.1f}x smaller; "
           f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
           f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
+    if name == "qsgd":
+      opts = dict(commopt.compressors.DEFAULTS["qsgd"])
+      opts.update({k: v for k, v in (("levels", args.levels), ("bucket_size", args.bucket_size))
+                   if v is not None})
+      flags = jax.tree.leaves(report.compressed)
+      elias = sum(commopt.compressors.qsgd_elias_bits(p.shape, **opts)
+                  for p, compressed in zip(jax.tree.leaves(params), flags) if compressed)
+      print(f"   qsgd: Elias coding of the compressed leaves would cost at most "
+            f"{elias / 8e3:,.1f} kB (paper's bound) against the fixed-width packing sent")
 
     history = {"step": [], "loss": [], "bytes_sent": [], "epoch_acc": [], "epoch_loss": []}
     rng = np.random.default_rng(args.seed)
@@ -132,7 +167,7 @@ def main(argv=None):
     history.update(seconds=time.perf_counter() - t0, payload_bytes=report.total,
                    dense_bytes=report.dense, audited_bytes=wire.total_bytes(audit),
                    sent_bytes_per_step=sent, dense_sent_bytes_per_step=dense_sent,
-                   compressor=compressor.name)
+                   compressor=label)
     results[name] = history
 
   (out_dir / "train_metrics.json").write_text(json.dumps(results, indent=1))
@@ -152,9 +187,10 @@ def main(argv=None):
   fig.tight_layout()
   fig.savefig(out_dir / "train_loss_vs_bytes.png", dpi=120)
   print(f"\nwrote {out_dir / 'train_loss_vs_bytes.png'} and {out_dir / 'train_metrics.json'}")
-  print(f"{'compressor':>22} {'test acc':>9} {'payload kB':>11} {'x smaller':>10} {'seconds':>8}")
+  width = max(len("compressor"), *(len(h["compressor"]) for h in results.values()))
+  print(f"{'compressor':<{width}} {'test acc':>9} {'payload kB':>11} {'x smaller':>10} {'seconds':>8}")
   for name, h in results.items():
-    print(f"{h['compressor']:>22} {h['epoch_acc'][-1]:9.4f} {h['payload_bytes'] / 1e3:11.1f} "
+    print(f"{h['compressor']:<{width}} {h['epoch_acc'][-1]:9.4f} {h['payload_bytes'] / 1e3:11.1f} "
           f"{h['dense_bytes'] / h['payload_bytes']:10.1f} {h['seconds']:8.1f}")
   return results
 

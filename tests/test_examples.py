@@ -27,6 +27,19 @@ def test_demo_trains_and_plots(tmp_path):
   assert (tmp_path / "train_loss_vs_bytes.png").stat().st_size > 10_000
 
 
+def test_demo_runs_quantizers_and_signum(tmp_path):
+  out = run(["examples/train.py", "--compressors", "qsgd,int_quant,signum", "--epochs", "1",
+             "--max-steps", "2", "--workers", "2", "--bits", "4", "--levels", "3",
+             "--out", str(tmp_path)], tmp_path)
+  assert "Elias coding" in out
+  metrics = json.loads((tmp_path / "train_metrics.json").read_text())
+  assert metrics["int_quant"]["compressor"].startswith("int_quant(bits=4")
+  assert metrics["qsgd"]["compressor"].startswith("qsgd(levels=3")
+  for h in metrics.values():
+    assert h["audited_bytes"] == h["payload_bytes"]
+  assert metrics["signum"]["dense_bytes"] / metrics["signum"]["payload_bytes"] > 30
+
+
 def test_demo_rejects_unknown_compressor(tmp_path):
   proc = subprocess.run([sys.executable, "examples/train.py", "--compressors", "sgn"],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -41,3 +54,13 @@ def test_benchmark_reports_ratios(tmp_path):
   assert [r["compressor"] for r in rows] == ["identity", "power_sgd(rank=2)"]
   assert rows[0]["step_time_vs_dense"] == 1.0
   assert rows[1]["audited_bytes"] == rows[1]["payload_bytes"] < rows[0]["payload_bytes"]
+
+
+def test_quantize_benchmark_puts_baselines_beside(tmp_path):
+  run(["benchmarks/bench_quantize.py", "--sizes", "4096", "--repeats", "1",
+       "--compressors", "scaled_sign,qsgd", "--out", str(tmp_path)], tmp_path)
+  rows = json.loads((tmp_path / "quantize.json").read_text())["rows"]
+  methods = [r["method"] for r in rows]
+  assert methods[0].startswith("copy") and "peer: numpy packbits sign" in methods
+  sign = next(r for r in rows if r["method"] == "scaled_sign")
+  assert sign["vs_peer"] is not None and sign["vs_copy"] > 0

@@ -47,7 +47,7 @@ def _blocks(flat: jax.Array, block_size: Optional[int]) -> jax.Array:
 def _per_element(per_block: jax.Array, n: int, block_size: Optional[int]) -> jax.Array:
   """Broadcasts one value per block back to the ``n`` coordinates."""
   size = n if block_size is None else min(block_size, n)
-  return jnp.repeat(per_block, size, total_repeat_length=per_block.shape[0] * size)[:n]
+  return jnp.broadcast_to(per_block[:, None], (per_block.shape[0], size)).reshape(-1)[:n]
 
 
 def _block_counts(n: int, block_size: Optional[int]) -> np.ndarray:
