@@ -196,8 +196,8 @@ def hlo_collectives(fn, *args, stage: str = "auto", **kwargs) -> list[Collective
     *args: its arguments, placed as it expects them.
     stage: ``"compiled"`` (after XLA's passes, what runs), ``"lowered"``
       (before backend passes) or ``"auto"``. XLA:CPU widens 16-bit float
-      all-reduces to f32 when it compiles (GPUs keep them narrow), so
-      ``"auto"`` reads the lowered program on CPU when it all-reduces a
+      collectives to f32 when it compiles (GPUs keep them narrow), so
+      ``"auto"`` reads the lowered program on CPU when a collective moves a
       16-bit float, and the compiled one otherwise.
     **kwargs: keyword arguments of ``fn``.
 
@@ -221,8 +221,7 @@ def hlo_collectives(fn, *args, stage: str = "auto", **kwargs) -> list[Collective
     lowered = jax.jit(fn).lower(*args, **kwargs)
   if stage == "auto":
     before = parse_hlo(lowered.as_text(dialect="hlo"))
-    narrow = any(c.kind in ("all-reduce", "reduce-scatter")
-                 and any(d in _NARROW_FLOATS for d in c.dtypes) for c in before)
+    narrow = any(d in _NARROW_FLOATS for c in before for d in c.dtypes)
     if narrow and jax.default_backend() == "cpu":
       return before
   if stage == "lowered":

@@ -31,7 +31,8 @@ def parse_args(argv=None):
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--compressors", default="identity,scaled_sign,top_k,power_sgd",
                  help="comma-separated registry names (identity is the dense baseline), "
-                      "or signum (majority vote of worker momentum signs)")
+                      "signum (majority vote of worker momentum signs) or dgc (deep "
+                      "gradient compression with its sparsity warm-up)")
   p.add_argument("--workers", type=int, default=8, help="simulated CPU devices (data axis size)")
   p.add_argument("--epochs", type=int, default=12)
   p.add_argument("--batch-size", type=int, default=128, help="global batch, split over workers")
@@ -47,6 +48,13 @@ def parse_args(argv=None):
   p.add_argument("--bucket-size", type=int, default=None, help="qsgd: coordinates per norm")
   p.add_argument("--clip", type=float, default=None, help="terngrad: clipping factor")
   p.add_argument("--sign-lr", type=float, default=1e-3, help="signum: step size")
+  p.add_argument("--tau", type=float, default=None, help="threshold: the threshold tau")
+  p.add_argument("--drop-ratio", type=float, default=None,
+                 help="gradient_dropping: fraction of coordinates dropped")
+  p.add_argument("--bin-size", type=int, default=None, help="adacomp: bin size")
+  p.add_argument("--dgc-warmup-epochs", type=int, default=4,
+                 help="dgc: epochs of sparsity warm-up (0: none)")
+  p.add_argument("--clip-norm", type=float, default=None, help="dgc: global gradient clip norm")
   p.add_argument("--no-error-feedback", action="store_true")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="folder for the plot and metrics")
@@ -75,7 +83,7 @@ def main(argv=None):
     sys.exit(f"--workers {args.workers} needs that many devices; this backend has "
              f"{len(jax.devices())} ({jax.default_backend()}).")
   names = [n.strip() for n in args.compressors.split(",") if n.strip()]
-  valid = sorted(commopt.compressors.REGISTRY) + ["signum"]
+  valid = sorted(commopt.compressors.REGISTRY) + ["signum", "dgc"]
   for n in names:
     if n not in valid:
       sys.exit(f"--compressors: unknown {n!r}; valid: {valid}")
@@ -96,23 +104,42 @@ def main(argv=None):
   print(f"{len(x_train)} training images, {len(x_test)} test; {args.workers} workers, "
         f"global batch {batch}, {steps_per_epoch} steps/epoch, {args.epochs} epochs")
 
+  def ring_sent(compressor, params, min_size):
+    """Ring-model bytes one worker sends per step: gathered payloads, all-reduced dense leaves."""
+    r = wire.payload_bytes(compressor, params, min_size=min_size)
+    packed = sum(b for b, c in zip(jax.tree.leaves(r.per_leaf), jax.tree.leaves(r.compressed)) if c)
+    return (args.workers - 1) * packed + 2 * (args.workers - 1) / args.workers * (r.total - packed)
+
   def optimizer(name):
-    """(label, optax transform, compressor whose payload crosses the wire, min_size)."""
+    """(label, optax transform, compressor whose payload crosses the wire, min_size, schedule)."""
     if name == "signum":
       tx = optax.chain(optax.trace(decay=args.momentum), commopt.majority_vote("data"),
                        optax.scale(-args.sign_lr))
-      return "signum(majority vote)", tx, commopt.sign(), 0
+      return "signum(majority vote)", tx, commopt.sign(), 0, None
+    if name == "dgc":
+      e = args.dgc_warmup_epochs
+      densities = commopt.transforms.DGC_WARMUP_DENSITIES
+      densities = densities if e else densities[-1:]
+      # Four boundaries spread over the warm-up epochs (they must increase strictly).
+      boundaries = tuple(max(i, steps_per_epoch * e * i // 4) for i in range(1, 5)) if e else ()
+      tx = optax.chain(
+          commopt.dgc("data", densities=densities, boundaries=boundaries,
+                      momentum=args.momentum, clip_norm=args.clip_norm),
+          optax.sgd(args.lr))
+      # Bytes are reported for the final (steady-state) density.
+      return (f"dgc(density {densities[-1]})", tx, commopt.top_k(densities[-1]),
+              commopt.DEFAULT_MIN_SIZE, (densities, boundaries))
     compressor = commopt.compressors.make(
         name, ratio=args.ratio, rank=args.rank, dtype=args.dtype, levels=args.levels,
         bits=args.bits, block_size=args.block_size, bucket_size=args.bucket_size,
-        clip=args.clip)
+        clip=args.clip, tau=args.tau, drop_ratio=args.drop_ratio, bin_size=args.bin_size)
     tx = optax.chain(
         commopt.compressed_mean(compressor, "data", error_feedback=not args.no_error_feedback),
         optax.sgd(args.lr, momentum=args.momentum))
-    return compressor.name, tx, compressor, commopt.DEFAULT_MIN_SIZE
+    return compressor.name, tx, compressor, commopt.DEFAULT_MIN_SIZE, None
 
   for name in names:
-    label, tx, compressor, min_size = optimizer(name)
+    label, tx, compressor, min_size, schedule = optimizer(name)
     dp = commopt.data_parallel(loss_fn, tx, mesh)
     params = init_params
     state = dp.init(params)
@@ -127,6 +154,14 @@ def main(argv=None):
           f"vs dense {report.dense / 1e3:,.1f} kB: {report.ratio:.1f}x smaller; "
           f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
           f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
+    sent_at = lambda step: sent
+    if schedule:
+      # The compiled step holds every warm-up stage's collectives (one switch
+      # branch each) but runs one per step: count the stage that runs.
+      stage_sent = {d: ring_sent(commopt.top_k(d), params, min_size) for d in schedule[0]}
+      sent_at = lambda step: stage_sent[commopt.transforms.warmup_density(step, *schedule)]
+      print("   dgc: the audit above sums all warm-up stages; per step, the stage that runs sends "
+            + ", ".join(f"{d:g}: {b / 1e3:,.1f} kB" for d, b in stage_sent.items()))
     if name == "qsgd":
       opts = dict(commopt.compressors.DEFAULTS["qsgd"])
       opts.update({k: v for k, v in (("levels", args.levels), ("bucket_size", args.bucket_size))
@@ -139,7 +174,7 @@ def main(argv=None):
 
     history = {"step": [], "loss": [], "bytes_sent": [], "epoch_acc": [], "epoch_loss": []}
     rng = np.random.default_rng(args.seed)
-    step, t0 = 0, time.perf_counter()
+    step, total_sent, t0 = 0, 0.0, time.perf_counter()
     for epoch in range(args.epochs):
       perm = rng.permutation(len(x_train))
       losses = []
@@ -148,12 +183,13 @@ def main(argv=None):
       for i in bar:
         idx = perm[i * batch:(i + 1) * batch]
         params, state, loss = dp.step(params, state, {"x": x_train[idx], "y": y_train[idx]})
+        total_sent += sent_at(step)
         step += 1
         loss = float(np.mean(loss))
         losses.append(loss)
         history["step"].append(step)
         history["loss"].append(loss)
-        history["bytes_sent"].append(step * sent)
+        history["bytes_sent"].append(total_sent)
         bar.set_postfix(loss=f"{loss:.3f}")
         if args.max_steps and step >= args.max_steps:
           break
@@ -161,7 +197,7 @@ def main(argv=None):
       history["epoch_acc"].append(acc)
       history["epoch_loss"].append(float(np.mean(losses)))
       print(f"{name:>12} epoch {epoch + 1:3d}  loss {np.mean(losses):.4f}  test acc {acc:.4f}  "
-            f"sent {step * sent / 1e6:8.2f} MB/worker")
+            f"sent {total_sent / 1e6:8.2f} MB/worker")
       if args.max_steps and step >= args.max_steps:
         break
     history.update(seconds=time.perf_counter() - t0, payload_bytes=report.total,

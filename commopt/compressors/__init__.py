@@ -15,8 +15,20 @@ from commopt.compressors._quantize import (
     terngrad,
 )
 from commopt.compressors._registry import DEFAULTS, REGISTRY, make
-from commopt.compressors._sparsify import top_k
+from commopt.compressors._sparsify import (
+    AdaCompState,
+    GlobalCompressor,
+    RandomKState,
+    adacomp,
+    gradient_dropping,
+    random_k,
+    threshold,
+    top_k,
+    variance_balanced,
+)
 
 __all__ = ["DEFAULTS", "REGISTRY", "adaptive_levels", "cast", "identity", "int_quant",
            "make", "natural", "onebit", "power_sgd", "PowerSGDLeafState", "qsgd",
-           "qsgd_coded_bits", "qsgd_elias_bits", "scaled_sign", "sign", "terngrad", "top_k"]
+           "qsgd_coded_bits", "qsgd_elias_bits", "scaled_sign", "sign", "terngrad", "top_k",
+           "AdaCompState", "GlobalCompressor", "RandomKState", "adacomp", "gradient_dropping",
+           "random_k", "threshold", "variance_balanced"]

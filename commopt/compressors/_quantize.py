@@ -66,6 +66,16 @@ def _uniform(key, n: int, fn: str) -> jax.Array:
   return jax.random.uniform(key, (n,), _F32)
 
 
+def _inverse(scales: jax.Array, top) -> jax.Array:
+  """``top / scale`` per block (0 where the scale is 0).
+
+  One multiply per coordinate, computed the same way by every program that
+  contains it, so that stochastic rounding draws identical levels under jit,
+  vmap and shard_map.
+  """
+  return jnp.where(scales > 0, top / jnp.where(scales > 0, scales, 1.0), 0.0)
+
+
 def _stochastic_round(y: jax.Array, u: jax.Array) -> jax.Array:
   """``⌊y⌋ + 1`` with probability ``y - ⌊y⌋``, else ``⌊y⌋`` (unbiased)."""
   return jnp.floor(y + u)
@@ -357,8 +367,7 @@ def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
     flat = _flat32(x)
     n = flat.shape[0]
     norms = jnp.linalg.norm(_blocks(flat, bucket_size), axis=1)
-    norm = _per_element(norms, n, bucket_size)
-    r = jnp.where(norm > 0, jnp.abs(flat) / jnp.where(norm > 0, norm, 1.0), 0.0) * levels
+    r = jnp.abs(flat) * _per_element(_inverse(norms, levels), n, bucket_size)
     level = jnp.minimum(_stochastic_round(r, _uniform(key, n, "qsgd")), levels)
     signed = jnp.where(flat < 0, -level, level)
     codes = (signed + levels).astype(jnp.uint32)
@@ -541,8 +550,7 @@ def int_quant(bits: int = 8, block_size: Optional[int] = 256,
     flat = _flat32(x)
     n = flat.shape[0]
     scales = jnp.max(jnp.abs(_blocks(flat, block_size)), axis=1)
-    m = _per_element(scales, n, block_size)
-    y = jnp.where(m > 0, flat / jnp.where(m > 0, m, 1.0), 0.0) * q
+    y = flat * _per_element(_inverse(scales, q), n, block_size)
     if rounding == "stochastic":
       level = _stochastic_round(y, _uniform(key, n, "int_quant"))
     else:

@@ -18,7 +18,14 @@ from commopt.compressors._quantize import (
     sign,
     terngrad,
 )
-from commopt.compressors._sparsify import top_k
+from commopt.compressors._sparsify import (
+    adacomp,
+    gradient_dropping,
+    random_k,
+    threshold,
+    top_k,
+    variance_balanced,
+)
 
 REGISTRY: dict[str, Callable[..., base.Compressor]] = {
     "identity": identity,
@@ -32,6 +39,11 @@ REGISTRY: dict[str, Callable[..., base.Compressor]] = {
     "int_quant": int_quant,
     "adaptive_levels": adaptive_levels,
     "top_k": top_k,
+    "random_k": random_k,
+    "threshold": threshold,
+    "gradient_dropping": gradient_dropping,
+    "adacomp": adacomp,
+    "variance_balanced": variance_balanced,
     "power_sgd": power_sgd,
 }
 """Every compressor factory, by name."""
@@ -48,12 +60,18 @@ DEFAULTS: dict[str, dict] = {
     "int_quant": {"bits": 8, "block_size": 256, "rounding": "stochastic"},
     "adaptive_levels": {"levels": 16},
     "top_k": {"ratio": 0.01},
+    "random_k": {"ratio": 0.01},
+    "threshold": {"tau": 1e-3, "capacity": 0.01},
+    "gradient_dropping": {"drop_ratio": 0.99},
+    "adacomp": {"bin_size": 50},
+    "variance_balanced": {"ratio": 0.01},
     "power_sgd": {"rank": 2},
 }
 """The options :func:`make` uses when none are given."""
 
 
-_EXCLUSIVE = {"top_k": {"ratio", "k"}}
+_EXCLUSIVE = {"top_k": {"ratio", "k"}, "random_k": {"ratio", "k"},
+              "variance_balanced": {"ratio", "k"}}
 
 
 def make(name: str, **options) -> base.Compressor:

@@ -62,22 +62,46 @@ def _check_leaf(path, leaf, what: str):
         "optax.masked so that it skips them.")
 
 
+def exchange(payload, decode, strategy: str, axis_name):
+  """Sends ``payload`` over ``axis_name``; returns ``(mean, local)`` reconstructions.
+
+  ``decode(payload)`` returns an array or a pytree of arrays; ``mean`` is the
+  float32 mean over the workers of their decoded payloads (``local`` itself
+  when ``axis_name`` is None). Linear payloads are all-reduced
+  (``strategy="psum"``), the others all-gathered and decoded one by one.
+  """
+  local = decode(payload)
+  if axis_name is None:
+    return local, local
+  n = coll.axis_size(axis_name)
+  f32 = lambda t: t.astype(jnp.float32)
+  if strategy == "psum":
+    mean = jax.tree.map(lambda t: f32(t) / n, decode(coll.psum(payload, axis_name)))
+  else:
+    decoded = jax.vmap(decode)(coll.all_gather(payload, axis_name))
+    mean = jax.tree.map(lambda t: jnp.mean(f32(t), axis=0), decoded)
+  return mean, local
+
+
 def _reduce_leaf(compressor, strategy, x, cstate, key, axis_name) -> base.Reduced:
   if compressor.reduce is not None:
     return compressor.reduce(x, cstate, key, axis_name)
   payload, cstate = compressor.encode(x, cstate, key)
-  local = compressor.decode(payload, cstate, x)
-  if axis_name is None:
-    return base.Reduced(mean=local, local=local, state=cstate)
-  n = coll.axis_size(axis_name)
-  if strategy == "psum":
-    total = compressor.decode(coll.psum(payload, axis_name), cstate, x)
-    mean = total.astype(jnp.float32) / n
-  else:
-    gathered = coll.all_gather(payload, axis_name)
-    decoded = jax.vmap(lambda pl: compressor.decode(pl, cstate, x))(gathered)
-    mean = jnp.mean(decoded.astype(jnp.float32), axis=0)
+  mean, local = exchange(payload, lambda pl: compressor.decode(pl, cstate, x),
+                         strategy, axis_name)
   return base.Reduced(mean=mean.astype(x.dtype), local=local, state=cstate)
+
+
+def _reduce_global(compressor, strategy, xs, key, axis_name):
+  """One payload for all compressed leaves ``xs``: lists of means and locals."""
+  payload = compressor.encode_tree(xs, key)
+  means, locals_ = exchange(payload, lambda pl: compressor.decode_tree(pl, xs),
+                            strategy, axis_name)
+  return [m.astype(x.dtype) for m, x in zip(means, xs)], locals_
+
+
+def _is_global(compressor) -> bool:
+  return getattr(compressor, "encode_tree", None) is not None
 
 
 def compressed_mean(
@@ -109,6 +133,9 @@ def compressed_mean(
   payloads (``strategy="psum"``); the others all-gather them, decode each and
   average (``"gather"``). ``"auto"`` picks by linearity. Compressors with
   their own multi-round protocol (PowerSGD) run it instead.
+  Compressors with tree-wide selection (``top_k(scope="global")``, any
+  compressor with ``encode_tree``) exchange one payload for all compressed
+  leaves, keyed by the worker key.
 
   Randomness: the step key is ``fold_in(key, count)`` and the worker key
   ``fold_in(step_key, axis_index)`` (index 0 when ``axis_name`` is None);
@@ -234,18 +261,37 @@ def compressed_mean(
       worker_key = jax.random.fold_in(step_key, index)
 
     out, new_res, new_cs = [], [], []
-    for i, ((_, u), e, cs) in enumerate(zip(leaves, residuals, cstates)):
+    inputs, compressed = [], []
+    for (_, u), e, cs in zip(leaves, residuals, cstates):
       if _is_node(u) or not plan(u):
         out.append(u if _is_node(u) else coll.pmean(u, axis_name))
         new_res.append(e)
         new_cs.append(cs)
+        inputs.append(None)
         continue
       p = u if not error_feedback else u.astype(e.dtype) + e
-      reduced = _reduce_leaf(compressor, strategy, p.astype(u.dtype), cs,
-                             jax.random.fold_in(worker_key, i), axis_name)
-      out.append(reduced.mean.astype(u.dtype))
-      new_res.append(p - reduced.local.astype(p.dtype) if error_feedback else e)
-      new_cs.append(reduced.state)
+      inputs.append(p)
+      compressed.append(len(out))
+      out.append(None)
+      new_res.append(None)
+      new_cs.append(cs)
+
+    xs = [inputs[i].astype(leaves[i][1].dtype) for i in compressed]
+    if _is_global(compressor) and compressed:
+      # One selection over every compressed leaf; the state is per leaf and unused.
+      means, locals_ = _reduce_global(compressor, strategy, xs, worker_key, axis_name)
+    else:
+      means, locals_ = [], []
+      for i, x in zip(compressed, xs):
+        reduced = _reduce_leaf(compressor, strategy, x, cstates[i],
+                               jax.random.fold_in(worker_key, i), axis_name)
+        means.append(reduced.mean)
+        locals_.append(reduced.local)
+        new_cs[i] = reduced.state
+    for i, mean, local in zip(compressed, means, locals_):
+      p = inputs[i]
+      out[i] = mean.astype(leaves[i][1].dtype)
+      new_res[i] = p - local.astype(p.dtype) if error_feedback else residuals[i]
 
     unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
     new_state = CompressedMeanState(
