@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -44,12 +46,15 @@ def vmap_workers(tx: optax.GradientTransformation, num_workers: int,
 
 
 def shard_map_workers(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                      axis_name: str) -> Workers:
+                      axis_name: str | tuple[str, ...]) -> Workers:
   """One worker per device of ``mesh``'s ``axis_name``, via ``jax.shard_map``.
 
-  Inputs are stacked ``[N, ...]`` and placed sharded over the axis for you.
+  Inputs are stacked ``[N, ...]`` and placed sharded over the axis for you. A
+  tuple of axes (e.g. ``("node", "local")``) stacks the workers of all of
+  them, in the mesh's row-major order.
   """
-  n = int(mesh.shape[axis_name])
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  n = int(math.prod(mesh.shape[a] for a in axes))
   sharded = NamedSharding(mesh, P(axis_name))
 
   def body(u, s):

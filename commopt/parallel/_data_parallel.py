@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,19 +19,19 @@ def _keystr(path) -> str:
 
 
 class DataParallel:
-  """A data-parallel trainer over one mesh axis (see :func:`data_parallel`).
+  """A data-parallel trainer over mesh axes (see :func:`data_parallel`).
 
   Attributes:
     mesh: the device mesh.
-    axis_name: the data axis.
-    num_workers: the size of the data axis.
+    axis_name: the data axis, or a tuple of axes (e.g. ``("node", "local")``).
+    num_workers: the number of workers (the product of the axes' sizes).
     varying: after :meth:`init`, one bool per optimizer-state leaf: True where
       the leaf is per-worker (stacked on a leading axis sharded over the data
       axis), False where it is replicated.
   """
 
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
-               mesh: jax.sharding.Mesh, axis_name: str = "data"):
+               mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...] = "data"):
     if not callable(loss_fn):
       raise ValueError(f"data_parallel: `loss_fn` must be callable, got {loss_fn!r}.")
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
@@ -39,15 +41,20 @@ class DataParallel:
       raise ValueError(
           f"data_parallel: `mesh` must be a jax.sharding.Mesh (e.g. "
           f"jax.make_mesh((8,), ('data',))), got {mesh!r}.")
-    if axis_name not in mesh.axis_names:
+    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if not axes or missing or len(set(axes)) != len(axes):
       raise ValueError(
-          f"data_parallel: `axis_name` {axis_name!r} is not an axis of the mesh, "
-          f"whose axes are {tuple(mesh.axis_names)}.")
+          f"data_parallel: `axis_name` {axis_name!r} must name distinct axes of the mesh, "
+          f"whose axes are {tuple(mesh.axis_names)}"
+          + (f"; {missing} {'is' if len(missing) == 1 else 'are'} not among them." if missing
+             else "."))
+    self._axes = axes
     self.loss_fn = loss_fn
     self.tx = tx
     self.mesh = mesh
     self.axis_name = axis_name
-    self.num_workers = int(mesh.shape[axis_name])
+    self.num_workers = int(math.prod(mesh.shape[a] for a in axes))
     self.varying = None
     self._treedef = None
     self._jitted = None
@@ -86,6 +93,9 @@ class DataParallel:
   def _stack(self, leaves, mask):
     return [l[None] if m else l for l, m in zip(leaves, mask)]
 
+  def _varies(self, leaf) -> bool:
+    return bool(coll.varying_axes(leaf) & set(self._axes))
+
   def _updated_state_varying(self, params, state_leaves, mask) -> list[bool]:
     """Traces one update and reports which new state leaves vary per worker."""
     seen = []
@@ -96,7 +106,7 @@ class DataParallel:
       grads = jax.lax.pcast(params, axis, to="varying")
       _, new_state = self.tx.update(grads, state, params)
       new_leaves = jax.tree_util.tree_leaves(new_state)
-      seen[:] = [axis in coll.varying_axes(l) for l in new_leaves]
+      seen[:] = [self._varies(l) for l in new_leaves]
       return [l[None] for l in new_leaves]
 
     abstract = [
@@ -150,7 +160,7 @@ class DataParallel:
       updates, new_state = self.tx.update(grads, state, params)
       new_params = optax.apply_updates(params, updates)
       for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:
-        if axis in coll.varying_axes(leaf):
+        if self._varies(leaf):
           raise ValueError(
               f"data_parallel: the update of parameter {_keystr(path)} differs "
               f"between workers on axis {axis!r}, so the replicas would drift "
@@ -202,7 +212,8 @@ class DataParallel:
 
 
 def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
-                  mesh: jax.sharding.Mesh, axis_name: str = "data") -> DataParallel:
+                  mesh: jax.sharding.Mesh,
+                  axis_name: str | tuple[str, ...] = "data") -> DataParallel:
   """Packages a data-parallel training step over ``mesh``'s ``axis_name``.
 
   Parameters are replicated; the batch is sharded on its leading axis; each
@@ -215,8 +226,10 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar`` on one worker's shard.
     tx: an optax transformation.
-    mesh: a ``jax.sharding.Mesh`` with an axis named ``axis_name``.
-    axis_name: the data axis.
+    mesh: a ``jax.sharding.Mesh`` with the axes named by ``axis_name``.
+    axis_name: the data axis, or a tuple of axes that together hold the
+      workers, e.g. ``("node", "local")`` on a 2-D mesh with
+      ``compressed_mean(c, ("node", "local"), strategy="hierarchical")``.
 
   Returns:
     A :class:`DataParallel` with ``init(params) -> opt_state`` and

@@ -10,11 +10,13 @@ import optax
 
 from commopt._src import base
 from commopt.parallel import _collectives as coll
+from commopt.parallel import _strategies
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements than this are sent dense by default."""
 
-STRATEGIES = ("auto", "psum", "gather")
+STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
+INNER_STRATEGIES = ("auto", "psum", "gather", "two_phase")
 
 
 class CompressedMeanState(NamedTuple):
@@ -29,11 +31,16 @@ class CompressedMeanState(NamedTuple):
       error feedback is off.
     compressor_state: per-leaf compressor state (e.g. PowerSGD's ``q``);
       ``optax.MaskedNode()`` for leaves that are not compressed.
+    server_residual: the second error memory of ``strategy="two_phase"``
+      (what re-encoding the averaged chunk missed), in the leaf's flat
+      coordinates with each worker using only its own chunk;
+      ``optax.MaskedNode()`` for other strategies and without error feedback.
   """
   count: jax.Array
   key: jax.Array
   residual: Any
   compressor_state: Any
+  server_residual: Any = None
 
 
 def compresses(compressor: base.Compressor, shape, dtype, min_size: int) -> bool:
@@ -100,18 +107,31 @@ def _reduce_global(compressor, strategy, xs, key, axis_name):
   return [m.astype(x.dtype) for m, x in zip(means, xs)], locals_
 
 
+def _slow_reduce(compressor, strategy, key, axis_name):
+  """The compressed reduction of a hierarchical shard across the slow axis."""
+  if strategy == "two_phase":
+    return lambda p, memory: _strategies.two_phase(compressor, p, memory, key, axis_name)
+
+  def reduce(p, memory):
+    reduced = _reduce_leaf(compressor, strategy, p, compressor.init(p), key, axis_name)
+    return reduced.mean, reduced.local, None
+
+  return reduce
+
+
 def _is_global(compressor) -> bool:
   return getattr(compressor, "encode_tree", None) is not None
 
 
 def compressed_mean(
     compressor: base.Compressor,
-    axis_name: Optional[str] = None,
+    axis_name: Optional[str | tuple[str, str]] = None,
     *,
     error_feedback: bool = True,
     residual_dtype=None,
     min_size: int = DEFAULT_MIN_SIZE,
     strategy: str = "auto",
+    inner_strategy: str = "auto",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """The mean over ``axis_name`` of every worker's compressed updates.
@@ -133,6 +153,20 @@ def compressed_mean(
   payloads (``strategy="psum"``); the others all-gather them, decode each and
   average (``"gather"``). ``"auto"`` picks by linearity. Compressors with
   their own multi-round protocol (PowerSGD) run it instead.
+
+  ``"two_phase"`` keeps the saving at scale (as 1-bit Adam does): each worker
+  encodes N chunks of its input, an all-to-all sends chunk ``j`` to worker
+  ``j``, which averages it, re-encodes it with a second error memory
+  (``server_residual``) and an all-gather returns the encoded means. Each
+  worker sends about two payloads whatever N, where ``"gather"`` sends N−1.
+
+  ``"hierarchical"`` takes ``axis_name=(slow, fast)`` on a 2-D mesh (e.g.
+  ``("node", "local")``): a dense reduce-scatter inside ``fast``, the
+  compressed reduction (``inner_strategy``) of each local rank's shard across
+  ``slow``, and a dense all-gather inside ``fast``. Compressed bytes cross
+  only the slow axis; the error memory is kept on the shard that is
+  compressed, in the leaf's coordinates. Both strategies need a stateless
+  per-leaf compressor.
   Compressors with tree-wide selection (``top_k(scope="global")``, any
   compressor with ``encode_tree``) exchange one payload for all compressed
   leaves, keyed by the worker key.
@@ -143,12 +177,16 @@ def compressed_mean(
 
   Args:
     compressor: a :class:`~commopt.Compressor`.
-    axis_name: the named axis to reduce over, or ``None`` for one local worker.
+    axis_name: the named axis to reduce over, or ``None`` for one local worker;
+      ``(slow, fast)`` for ``strategy="hierarchical"``.
     error_feedback: keep the residual ``e`` in the state and add it back.
     residual_dtype: dtype of the residual (default: the leaf's dtype); e.g.
       ``jnp.float32`` for bf16 parameters.
     min_size: leaves with fewer elements are sent dense (an ordinary pmean).
-    strategy: ``"auto"``, ``"psum"`` (linear compressors only) or ``"gather"``.
+    strategy: ``"auto"``, ``"psum"`` (linear compressors only), ``"gather"``,
+      ``"two_phase"`` or ``"hierarchical"``.
+    inner_strategy: for ``"hierarchical"``, the reduction across the slow
+      axis: ``"auto"``, ``"psum"``, ``"gather"`` or ``"two_phase"``.
     seed: seed of the base key.
 
   Returns:
@@ -173,20 +211,40 @@ def compressed_mean(
     raise ValueError(
         f"compressed_mean: `compressor` must be a commopt Compressor (e.g. "
         f"commopt.scaled_sign()), got {compressor!r}.")
-  if axis_name is not None and not isinstance(axis_name, str):
-    raise ValueError(
-        f"compressed_mean: `axis_name` must be None or a mesh axis name (str), "
-        f"got {axis_name!r}.")
   if strategy not in STRATEGIES:
     raise ValueError(
         f"compressed_mean: `strategy` must be one of {STRATEGIES}, got {strategy!r}.")
-  if strategy == "psum" and not compressor.linear:
+  if strategy == "hierarchical":
+    if not (isinstance(axis_name, tuple) and len(axis_name) == 2
+            and all(isinstance(a, str) for a in axis_name) and axis_name[0] != axis_name[1]):
+      raise ValueError(
+          "compressed_mean: strategy='hierarchical' needs `axis_name` = (slow, fast), two "
+          f"distinct mesh axis names such as ('node', 'local'), got {axis_name!r}.")
+    if inner_strategy not in INNER_STRATEGIES:
+      raise ValueError(
+          f"compressed_mean: `inner_strategy` must be one of {INNER_STRATEGIES}, got "
+          f"{inner_strategy!r}.")
+  elif axis_name is not None and not isinstance(axis_name, str):
     raise ValueError(
-        f"compressed_mean: strategy='psum' needs a linear compressor, and "
-        f"{compressor.name} is not (its payloads cannot be summed before "
-        "decoding). Use strategy='gather' or 'auto'.")
-  if strategy == "auto":
-    strategy = "psum" if compressor.linear else "gather"
+        f"compressed_mean: `axis_name` must be None or a mesh axis name (str), "
+        f"got {axis_name!r}; a (slow, fast) pair needs strategy='hierarchical'.")
+
+  def resolve(strategy):
+    if strategy == "psum" and not compressor.linear:
+      raise ValueError(
+          f"compressed_mean: strategy='psum' needs a linear compressor, and "
+          f"{compressor.name} is not (its payloads cannot be summed before "
+          "decoding). Use strategy='gather' or 'auto'.")
+    if strategy == "auto":
+      return "psum" if compressor.linear else "gather"
+    if strategy in ("two_phase", "hierarchical"):
+      _strategies.check_stateless(compressor, "compressed_mean", strategy)
+    return strategy
+
+  strategy = resolve(strategy)
+  inner = resolve(inner_strategy) if strategy == "hierarchical" else None
+  # Two-phase reductions keep a second error memory.
+  server_memory = error_feedback and "two_phase" in (strategy, inner)
   if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
     raise ValueError(
         f"compressed_mean: `min_size` must be an integer >= 0, got {min_size!r}.")
@@ -200,21 +258,24 @@ def compressed_mean(
 
   def init_fn(params):
     leaves, treedef = _flatten(params)
-    residual, cstate = [], []
+    residual, cstate, server = [], [], []
     for path, leaf in leaves:
       _check_leaf(path, leaf, "a parameter")
       if plan(leaf):
         rdtype = residual_dtype or leaf.dtype
         residual.append(jnp.zeros(leaf.shape, rdtype) if error_feedback else optax.MaskedNode())
         cstate.append(compressor.init(leaf))
+        server.append(jnp.zeros((leaf.size,), rdtype) if server_memory else optax.MaskedNode())
       else:
         residual.append(optax.MaskedNode())
         cstate.append(optax.MaskedNode())
+        server.append(optax.MaskedNode())
     return CompressedMeanState(
         count=jnp.zeros([], jnp.int32),
         key=jax.random.PRNGKey(seed),
         residual=jax.tree_util.tree_unflatten(treedef, residual),
         compressor_state=jax.tree_util.tree_unflatten(treedef, cstate),
+        server_residual=jax.tree_util.tree_unflatten(treedef, server),
     )
 
   def check_state(state, leaves, treedef):
@@ -276,7 +337,30 @@ def compressed_mean(
       new_res.append(None)
       new_cs.append(cs)
 
+    servers = (treedef.flatten_up_to(state.server_residual)
+               if state.server_residual is not None else [optax.MaskedNode()] * len(leaves))
+    new_servers = list(servers)
     xs = [inputs[i].astype(leaves[i][1].dtype) for i in compressed]
+    if strategy in ("two_phase", "hierarchical"):
+      for i in compressed:
+        u, e = leaves[i][1], residuals[i]
+        memory = None if _is_node(servers[i]) else servers[i]
+        key = jax.random.fold_in(worker_key, i)
+        if strategy == "two_phase":
+          mean, local, memory = _strategies.two_phase(
+              compressor, xs[compressed.index(i)].reshape(-1), memory, key, axis_name)
+          out[i] = mean.reshape(u.shape).astype(u.dtype)
+          new_res[i] = (inputs[i] - local.reshape(u.shape).astype(inputs[i].dtype)
+                        if error_feedback else e)
+        else:
+          mean, residual, memory = _strategies.hierarchical(
+              _slow_reduce(compressor, inner, key, axis_name[0]), u.reshape(-1),
+              e.reshape(-1) if error_feedback else None, memory, *axis_name)
+          out[i] = mean.reshape(u.shape).astype(u.dtype)
+          new_res[i] = residual.reshape(u.shape) if error_feedback else e
+        if memory is not None:
+          new_servers[i] = memory
+      compressed = []   # handled
     if _is_global(compressor) and compressed:
       # One selection over every compressed leaf; the state is per leaf and unused.
       means, locals_ = _reduce_global(compressor, strategy, xs, worker_key, axis_name)
@@ -299,6 +383,7 @@ def compressed_mean(
         key=state.key,
         residual=unflat(new_res),
         compressor_state=unflat(new_cs),
+        server_residual=unflat(new_servers),
     )
     return unflat(out), new_state
 

@@ -1,0 +1,199 @@
+"""Reduction strategies that keep compression at scale: two-phase and hierarchical.
+
+Both work on one flat, error-compensated leaf and return ``(mean, local,
+server_memory)``: the mean over the axis of the reconstructions, this
+worker's own reconstruction (what worker-side error feedback subtracts), and
+the new second error memory. Memories are kept in the leaf's own flat
+coordinates: a worker only uses the slice it is responsible for and holds
+zeros elsewhere, so a state made before the mesh is known has the right shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from commopt._src import base
+from commopt.parallel import _collectives as coll
+
+
+# ---------------------------------------------------------------------------
+# One uint32 buffer per payload, so each phase is a single collective.
+
+
+def to_words(payload: Any, batch_dims: int = 0) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+  """Lays every array of ``payload`` end to end in one uint32 buffer.
+
+  Args:
+    payload: a pytree of arrays sharing ``batch_dims`` leading dimensions.
+    batch_dims: 0 or 1.
+
+  Returns:
+    ``(words, unpack)``: ``words`` is ``[*batch, W]`` uint32, the payload's
+    bytes padded to whole words; ``unpack(words)`` restores the pytree (for
+    any leading batch shape ``words`` has by then).
+  """
+  leaves, treedef = jax.tree.flatten(payload)
+  lead = leaves[0].shape[:batch_dims]
+  parts, metas = [], []
+  for leaf in leaves:
+    inner = leaf.shape[batch_dims:]
+    raw = jax.lax.bitcast_convert_type(leaf, jnp.uint8) if leaf.dtype != jnp.uint8 else leaf
+    raw = raw.reshape(lead + (-1,))
+    parts.append(raw)
+    metas.append((inner, leaf.dtype, raw.shape[-1]))
+  raw = jnp.concatenate(parts, axis=-1)
+  total = raw.shape[-1]
+  pad = -total % 4
+  raw = jnp.pad(raw, [(0, 0)] * batch_dims + [(0, pad)])
+  words = jax.lax.bitcast_convert_type(raw.reshape(lead + (-1, 4)), jnp.uint32)
+
+  def unpack(w):
+    batch = w.shape[:-1]
+    raw = jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(batch + (-1,))
+    out, offset = [], 0
+    for inner, dtype, nbytes in metas:
+      chunk = raw[..., offset:offset + nbytes]
+      offset += nbytes
+      itemsize = np.dtype(dtype).itemsize
+      if itemsize > 1:
+        chunk = chunk.reshape(batch + tuple(inner) + (itemsize,))
+        out.append(jax.lax.bitcast_convert_type(chunk, dtype))
+      else:
+        out.append(jax.lax.bitcast_convert_type(chunk.reshape(batch + tuple(inner)), dtype))
+    return jax.tree.unflatten(treedef, out)
+
+  return words, unpack
+
+
+def payload_words(compressor: base.Compressor, n: int, dtype) -> int:
+  """uint32 words of one packed payload of ``n`` coordinates (see :func:`to_words`)."""
+  return -(-compressor.payload_bits((n,), dtype) // 32)
+
+
+def check_stateless(compressor: base.Compressor, fn: str, strategy: str):
+  """Two-phase and hierarchical re-encode chunks; they need a stateless compressor."""
+  state = jax.eval_shape(compressor.init, jax.ShapeDtypeStruct((8,), jnp.float32))
+  if compressor.reduce is not None or jax.tree.leaves(state) \
+      or getattr(compressor, "encode_tree", None) is not None:
+    raise ValueError(
+        f"{fn}: strategy={strategy!r} splits each leaf into chunks and encodes them "
+        f"independently, so it needs a stateless per-leaf compressor; {compressor.name} "
+        "keeps per-leaf state, runs its own protocol or selects over the whole tree. "
+        "Use strategy='auto' for it.")
+
+
+# ---------------------------------------------------------------------------
+# Two-phase.
+
+
+def chunk_size(n: int, workers: int) -> int:
+  return -(-n // workers)
+
+
+def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Array], key,
+              axis_name) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+  """Compressed all-reduce in two phases (all-to-all, then all-gather).
+
+  Worker ``w`` splits its flat input ``p`` (``n`` coordinates, zero-padded to
+  ``N·c``) into ``N`` chunks of ``c``, encodes each, and an all-to-all sends
+  chunk ``j`` to worker ``j``. Worker ``j`` decodes the ``N`` payloads of its
+  chunk, averages them, adds its server memory, re-encodes, and keeps what
+  the second encoding missed. An all-gather returns every worker's encoded
+  chunk mean. Each worker sends about two payloads, whatever ``N``.
+
+  Args:
+    compressor: a stateless compressor.
+    p: the error-compensated flat input, ``[n]``.
+    memory: the server memory in ``p``'s coordinates, ``[n]``, or None for none.
+    key: this worker's key for the leaf.
+    axis_name: the axis.
+
+  Returns:
+    ``(mean [n] float32, local [n], new memory [n] or None)``.
+  """
+  n = p.shape[0]
+  workers = coll.axis_size(axis_name)
+  c = chunk_size(n, workers)
+  like = jax.ShapeDtypeStruct((c,), p.dtype)
+  empty = compressor.init(like)
+  chunks = jnp.pad(p, (0, workers * c - n)).reshape(workers, c)
+  keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(workers))
+  payloads = jax.vmap(lambda x, k: compressor.encode(x, empty, k)[0])(chunks, keys)
+  decode = lambda pl: compressor.decode(pl, empty, like).astype(jnp.float32)
+  local = jax.vmap(decode)(payloads).reshape(-1)[:n].astype(p.dtype)
+
+  words, unpack = to_words(payloads, batch_dims=1)
+  received = jax.lax.all_to_all(words, axis_name, 0, 0, tiled=False)
+  me = coll.axis_index(axis_name)
+  start = me * c
+  valid = (start + jnp.arange(c)) < n
+  chunk_mean = jnp.where(valid, jnp.mean(jax.vmap(decode)(unpack(received)), axis=0), 0.0)
+
+  q = chunk_mean
+  if memory is not None:
+    padded = jnp.pad(memory.astype(jnp.float32), (0, workers * c - n))
+    q = q + jax.lax.dynamic_slice(padded, (start,), (c,))
+  payload, _ = compressor.encode(q.astype(p.dtype), empty, jax.random.fold_in(key, workers))
+  new_memory = None
+  if memory is not None:
+    kept = jnp.where(valid, q - decode(payload), 0.0)
+    new_memory = jax.lax.dynamic_update_slice(
+        jnp.zeros((workers * c,), jnp.float32), kept, (start,))[:n].astype(memory.dtype)
+
+  words2, unpack2 = to_words(payload)
+  gathered = coll.all_gather(words2, axis_name)
+  mean = jax.vmap(decode)(unpack2(gathered)).reshape(-1)[:n]
+  return mean, local, new_memory
+
+
+# ---------------------------------------------------------------------------
+# Hierarchical.
+
+
+def hierarchical(p_reduce: Callable, u: jax.Array, residual: Optional[jax.Array],
+                 memory: Optional[jax.Array], slow: str, fast: str):
+  """Dense inside ``fast``, compressed across ``slow``, gathered back inside ``fast``.
+
+  A reduce-scatter over ``fast`` leaves local rank ``l`` with the dense mean
+  of shard ``l`` (``c = ⌈n/L⌉`` coordinates). Only that shard is compressed
+  and exchanged across ``slow`` (by ``p_reduce``), with its error memory;
+  an all-gather over ``fast`` reassembles the leaf. So compressed bytes
+  cross only the slow axis and each local rank sends ``1/L`` of the leaf.
+
+  Args:
+    p_reduce: ``p_reduce(p_shard, memory_shard) -> (mean, local, memory)``,
+      the compressed reduction across ``slow``.
+    u: this worker's flat update, ``[n]``.
+    residual: the error memory in leaf coordinates ``[n]`` (only this local
+      rank's shard is used), or None without error feedback.
+    memory: a second (server) memory in leaf coordinates, or None.
+    slow, fast: the axis names.
+
+  Returns:
+    ``(mean [n], new residual or None, new memory or None)``.
+  """
+  n = u.shape[0]
+  ranks = coll.axis_size(fast)
+  c = chunk_size(n, ranks)
+  start = coll.axis_index(fast) * c
+
+  def shard(v):
+    return jax.lax.dynamic_slice(jnp.pad(v, (0, ranks * c - n)), (start,), (c,))
+
+  def place(v, like):
+    full = jax.lax.dynamic_update_slice(jnp.zeros((ranks * c,), v.dtype), v, (start,))
+    return full[:n].astype(like.dtype)
+
+  padded = jnp.pad(u.astype(jnp.float32), (0, ranks * c - n))
+  dense = jax.lax.psum_scatter(padded, fast, scatter_dimension=0, tiled=True) / ranks
+  p = dense if residual is None else dense + shard(residual).astype(jnp.float32)
+  mean, local, new_memory = p_reduce(p.astype(u.dtype),
+                                     None if memory is None else shard(memory))
+  full = coll.all_gather(mean.astype(jnp.float32), fast).reshape(-1)[:n]
+  new_residual = None if residual is None else place(p - local.astype(jnp.float32), residual)
+  new_memory = None if memory is None else place(new_memory, memory)
+  return full, new_residual, new_memory

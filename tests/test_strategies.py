@@ -1,0 +1,277 @@
+"""Two-phase and hierarchical reductions: exactness, conservation, and the wire."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import commopt
+from commopt import wire
+from commopt.parallel._strategies import to_words
+
+N = 8
+AXES = ("node", "local")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((N,), ("data",))
+
+
+@pytest.fixture(scope="module")
+def mesh2d():
+  return jax.make_mesh((2, 4), AXES)
+
+
+def params_like():
+  # 1001 and 13 are not multiples of 8: chunks are padded.
+  return {"w": jnp.zeros((64, 48)), "v": jnp.zeros((1001,)), "s": jnp.zeros((13,)),
+          "frozen": None}
+
+
+def updates(seed, n=N):
+  rng = np.random.default_rng(seed)
+  return {k: None if v is None else jnp.asarray(rng.normal(size=(n,) + v.shape), jnp.float32)
+          for k, v in params_like().items()}
+
+
+def leaves(tree):
+  return {k: np.asarray(v) for k, v in tree.items() if v is not None}
+
+
+def test_to_words_round_trip_mixed_dtypes():
+  payload = {"a": jnp.arange(5, dtype=jnp.uint32), "b": jnp.ones((3,), jnp.bfloat16),
+             "c": jnp.array([-1, 7], jnp.int32), "d": jnp.array([2.5], jnp.float32)}
+  stacked = jax.tree.map(lambda x: jnp.stack([x, x + 1]), payload)
+  words, unpack = to_words(stacked, batch_dims=1)
+  assert words.dtype == jnp.uint32 and words.shape == (2, 5 + 2 + 2 + 1)
+  for k, v in unpack(words).items():
+    np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(stacked[k], np.float32))
+
+
+# --- two_phase -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,atol", [("identity", 1e-6), ("cast", 2e-2)])
+def test_two_phase_linear_is_the_exact_mean(mesh, name, atol):
+  c = commopt.compressors.make(name)
+  tx = commopt.compressed_mean(c, "data", strategy="two_phase", min_size=0)
+  sm = commopt.testing.shard_map_workers(tx, mesh, "data")
+  u = updates(0)
+  out, _ = sm.update(u, sm.init(params_like()))
+  assert out["frozen"] is None
+  for k, v in leaves(out).items():
+    np.testing.assert_allclose(v, np.broadcast_to(np.asarray(u[k]).mean(0), v.shape),
+                               atol=atol, rtol=1e-2 if name == "cast" else 1e-6)
+
+
+@pytest.mark.parametrize("name", ["scaled_sign", "top_k", "qsgd", "int_quant", "sign"])
+def test_two_phase_conservation_of_both_memories(mesh, name):
+  """Σ outputs + mean worker residual + the server memory = Σ mean inputs."""
+  tx = commopt.compressed_mean(commopt.compressors.make(name), "data", strategy="two_phase",
+                               min_size=0)
+  sm = commopt.testing.shard_map_workers(tx, mesh, "data")
+  state = sm.init(params_like())
+  sum_out = sum_in = 0.0
+  for step in range(5):
+    u = updates(10 + step)
+    out, state = sm.update(u, state)
+    sum_out = sum_out + leaves(out)["v"][0]
+    sum_in = sum_in + np.asarray(u["v"]).mean(0)
+  worker = np.asarray(state.residual["v"]).mean(0)
+  server = np.asarray(state.server_residual["v"])
+  # Each worker keeps the server memory of its own chunk only.
+  chunk = -(-1001 // N)
+  for w in range(N):
+    outside = np.ones(1001, bool)
+    outside[w * chunk:(w + 1) * chunk] = False
+    assert np.all(server[w][outside] == 0)
+  np.testing.assert_allclose(sum_out + worker + server.sum(0), sum_in, atol=2e-4, rtol=1e-4)
+  assert np.abs(server).sum() > 0
+
+
+def test_two_phase_vmap_equals_shard_map(mesh):
+  tx = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase", min_size=0)
+  sm = commopt.testing.shard_map_workers(tx, mesh, "data")
+  vm = commopt.testing.vmap_workers(tx, N, "data")
+  s_s, s_v = sm.init(params_like()), vm.init(params_like())
+  for step in range(2):
+    u = updates(20 + step)
+    o_s, s_s = sm.update(u, s_s)
+    o_v, s_v = vm.update(u, s_v)
+  for a, b in zip(jax.tree.leaves((o_s, s_s)), jax.tree.leaves((o_v, s_v))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def mlp_params():
+  rng = np.random.default_rng(0)
+  return {"w1": jnp.asarray(rng.normal(size=(1024, 512)) * 0.03, jnp.float32),
+          "b1": jnp.zeros((512,)), "w2": jnp.asarray(rng.normal(size=(512, 10)) * 0.05,
+                                                      jnp.float32), "b2": jnp.zeros((10,))}
+
+
+def mlp_loss(p, b):
+  h = jax.nn.relu(b["x"] @ p["w1"] + p["b1"])
+  return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], b["y"]).mean()
+
+
+def mlp_batch():
+  rng = np.random.default_rng(1)
+  return {"x": jnp.asarray(rng.normal(size=(64, 1024)), jnp.float32),
+          "y": jnp.asarray(rng.integers(0, 10, size=64))}
+
+
+@pytest.mark.parametrize("name,options,at_least", [
+    ("scaled_sign", {}, 25), ("top_k", {"ratio": 0.01}, 40)])
+def test_two_phase_audit_keeps_the_ratio_at_8_workers(mesh, name, options, at_least):
+  c = commopt.compressors.make(name, **options)
+  params = mlp_params()
+  results = {}
+  for strategy in ("gather", "two_phase"):
+    tx = optax.chain(commopt.compressed_mean(c, "data", strategy=strategy), optax.sgd(0.1))
+    dp = commopt.data_parallel(mlp_loss, tx, mesh)
+    results[strategy] = wire.hlo_collectives(dp, params, dp.init(params), mlp_batch())
+  audit = results["two_phase"]
+  packed = [col for col in audit if col.kind in ("all-to-all", "all-gather")]
+  # Two compressed leaves (the weights): one all-to-all and one all-gather each.
+  assert sorted(col.kind for col in packed) == ["all-gather"] * 2 + ["all-to-all"] * 2
+  assert all(set(col.dtypes) == {"u32"} for col in packed)
+  dense_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+  dense_sent = 2 * (N - 1) / N * dense_bytes
+  ratio = dense_sent / wire.total_bytes(audit, "sent_bytes")
+  assert ratio >= at_least, ratio
+  # And gather, whose traffic grows with N, does not keep it.
+  assert dense_sent / wire.total_bytes(results["gather"], "sent_bytes") < ratio / 2
+
+
+# --- hierarchical ----------------------------------------------------------------
+
+
+def hierarchical(c, inner="auto", **kw):
+  return commopt.compressed_mean(c, AXES, strategy="hierarchical", inner_strategy=inner,
+                                 min_size=0, **kw)
+
+
+@pytest.mark.parametrize("inner", ["gather", "two_phase"])
+def test_hierarchical_identity_equals_flat(mesh, mesh2d, inner):
+  flat = commopt.testing.shard_map_workers(
+      commopt.compressed_mean(commopt.identity(), "data", min_size=0), mesh, "data")
+  hier = commopt.testing.shard_map_workers(hierarchical(commopt.identity(), inner), mesh2d, AXES)
+  u = updates(30)
+  o_f, _ = flat.update(u, flat.init(params_like()))
+  o_h, _ = hier.update(u, hier.init(params_like()))
+  for k in leaves(o_f):
+    np.testing.assert_allclose(leaves(o_h)[k], leaves(o_f)[k], atol=1e-6)
+
+
+def crosses_nodes(col):
+  return any(len({d // 4 for d in g}) > 1 for g in col.replica_groups)
+
+
+@pytest.mark.parametrize("inner", ["gather", "two_phase"])
+def test_hierarchical_compressed_bytes_cross_only_the_slow_axis(mesh2d, inner):
+  c = commopt.scaled_sign()
+  sm = commopt.testing.shard_map_workers(hierarchical(c, inner), mesh2d, AXES)
+  params = {"w": jnp.zeros((64, 48))}
+  u = {"w": updates(31)["w"]}
+  audit = wire.hlo_collectives(sm.update, u, sm.init(params))
+  slow = [col for col in audit if crosses_nodes(col)]
+  fast = [col for col in audit if not crosses_nodes(col)]
+  # Across nodes: packed words (and the f32 scales), between the same local
+  # rank of each node; never a float array of the shard's size.
+  assert slow and any("u32" in col.dtypes for col in slow)
+  assert all(d == "u32" or np.prod(shape) <= 2 for col in slow
+             for d, shape in zip(col.dtypes, col.shapes)), slow
+  assert all(g in ((0, 4), (1, 5), (2, 6), (3, 7)) for col in slow for g in col.replica_groups)
+  # Inside a node: the dense reduce-scatter and all-gather.
+  assert {col.kind for col in fast} == {"reduce-scatter", "all-gather"}
+  assert all("f32" in col.dtypes for col in fast)
+  # Each local rank compresses a quarter of the leaf: 768 coordinates.
+  shard = c.payload_bits((768,), jnp.float32) // 8
+  if inner == "gather":
+    assert wire.total_bytes(slow) == shard
+  else:
+    assert wire.total_bytes(slow) == 2 * 4 * (-(-c.payload_bits((384,), jnp.float32) // 32)) + \
+        4 * (-(-c.payload_bits((384,), jnp.float32) // 32))
+
+
+@pytest.mark.parametrize("inner", ["gather", "two_phase"])
+def test_hierarchical_conservation(mesh2d, inner):
+  sm = commopt.testing.shard_map_workers(hierarchical(commopt.scaled_sign(), inner), mesh2d, AXES)
+  state = sm.init(params_like())
+  sum_out = sum_in = 0.0
+  for step in range(4):
+    u = updates(40 + step)
+    out, state = sm.update(u, state)
+    sum_out = sum_out + leaves(out)["v"][0]
+    sum_in = sum_in + np.asarray(u["v"]).mean(0)
+  # The memory lives on the compressed shard: a node's memory is the sum of its
+  # local ranks' (disjoint) shards, and the mean over nodes enters the balance.
+  residual = np.asarray(state.residual["v"]).reshape(2, 4, -1).sum(1).mean(0)
+  server = 0.0
+  if inner == "two_phase":
+    server = np.asarray(state.server_residual["v"]).sum(0)
+  else:
+    assert isinstance(state.server_residual["v"], optax.MaskedNode)
+  np.testing.assert_allclose(sum_out + residual + server, sum_in, atol=2e-4, rtol=1e-4)
+
+
+def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
+  params = {"w": jnp.zeros((32, 4)), "b": jnp.zeros((4,))}
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+  batch = {"x": x, "y": x @ jnp.asarray(rng.normal(size=(32, 4)), jnp.float32)}
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+  flat = commopt.data_parallel(
+      loss, optax.chain(commopt.compressed_mean(commopt.identity(), "data"), optax.sgd(0.05)),
+      mesh)
+  hier = commopt.data_parallel(
+      loss, optax.chain(hierarchical(commopt.identity()), optax.sgd(0.05)), mesh2d, AXES)
+  assert hier.num_workers == 8
+  p_f, s_f, p_h, s_h = params, flat.init(params), params, hier.init(params)
+  for _ in range(5):
+    p_f, s_f, l_f = flat.step(p_f, s_f, batch)
+    p_h, s_h, l_h = hier.step(p_h, s_h, batch)
+  np.testing.assert_allclose(np.asarray(p_h["w"]), np.asarray(p_f["w"]), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(l_h), np.asarray(l_f), rtol=1e-5)
+  # With compression, the per-worker memory is stacked over both axes.
+  tx = optax.chain(hierarchical(commopt.scaled_sign(), "two_phase"), optax.sgd(0.05))
+  dp = commopt.data_parallel(loss, tx, mesh2d, AXES)
+  state = dp.init(params)
+  first = float(np.mean(np.asarray(dp.step(params, state, batch)[2])))
+  p = params
+  for _ in range(60):
+    p, state, losses = dp.step(p, state, batch)
+  assert float(np.mean(np.asarray(losses))) < 0.5 * first
+  assert state[0].residual["w"].shape == (8, 32, 4)
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: commopt.compressed_mean(commopt.power_sgd(2), "data", strategy="two_phase"),
+     "needs a stateless per-leaf compressor"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="hierarchical"),
+     r"`axis_name` = \(slow, fast\)"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), ("a", "a"), strategy="hierarchical"),
+     "two distinct mesh axis names"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), AXES),
+     "needs strategy='hierarchical'"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), AXES, strategy="hierarchical",
+                                     inner_strategy="ring"), "`inner_strategy` must be one of"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), AXES, strategy="hierarchical",
+                                     inner_strategy="psum"), "needs a linear compressor"),
+])
+def test_bad_strategy_arguments(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_data_parallel_rejects_a_mesh_without_the_axes(mesh):
+  loss = lambda p, b: jnp.sum(p["w"])
+  tx = optax.chain(hierarchical(commopt.scaled_sign()), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"must name distinct axes of the mesh, whose axes are "
+                                       r"\('data',\); \['node', 'local'\] are not among them"):
+    commopt.data_parallel(loss, tx, mesh, AXES)
