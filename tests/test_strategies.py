@@ -40,6 +40,18 @@ def leaves(tree):
   return {k: np.asarray(v) for k, v in tree.items() if v is not None}
 
 
+def run_sums(sm, seed, steps):
+  """Runs ``steps`` updates; returns (Σ outputs, Σ mean inputs) of leaf "v", and the state."""
+  state = sm.init(params_like())
+  sum_out = sum_in = 0.0
+  for step in range(steps):
+    u = updates(seed + step)
+    out, state = sm.update(u, state)
+    sum_out = sum_out + leaves(out)["v"][0]
+    sum_in = sum_in + np.asarray(u["v"]).mean(0)
+  return sum_out, sum_in, state
+
+
 def test_to_words_round_trip_mixed_dtypes():
   payload = {"a": jnp.arange(5, dtype=jnp.uint32), "b": jnp.ones((3,), jnp.bfloat16),
              "c": jnp.array([-1, 7], jnp.int32), "d": jnp.array([2.5], jnp.float32)}
@@ -71,14 +83,7 @@ def test_two_phase_conservation_of_both_memories(mesh, name):
   """Σ outputs + mean worker residual + the server memory = Σ mean inputs."""
   tx = commopt.compressed_mean(commopt.compressors.make(name), "data", strategy="two_phase",
                                min_size=0)
-  sm = commopt.testing.shard_map_workers(tx, mesh, "data")
-  state = sm.init(params_like())
-  sum_out = sum_in = 0.0
-  for step in range(5):
-    u = updates(10 + step)
-    out, state = sm.update(u, state)
-    sum_out = sum_out + leaves(out)["v"][0]
-    sum_in = sum_in + np.asarray(u["v"]).mean(0)
+  sum_out, sum_in, state = run_sums(commopt.testing.shard_map_workers(tx, mesh, "data"), 10, 5)
   worker = np.asarray(state.residual["v"]).mean(0)
   server = np.asarray(state.server_residual["v"])
   # Each worker keeps the server memory of its own chunk only.
@@ -199,13 +204,7 @@ def test_hierarchical_compressed_bytes_cross_only_the_slow_axis(mesh2d, inner):
 @pytest.mark.parametrize("inner", ["gather", "two_phase"])
 def test_hierarchical_conservation(mesh2d, inner):
   sm = commopt.testing.shard_map_workers(hierarchical(commopt.scaled_sign(), inner), mesh2d, AXES)
-  state = sm.init(params_like())
-  sum_out = sum_in = 0.0
-  for step in range(4):
-    u = updates(40 + step)
-    out, state = sm.update(u, state)
-    sum_out = sum_out + leaves(out)["v"][0]
-    sum_in = sum_in + np.asarray(u["v"]).mean(0)
+  sum_out, sum_in, state = run_sums(sm, 40, 4)
   # The memory lives on the compressed shard: a node's memory is the sum of its
   # local ranks' (disjoint) shards, and the mean over nodes enters the balance.
   residual = np.asarray(state.residual["v"]).reshape(2, 4, -1).sum(1).mean(0)
