@@ -48,12 +48,16 @@ def test_demo_rejects_unknown_compressor(tmp_path):
 
 def test_benchmark_reports_ratios(tmp_path):
   out = run(["benchmarks/bench_foundation.py", "--workers", "2", "--steps", "2",
-             "--compressors", "identity,power_sgd", "--out", str(tmp_path)], tmp_path)
+             "--compressors", "power_sgd,scaled_sign", "--strategies", "auto,two_phase",
+             "--out", str(tmp_path)], tmp_path)
   assert "time vs dense" in out
+  assert "skipped power_sgd(rank=2) with strategy='two_phase'" in out
   rows = json.loads((tmp_path / "foundation.json").read_text())["rows"]
-  assert [r["compressor"] for r in rows] == ["identity", "power_sgd(rank=2)"]
+  assert [r["compressor"] for r in rows] == [
+      "identity", "power_sgd(rank=2)", "scaled_sign", "scaled_sign [two_phase]"]
   assert rows[0]["step_time_vs_dense"] == 1.0
   assert rows[1]["audited_bytes"] == rows[1]["payload_bytes"] < rows[0]["payload_bytes"]
+  assert rows[3]["sent_bytes"] < rows[2]["sent_bytes"] * 1.5   # two workers: about even
 
 
 def test_quantize_benchmark_puts_baselines_beside(tmp_path):
