@@ -10,6 +10,7 @@ against cumulative bytes sent per worker, and the metrics as JSON.
     python examples/train.py --compressors top_k --ratio 0.05 --epochs 5
     python examples/train.py --compressors power_sgd --rank 4 --workers 4
     python examples/train.py --compressors identity,qsgd,int_quant,natural,signum --epochs 4
+    python examples/train.py --strategy two_phase       # ~2 payloads per worker, not N-1
 
 Besides the registry's compressors (run through compressed_mean with error
 feedback, then SGD with momentum), ``signum`` runs signSGD with majority vote
@@ -56,6 +57,8 @@ def parse_args(argv=None):
                  help="dgc: epochs of sparsity warm-up (0: none)")
   p.add_argument("--clip-norm", type=float, default=None, help="dgc: global gradient clip norm")
   p.add_argument("--no-error-feedback", action="store_true")
+  p.add_argument("--strategy", default="auto", choices=["auto", "psum", "gather", "two_phase"],
+                 help="compressed_mean's reduction (compressors that cannot use it run 'auto')")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="folder for the plot and metrics")
   p.add_argument("--max-steps", type=int, default=None, help="stop each run early (smoke tests)")
@@ -133,10 +136,17 @@ def main(argv=None):
         name, ratio=args.ratio, rank=args.rank, dtype=args.dtype, levels=args.levels,
         bits=args.bits, block_size=args.block_size, bucket_size=args.bucket_size,
         clip=args.clip, tau=args.tau, drop_ratio=args.drop_ratio, bin_size=args.bin_size)
-    tx = optax.chain(
-        commopt.compressed_mean(compressor, "data", error_feedback=not args.no_error_feedback),
-        optax.sgd(args.lr, momentum=args.momentum))
-    return compressor.name, tx, compressor, commopt.DEFAULT_MIN_SIZE, None
+    ef = not args.no_error_feedback
+    label = compressor.name if args.strategy == "auto" else f"{compressor.name} [{args.strategy}]"
+    try:
+      reduce = commopt.compressed_mean(compressor, "data", error_feedback=ef,
+                                       strategy=args.strategy)
+    except ValueError as e:
+      print(f"{compressor.name}: strategy {args.strategy!r} does not apply ({e}); using 'auto'")
+      reduce = commopt.compressed_mean(compressor, "data", error_feedback=ef)
+      label = compressor.name
+    tx = optax.chain(reduce, optax.sgd(args.lr, momentum=args.momentum))
+    return label, tx, compressor, commopt.DEFAULT_MIN_SIZE, None
 
   for name in names:
     label, tx, compressor, min_size, schedule = optimizer(name)
