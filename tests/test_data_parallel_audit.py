@@ -140,7 +140,7 @@ def test_transform_without_reduction_is_rejected(mesh):
 
 def test_bad_mesh_and_batch(mesh):
   tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(0.1))
-  with pytest.raises(ValueError, match="'model' is not an axis of the mesh"):
+  with pytest.raises(ValueError, match=r"\['model'\] is not among them"):
     commopt.data_parallel(loss_fn, tx, mesh, axis_name="model")
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   params = mlp_params()

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from commopt import kernels
 from commopt._src import base
 from commopt._src import bits as bitops
 from commopt.parallel import _collectives as coll
@@ -57,13 +58,22 @@ def _block_counts(n: int, block_size: Optional[int]) -> np.ndarray:
   return counts
 
 
-def _uniform(key, n: int, fn: str) -> jax.Array:
+def _need_key(key, fn: str):
   if key is None:
     raise ValueError(
         f"{fn}: this compressor is stochastic and needs a PRNG key; got key=None. "
         "compressed_mean passes one; when calling encode yourself pass "
         "jax.random.key(0) or similar.")
-  return jax.random.uniform(key, (n,), _F32)
+  return key
+
+
+def _uniform(key, n: int, fn: str) -> jax.Array:
+  return jax.random.uniform(_need_key(key, fn), (n,), _F32)
+
+
+def _random_bits(key, n: int, fn: str) -> jax.Array:
+  """The uint32 bits ``_uniform(key, n, fn)`` is made of (see ``kernels.uniform_from_bits``)."""
+  return jax.random.bits(_need_key(key, fn), (n,), jnp.uint32)
 
 
 def _inverse(scales: jax.Array, top) -> jax.Array:
@@ -87,7 +97,7 @@ def _flat32(x: jax.Array) -> jax.Array:
 
 def _sign_words(flat: jax.Array) -> jax.Array:
   """One bit per coordinate, set where the coordinate is negative."""
-  return bitops.pack(flat < 0, bits=1)
+  return kernels.sign_bits(flat)
 
 
 def _signs_from_words(words: jax.Array, n: int) -> jax.Array:
@@ -179,8 +189,8 @@ def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
   def encode(x, state, key):
     flat = _flat32(x)
     n = flat.shape[0]
-    scale = jnp.sum(jnp.abs(_blocks(flat, block_size)), axis=1) / _block_counts(n, block_size)
-    return {"scale": scale, "signs": _sign_words(flat)}, state
+    scale, signs = kernels.sign_pack(flat, block_size)
+    return {"scale": scale, "signs": signs}, state
 
   def decode(payload, state, like):
     n = base.leaf_size(like.shape)
@@ -280,10 +290,9 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
       bound = clip * jnp.std(flat)
       flat = jnp.where(bound > 0, jnp.clip(flat, -bound, bound), flat)
     s = jnp.max(jnp.abs(flat))
-    p = jnp.where(s > 0, jnp.abs(flat) / jnp.where(s > 0, s, 1.0), 0.0)
-    keep = _uniform(key, flat.shape[0], "terngrad") < p
-    codes = jnp.where(keep, jnp.where(flat < 0, 2, 1), 0)
-    return {"scale": s.reshape(1), "codes": bitops.pack(codes, 2)}, state
+    bits = _random_bits(key, flat.shape[0], "terngrad")
+    codes = kernels.quantize_pack(flat, bits, 1, s.reshape(1), style="terngrad")
+    return {"scale": s.reshape(1), "codes": codes}, state
 
   def decode(payload, state, like):
     codes = bitops.unpack(payload["codes"], base.leaf_size(like.shape), 2)
@@ -367,11 +376,9 @@ def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
     flat = _flat32(x)
     n = flat.shape[0]
     norms = jnp.linalg.norm(_blocks(flat, bucket_size), axis=1)
-    r = jnp.abs(flat) * _per_element(_inverse(norms, levels), n, bucket_size)
-    level = jnp.minimum(_stochastic_round(r, _uniform(key, n, "qsgd")), levels)
-    signed = jnp.where(flat < 0, -level, level)
-    codes = (signed + levels).astype(jnp.uint32)
-    return {"norms": norms, "codes": bitops.pack(codes, width)}, state
+    codes = kernels.quantize_pack(flat, _random_bits(key, n, "qsgd"), levels, norms,
+                                  block_size=bucket_size)
+    return {"norms": norms, "codes": codes}, state
 
   decode, payload_bits = _signed_levels(bucket_size, width, levels, "norms")
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from commopt import kernels
 from commopt._src import base
 
 VALUE_DTYPES = ("float16", "bfloat16", "float32")
@@ -261,6 +262,9 @@ def _magnitude_selector(approx: bool, method: str, sample_ratio: float,
       return first_true((magnitude >= threshold) & (magnitude > 0), k)
     if approx:
       return jax.lax.approx_max_k(magnitude, k, recall_target=recall_target)[1]
+    if kernels.use_pallas("auto", False, "top_k"):
+      # The radix-select kernel (GPUs): no sort; the same set, in index order.
+      return kernels.select_top_k(flat, k)[1]
     return jax.lax.top_k(magnitude, k)[1]
   return select
 

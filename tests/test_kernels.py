@@ -1,0 +1,244 @@
+"""Pallas kernels in interpret mode against their pure-jnp references (exact)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import commopt
+from commopt import kernels
+from commopt._src import bits as bitops
+
+PALLAS = {"implementation": "pallas", "interpret": True}
+SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -3.0, 3.0], np.float32)
+
+
+def mixed(n, seed, specials=True):
+  """Gaussian values with zeros, ±0, ±inf, NaN, denormals and exact ties mixed in."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(n).astype(np.float32)
+  ties = rng.random(n) < 0.3
+  x[ties] = rng.integers(-2, 3, int(ties.sum())).astype(np.float32)
+  if specials:
+    where = rng.choice(n, size=min(n, SPECIALS.size), replace=False)
+    x[where] = SPECIALS[:where.size]
+  return jnp.asarray(x)
+
+
+# --- dispatch ---------------------------------------------------------------------
+
+
+def test_auto_is_the_reference_on_cpu():
+  assert jax.default_backend() == "cpu"
+  assert not kernels._dispatch.use_pallas("auto", False, "f")
+  assert kernels._dispatch.use_pallas("auto", True, "f")
+  assert not kernels._dispatch.use_pallas("auto", True, "f", "no")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: kernels.pack_bits(jnp.ones(4, jnp.int32), 2, implementation="gpu"),
+     r"`implementation` must be one of \('auto', 'xla', 'pallas'\), got 'gpu'"),
+    (lambda: kernels.pack_bits(jnp.ones(4, jnp.int32), 2, implementation="pallas"),
+     r"needs a GPU backend, got 'cpu'; pass interpret=True"),
+    (lambda: kernels.pack_bits(jnp.ones(4, jnp.int32), 3, **PALLAS),
+     r"packs only \(1, 2, 4, 8\) bits per code, got bits=3"),
+    (lambda: kernels.pack_bits(jnp.ones(4), 2), r"`codes` must be an integer or boolean"),
+    (lambda: kernels.pack_bits(jnp.ones(4, jnp.int32), 2, block=48),
+     r"`block` must be a power of two >= 32, got 48"),
+    (lambda: kernels.unpack_bits(jnp.ones(1, jnp.uint32), 2, 17), r"`size` must be an integer in \[0, 16\]"),
+    (lambda: kernels.sign_pack(jnp.ones(4), block_size=0), r"`block_size` must be None or a positive"),
+    (lambda: kernels.sign_pack(jnp.ones(4, jnp.int32)), r"`x` must be a floating-point array"),
+    (lambda: kernels.select_top_k(jnp.ones(4), 5), r"`k` must be an integer in \[1, 4\] \(x.size\), got 5"),
+    (lambda: kernels.select_top_k(jnp.ones(4), 0), r"got 0"),
+    (lambda: kernels.select_top_k(jnp.ones(4), 1, radix_bits=9), r"`radix_bits` must be"),
+    (lambda: kernels.select_top_k(jnp.ones(4), 1, interpret=1), r"`interpret` must be True or False"),
+    (lambda: kernels.quantize_pack(jnp.ones(4), jnp.ones(4, jnp.uint32), 2, jnp.ones(1),
+                                   style="terngrad"), r"`levels` must be 1 for style='terngrad', got 2"),
+    (lambda: kernels.quantize_pack(jnp.ones(4), jnp.ones(3, jnp.uint32), 1, jnp.ones(1)),
+     r"`random_bits` must be uint32 with 4 elements"),
+    (lambda: kernels.quantize_pack(jnp.ones(4), jnp.ones(4, jnp.uint32), 1, jnp.ones(1),
+                                   block_size=2), r"`scales` must have 2 entries"),
+    (lambda: kernels.quantize_pack(jnp.ones(4), jnp.ones(4, jnp.uint32), 1, jnp.ones(1),
+                                   style="nf4"), r"`style` must be one of \('qsgd', 'terngrad'\)"),
+])
+def test_errors_name_the_argument_and_the_valid_values(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+def test_auto_falls_back_to_the_reference_for_widths_pallas_does_not_pack():
+  codes = jnp.arange(20, dtype=jnp.int32) % 8
+  got = kernels.pack_bits(codes, 3, interpret=True)
+  np.testing.assert_array_equal(got, bitops.pack(codes, 3))
+
+
+# --- packing ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [33, 257])
+def test_pack_and_unpack_bits_match_the_reference(bits, n):
+  """Sizes below, at and above the 64-code block, and not multiples of it or of a word."""
+  codes = jnp.asarray(np.random.default_rng(n + bits).integers(0, 2**bits, n), jnp.int32)
+  want = bitops.pack(codes, bits)
+  got = kernels.pack_bits(codes, bits, block=64, **PALLAS)
+  assert got.dtype == jnp.uint32 and got.shape == want.shape
+  np.testing.assert_array_equal(got, want)
+  back = kernels.unpack_bits(got, bits, n, block=64, **PALLAS)
+  np.testing.assert_array_equal(back, bitops.unpack(want, n, bits))
+  np.testing.assert_array_equal(back, codes)
+
+
+def test_pack_bits_takes_booleans_and_small_dtypes():
+  mask = jnp.asarray(np.random.default_rng(0).random(70) < 0.5)
+  np.testing.assert_array_equal(kernels.pack_bits(mask, 1, block=32, **PALLAS),
+                                bitops.pack(mask, 1))
+  codes = jnp.arange(70, dtype=jnp.uint8) % 16
+  np.testing.assert_array_equal(kernels.pack_bits(codes, 4, block=32, **PALLAS),
+                                bitops.pack(codes, 4))
+
+
+@given(data=st.data(), bits=st.sampled_from([1, 2, 4, 8]))
+@settings(max_examples=8)
+def test_pack_bits_round_trip_property(data, bits):
+  n = 45
+  codes = jnp.asarray(data.draw(st.lists(st.integers(0, 2**bits - 1), min_size=n, max_size=n)),
+                      jnp.int32)
+  words = kernels.pack_bits(codes, bits, block=32, **PALLAS)
+  np.testing.assert_array_equal(words, bitops.pack(codes, bits))
+  np.testing.assert_array_equal(kernels.unpack_bits(words, bits, n, block=32, **PALLAS), codes)
+
+
+# --- sign + scale + pack ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, block_size", [(1, None), (100, None), (257, None), (257, 48),
+                                           (257, 7), (200, 64), (100, 1000)])
+def test_sign_pack_matches_the_reference(n, block_size):
+  x = mixed(n, n, specials=False)
+  want_scales, want_words = kernels.sign_pack(x, block_size, implementation="xla")
+  scales, words = kernels.sign_pack(x, block_size, block=64, **PALLAS)
+  np.testing.assert_array_equal(words, want_words)
+  np.testing.assert_allclose(scales, want_scales, rtol=2e-6)
+  assert scales.shape == want_scales.shape == (-(-n // (block_size or n)) if block_size and block_size < n else 1,)
+
+
+def test_sign_pack_specials_and_bf16():
+  """-0.0 and NaN are sent as +; an inf makes its block's scale inf, a NaN makes it NaN."""
+  x = mixed(100, 3)
+  _, words = kernels.sign_pack(x, 32, block=32, **PALLAS)
+  np.testing.assert_array_equal(words, bitops.pack(x < 0, 1))
+  scales, _ = kernels.sign_pack(x, 32, block=32, **PALLAS)
+  np.testing.assert_allclose(scales, kernels.sign_pack(x, 32, implementation="xla")[0], rtol=2e-6)
+  xb = x.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(kernels.sign_bits(xb, block=32, **PALLAS), bitops.pack(xb < 0, 1))
+
+
+def test_sign_pack_reproduces_scaled_sign():
+  x = mixed(300, 5, specials=False)
+  for block_size in (None, 64):
+    payload, _ = commopt.scaled_sign(block_size).encode(x, None, None)
+    scales, words = kernels.sign_pack(x, block_size)
+    np.testing.assert_array_equal(words, payload["signs"])
+    np.testing.assert_array_equal(scales, payload["scale"])
+
+
+# --- stochastic quantise + pack ---------------------------------------------------
+
+
+def _quantize_inputs(n, block_size, seed, norm=True):
+  x = mixed(n, seed, specials=False)
+  r = jax.random.bits(jax.random.key(seed), (n,), jnp.uint32)
+  size = n if block_size is None else min(block_size, n)
+  blocks = jnp.pad(x, (0, -(-n // size) * size - n)).reshape(-1, size)
+  scales = jnp.linalg.norm(blocks, axis=1) if norm else jnp.max(jnp.abs(blocks), axis=1)
+  return x, r, scales.at[0].set(0.0) if scales.size > 1 else scales
+
+
+@pytest.mark.parametrize("levels, n, block_size", [(1, 100, None), (7, 257, 48), (127, 130, 7)])
+def test_quantize_pack_qsgd_matches_the_reference(levels, n, block_size):
+  x, r, scales = _quantize_inputs(n, block_size, levels + n)
+  want = kernels.quantize_pack(x, r, levels, scales, block_size=block_size, implementation="xla")
+  got = kernels.quantize_pack(x, r, levels, scales, block_size=block_size, block=64, **PALLAS)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n, block_size", [(100, None), (257, 64)])
+def test_quantize_pack_terngrad_matches_the_reference(n, block_size):
+  x, r, scales = _quantize_inputs(n, block_size, n, norm=False)
+  x = x.at[3].set(jnp.nan)
+  kw = {"block_size": block_size, "style": "terngrad"}
+  want = kernels.quantize_pack(x, r, 1, scales, implementation="xla", **kw)
+  got = kernels.quantize_pack(x, r, 1, scales, block=32, **PALLAS, **kw)
+  np.testing.assert_array_equal(got, want)
+  assert int(kernels.unpack_bits(got, 2, n)[3]) == 0   # NaN: level 0
+
+
+def test_quantize_pack_reproduces_qsgd_and_terngrad():
+  """The reference with jax.random.bits is today's compressors with jax.random.uniform."""
+  x = mixed(1000, 11, specials=False)
+  key = jax.random.key(4)
+  r = jax.random.bits(key, (1000,), jnp.uint32)
+  payload, _ = commopt.qsgd(levels=7, bucket_size=128).encode(x, None, key)
+  np.testing.assert_array_equal(
+      kernels.quantize_pack(x, r, 7, payload["norms"], block_size=128), payload["codes"])
+  payload, _ = commopt.terngrad(clip=None).encode(x, None, key)
+  np.testing.assert_array_equal(
+      kernels.quantize_pack(x, r, 1, payload["scale"], style="terngrad"), payload["codes"])
+
+
+def test_uniform_from_bits_is_jax_random_uniform():
+  key = jax.random.key(7)
+  np.testing.assert_array_equal(
+      kernels.uniform_from_bits(jax.random.bits(key, (513,), jnp.uint32)),
+      jax.random.uniform(key, (513,), jnp.float32))
+
+
+# --- top-k ------------------------------------------------------------------------
+
+
+def brute_top_k(x, k):
+  """Largest |x| bit patterns (NaN above inf), lower index first on ties, in index order."""
+  key = np.asarray(x, np.float32).view(np.uint32) & 0x7FFFFFFF
+  order = np.lexsort((np.arange(key.size), -key.astype(np.int64)))
+  return np.sort(order[:k])
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (100, 7), (257, 1), (257, 256), (257, 257)])
+def test_select_top_k_matches_the_reference(n, k):
+  """Ties, ±0, ±inf and NaN mixed in; sizes not multiples of the 32-element block."""
+  x = mixed(n, n + k)
+  values, indices = kernels.select_top_k(x, k, block=32, **PALLAS)
+  want_values, want_indices = kernels.select_top_k(x, k, implementation="xla")
+  np.testing.assert_array_equal(indices, want_indices)
+  np.testing.assert_array_equal(indices, brute_top_k(x, k))
+  np.testing.assert_array_equal(values, want_values)      # NaN == NaN here
+  assert values.dtype == x.dtype and indices.dtype == jnp.int32
+
+
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([5, 60]), radix_bits=st.sampled_from([3, 8]))
+@settings(max_examples=8)
+def test_select_top_k_property(seed, k, radix_bits):
+  x = mixed(90, seed)
+  _, indices = kernels.select_top_k(x, k, block=32, radix_bits=radix_bits, **PALLAS)
+  np.testing.assert_array_equal(indices, brute_top_k(x, k))
+
+
+def test_select_top_k_all_equal_and_bf16():
+  """All ties: the first k indices. bf16 ranks by its float32 value."""
+  x = -jnp.ones((3, 30))
+  np.testing.assert_array_equal(kernels.select_top_k(x, 40, block=32, **PALLAS)[1], np.arange(40))
+  xb = mixed(70, 2).astype(jnp.bfloat16)
+  values, indices = kernels.select_top_k(xb, 9, block=32, **PALLAS)
+  np.testing.assert_array_equal(indices, brute_top_k(xb.astype(jnp.float32), 9))
+  assert values.dtype == jnp.bfloat16
+
+
+def test_select_top_k_nan_is_the_largest_magnitude():
+  x = jnp.array([1.0, jnp.nan, -jnp.inf, 3.0, 0.0])
+  for options in (PALLAS, {"implementation": "xla"}):
+    values, indices = jax.jit(lambda v: kernels.select_top_k(v, 2, **options))(x)
+    assert indices.tolist() == [1, 2] and np.isnan(values[0]) and values[1] == -np.inf
+
