@@ -7,7 +7,17 @@ step around it; :mod:`commopt.wire` accounts for and audits the bytes.
 """
 
 from commopt import aggregators, compressors, testing, wire
-from commopt.aggregators import majority_vote
+from commopt.aggregators import (
+    CenteredClipState,
+    RobustState,
+    centered_clip,
+    coordinate_median,
+    geometric_median,
+    krum,
+    majority_vote,
+    multi_krum,
+    trimmed_mean,
+)
 from commopt._src.base import Compressor, EmptyState, Reduced
 from commopt.compressors import (
     AdaCompState,
@@ -50,21 +60,27 @@ __all__ = [
     "adaptive_levels",
     "aggregators",
     "cast",
+    "centered_clip",
+    "CenteredClipState",
     "compressed_mean",
     "CompressedMeanState",
     "Compressor",
     "compressors",
+    "coordinate_median",
     "data_parallel",
     "DataParallel",
     "DEFAULT_MIN_SIZE",
     "dgc",
     "DGCState",
     "EmptyState",
+    "geometric_median",
     "GlobalCompressor",
     "gradient_dropping",
     "identity",
     "int_quant",
+    "krum",
     "majority_vote",
+    "multi_krum",
     "natural",
     "onebit",
     "power_sgd",
@@ -73,6 +89,7 @@ __all__ = [
     "random_k",
     "RandomKState",
     "Reduced",
+    "RobustState",
     "scaled_sign",
     "scheduled_top_k",
     "sign",
@@ -80,6 +97,7 @@ __all__ = [
     "testing",
     "threshold",
     "top_k",
+    "trimmed_mean",
     "variance_balanced",
     "wire",
 ]

@@ -1,0 +1,337 @@
+"""Byzantine-robust aggregators and attack models."""
+
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import commopt
+from commopt.aggregators import _robust as robust
+from commopt.aggregators import attacks
+from commopt.testing import shard_map_workers, vmap_workers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N = 8
+
+
+def _bench():
+  spec = importlib.util.spec_from_file_location("bench_robust", ROOT / "benchmarks" / "bench_robust.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# ---------------------------------------------------------------------------
+# numpy references on the flattened [n, d] matrix of worker updates.
+
+
+def np_krum_scores(x, f):
+  n = len(x)
+  d2 = ((x[:, None] - x[None]) ** 2).sum(-1)
+  return np.array([np.sort(np.delete(d2[i], i))[:n - f - 2].sum() for i in range(n)])
+
+
+def np_multi_krum(x, f, m):
+  return x[np.argsort(np_krum_scores(x, f), kind="stable")[:m]].mean(0)
+
+
+def np_trimmed(x, beta):
+  b = int(np.floor(beta * len(x)))
+  return np.sort(x, 0)[b:len(x) - b].mean(0)
+
+
+def np_weiszfeld(x, iters, nu=1e-6):
+  z = np.median(x, 0)
+  for _ in range(iters):
+    a = 1.0 / np.maximum(np.linalg.norm(x - z, axis=1), nu)
+    z = (a[:, None] * x).sum(0) / a.sum()
+  return z
+
+
+def np_centered_clip(x, v, tau, iters):
+  for _ in range(iters):
+    diff = x - v
+    scale = np.minimum(1.0, tau / np.maximum(np.linalg.norm(diff, axis=1), 1e-30))
+    v = v + (scale[:, None] * diff).mean(0)
+  return v
+
+
+RULES = {
+    "krum": (lambda: robust.krum("workers", 2), lambda x: np_multi_krum(x, 2, 1)),
+    "multi_krum": (lambda: robust.multi_krum("workers", 2, 3), lambda x: np_multi_krum(x, 2, 3)),
+    "coordinate_median": (lambda: robust.coordinate_median("workers"), lambda x: np.median(x, 0)),
+    "trimmed_mean": (lambda: robust.trimmed_mean("workers", 0.25), lambda x: np_trimmed(x, 0.25)),
+    "geometric_median": (lambda: robust.geometric_median("workers", 6),
+                         lambda x: np_weiszfeld(x, 6)),
+    "centered_clip": (lambda: robust.centered_clip("workers", 1.5, 3),
+                      lambda x: np_centered_clip(x, np.zeros(x.shape[1]), 1.5, 3)),
+}
+
+
+def tree_updates(seed=0):
+  """Stacked [N, ...] updates: a matrix, a vector and a None leaf."""
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.normal(size=(N, 3, 4)), jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(N, 5)) * 2, jnp.float32), "none": None}
+
+
+def flat(tree):
+  return np.concatenate([np.asarray(tree["b"]).reshape(N, -1),
+                         np.asarray(tree["w"]).reshape(N, -1)], axis=1)
+
+
+def unflat(vec):
+  return {"b": vec[:5], "w": vec[5:].reshape(3, 4)}
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_rule_matches_numpy_reference_under_vmap(name):
+  make, ref = RULES[name]
+  tx = make()
+  u = tree_updates()
+  w = vmap_workers(tx, N)
+  out, state = w.update(u, w.init(jax.tree.map(lambda x: x if x is None else x[0], u)))
+  want = unflat(ref(flat(u)))
+  assert out["none"] is None
+  for k in ("w", "b"):
+    for i in range(N):     # replicated on every worker
+      np.testing.assert_allclose(out[k][i], want[k], rtol=2e-5, atol=2e-5)
+  assert int(state.count[0]) == 1
+
+
+def test_rules_under_shard_map_match_vmap():
+  mesh = jax.make_mesh((N,), ("workers",))
+  u = tree_updates(1)
+  u = {"w": u["w"], "b": u["b"]}
+  params = jax.tree.map(lambda x: x[0], u)
+  for name, (make, _) in sorted(RULES.items()):
+    tx = make()
+    sm = shard_map_workers(tx, mesh, "workers")
+    vm = vmap_workers(tx, N)
+    out_s, state_s = sm.update(u, sm.init(params))
+    out_v, _ = vm.update(u, vm.init(params))
+    for k in u:
+      np.testing.assert_allclose(out_s[k], out_v[k], rtol=1e-6, atol=1e-6, err_msg=name)
+    if name == "centered_clip":    # the centre is the new aggregate, replicated
+      np.testing.assert_allclose(np.asarray(state_s.center["w"])[3], out_v["w"][0], rtol=1e-6)
+
+
+def test_centered_clip_starts_from_previous_aggregate():
+  tx = robust.centered_clip("workers", 0.5, 2)
+  u = tree_updates(2)
+  u = {"w": u["w"], "b": u["b"]}
+  w = vmap_workers(tx, N)
+  state = w.init(jax.tree.map(lambda x: x[0], u))
+  out1, state = w.update(u, state)
+  out2, _ = w.update(u, state)
+  v1 = np.concatenate([np.asarray(out1["b"][0]), np.asarray(out1["w"][0]).reshape(-1)])
+  v2 = np_centered_clip(flat(u), v1, 0.5, 2)
+  np.testing.assert_allclose(np.asarray(out2["b"][0]), v2[:5], rtol=2e-5, atol=2e-6)
+
+
+def test_compressed_wire_gathers_packed_payloads():
+  c = commopt.int_quant(bits=8, block_size=None, rounding="nearest")
+  u = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(N, 256)), jnp.float32)}
+  tx = robust.coordinate_median("workers", compressor=c)
+  w = vmap_workers(tx, N)
+  out, _ = w.update(u, w.init({"w": u["w"][0]}))
+  decoded = jax.vmap(lambda x: c.decode(c.encode(x, None, None)[0], None, x))(u["w"])
+  np.testing.assert_allclose(out["w"][0], np.median(np.asarray(decoded), 0), rtol=1e-6)
+  # Under shard_map only the packed payload (256 one-byte codes in 64 words, and
+  # a scale) is all-gathered, never the dense f32[256] update.
+  mesh = jax.make_mesh((N,), ("workers",))
+  sm = shard_map_workers(tx, mesh, "workers")
+  hlo = sm.update.lower(u, sm.init({"w": u["w"][0]})).compile().as_text()
+  gathers = [line for line in hlo.splitlines() if "all-gather" in line and "=" in line]
+  assert gathers and not any("f32[8,256]" in g for g in gathers)
+  assert any("u32[8,64]" in g for g in gathers)
+
+
+def test_tolerance_median_and_trimmed_mean_ignore_huge_outliers():
+  rng = np.random.default_rng(4)
+  honest = rng.normal(size=(N, 16)).astype(np.float32)
+  for f, tx in ((3, robust.coordinate_median("workers")),
+                (2, robust.trimmed_mean("workers", 0.25))):
+    x = honest.copy()
+    x[:f] = 1e30 * np.sign(rng.normal(size=(f, 16)))
+    out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")(jnp.asarray(x))
+    lo, hi = honest[f:].min(0), honest[f:].max(0)
+    assert np.all((out[0] >= lo) & (out[0] <= hi))
+
+
+def test_tolerance_krum_picks_an_honest_worker():
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(N, 20)).astype(np.float32)
+  x[6:] = x[6:] * 50 + 100.0
+  for tx in (robust.krum("workers", 2), robust.multi_krum("workers", 2)):
+    out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")(jnp.asarray(x))
+    assert np.all(np.abs(out[0]) < 10)
+  out = jax.vmap(lambda u: robust.krum("workers", 2).update(u, robust.RobustState(
+      jnp.int32(0), jax.random.PRNGKey(0)))[0], axis_name="workers")(jnp.asarray(x))
+  assert any(np.allclose(out[0], x[i]) for i in range(6))
+
+
+def test_geometric_median_and_centered_clip_bound_outliers():
+  x = np.zeros((N, 4), np.float32)
+  x[:5] = np.random.default_rng(6).normal(size=(5, 4))
+  x[5:] = 1e6
+  for tx in (robust.geometric_median("workers", 20), robust.centered_clip("workers", 1.0, 3)):
+    out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")(jnp.asarray(x))
+    assert np.linalg.norm(out[0]) < 5
+
+
+@pytest.mark.parametrize("make, n, match", [
+    (lambda: robust.krum("w", 2), 6, "n > 2f"),
+    (lambda: robust.multi_krum("w", 1, m=4), 4, "n > 2f"),
+    (lambda: robust.multi_krum("w", 1, m=5), 5, "`m`=5"),
+    (lambda: robust.coordinate_median("w", f=4), 8, "f < n/2"),
+    (lambda: robust.trimmed_mean("w", 0.2, f=4), 8, "f < n/2"),
+    (lambda: robust.trimmed_mean("w", 0.2, f=2), 8, "trims b=1"),
+    (lambda: robust.geometric_median("w", f=3), 6, "f < n/2"),
+    (lambda: robust.centered_clip("w", 1.0, f=1), 2, "f < n/2"),
+])
+def test_too_few_workers_raise_at_trace_time(make, n, match):
+  tx = make()
+  with pytest.raises(ValueError, match=match):
+    jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="w")(jnp.ones((n, 3)))
+
+
+def test_local_krum_is_too_few_workers():
+  with pytest.raises(ValueError, match="axis has n=1"):
+    tx = robust.krum(None, 0)
+    tx.update(jnp.ones(3), tx.init(jnp.ones(3)))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: robust.trimmed_mean("w", 0.5), "`beta` must be a number in \\[0.0, 0.5\\)"),
+    (lambda: robust.trimmed_mean("w", -0.1), "`beta`"),
+    (lambda: robust.krum("w", -1), "`f` must be an integer >= 0, got -1"),
+    (lambda: robust.multi_krum("w", 1, m=0), "`m` must be an integer >= 1"),
+    (lambda: robust.centered_clip("w", 0.0), "`tau`"),
+    (lambda: robust.geometric_median("w", iters=0), "`iters`"),
+    (lambda: robust.krum(("a", "b"), 1), "`axis_name`"),
+    (lambda: robust.krum("w", 1, compressor="int8"), "`compressor`"),
+    (lambda: robust.krum("w", 1, compressor=commopt.power_sgd(2)), "stateless per-leaf"),
+    (lambda: attacks.attack("nope", "w", (0,)), "`kind` must be one of"),
+    (lambda: attacks.attack("alie", "w", (0,), zz=1), "unknown parameter"),
+    (lambda: attacks.bit_flip((0,), rate=0.0), "`rate`"),
+])
+def test_bad_arguments_raise(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+def test_non_float_leaf_raises():
+  tx = robust.coordinate_median(None)
+  with pytest.raises(ValueError, match="dtype int32"):
+    tx.update({"i": jnp.ones(3, jnp.int32)}, tx.init(None))
+
+
+def test_bad_byzantine_indices_raise():
+  with pytest.raises(ValueError, match="distinct worker indices in \\[0, 4\\)"):
+    jax.vmap(lambda u: attacks.apply_attack(u, "sign_flip", axis_name="w", byzantine=(4,)),
+             axis_name="w")(jnp.ones((4, 2)))
+
+
+# ---------------------------------------------------------------------------
+# Attacks.
+
+
+def test_attacks_match_their_definitions():
+  rng = np.random.default_rng(7)
+  g = rng.normal(size=(N, 6)).astype(np.float32)
+  byz = (1, 4)
+  honest = np.delete(g, byz, axis=0)
+  mu, sd = honest.mean(0), honest.std(0)
+  want = {"sign_flip": -g[1], "scaled": -100 * g[1], "alie": mu - 1.5 * sd, "ipm": -0.1 * mu}
+  for kind, target in want.items():
+    out = jax.vmap(lambda u: attacks.apply_attack(u, kind, axis_name="w", byzantine=byz, z=1.5),
+                   axis_name="w")(jnp.asarray(g))
+    np.testing.assert_allclose(out[1], target, rtol=1e-5, atol=1e-6, err_msg=kind)
+    np.testing.assert_allclose(np.delete(np.asarray(out), byz, 0), honest, err_msg=kind)
+  key = jax.random.PRNGKey(0)
+  out = jax.vmap(lambda u: attacks.apply_attack(u, "gaussian", axis_name="w", byzantine=byz,
+                                                key=key, sigma=3.0), axis_name="w")(jnp.asarray(g))
+  assert not np.allclose(out[1], out[4]) and np.allclose(out[0], g[0])
+  from statistics import NormalDist
+  assert abs(attacks.alie_z(50, 24) - NormalDist().inv_cdf(48 / 50)) < 1e-9  # s = 26 - 24
+  assert attacks.alie_z(8, 1) == 0.0
+
+
+def test_attack_transform_under_shard_map_and_mask():
+  mesh = jax.make_mesh((N,), ("workers",))
+  mask = np.zeros(N, bool)
+  mask[[0, 5]] = True
+  tx = attacks.attack("ipm", "workers", jnp.asarray(mask), epsilon=2.0)
+  g = {"x": jnp.arange(N * 3, dtype=jnp.float32).reshape(N, 3)}
+  sm = shard_map_workers(tx, mesh, "workers")
+  out, _ = sm.update(g, sm.init({"x": g["x"][0]}))
+  mu = np.asarray(g["x"])[~mask].mean(0)
+  out = np.asarray(out["x"])
+  np.testing.assert_allclose(out[5], -2.0 * mu, rtol=1e-6)
+  np.testing.assert_allclose(out[1], g["x"][1])
+
+
+def test_bit_flip_corrupts_only_byzantine_payload_words():
+  hook = attacks.bit_flip((1,), rate=0.5)
+  payload = {"codes": jnp.zeros((N, 64), jnp.uint32), "scale": jnp.ones((N, 2))}
+  out = jax.vmap(lambda p: hook(p, key=jax.random.PRNGKey(1), axis_name="w"),
+                 axis_name="w")(payload)
+  assert np.all(np.asarray(out["codes"])[[0, 2, 3, 4, 5, 6, 7]] == 0)
+  ones = np.unpackbits(np.asarray(out["codes"][1]).view(np.uint8)).mean()
+  assert 0.4 < ones < 0.6
+  np.testing.assert_array_equal(out["scale"], payload["scale"])
+  floats = attacks.bit_flip((1,), rate=0.5, floats=True)
+  out = jax.vmap(lambda p: floats(p, key=jax.random.PRNGKey(1), axis_name="w"),
+                 axis_name="w")(payload)
+  assert not np.array_equal(np.asarray(out["scale"][1]), np.ones(2))
+
+
+# ---------------------------------------------------------------------------
+# Robustness on least squares: 8 workers, f = 1 and 2 attackers, every attack.
+
+ROBUST_FACTOR = 1.5
+"""Each robust rule's final loss stays within this factor of the honest mean run."""
+
+
+@pytest.fixture(scope="module")
+def convex_results():
+  return _bench().run_convex()
+
+
+def test_robust_rules_keep_loss_near_honest_run(convex_results):
+  honest = convex_results["mean"]["none/0"]
+  assert 0.05 < honest < 0.2     # the noise floor of the problem
+  bad = {(rule, cfg): loss / honest
+         for rule, row in convex_results.items() if rule != "mean"
+         for cfg, loss in row.items() if not loss <= ROBUST_FACTOR * honest}
+  assert not bad, bad
+  cfgs = set(convex_results["krum"])
+  assert {f"{a}/{f}" for a in attacks.KINDS + ("bit_flip",) for f in (1, 2)} <= cfgs
+
+
+def test_plain_mean_diverges_under_scaled_attack(convex_results):
+  for f in (1, 2):
+    loss = convex_results["mean"][f"scaled/{f}"]
+    assert not np.isfinite(loss) or loss > 1e6, loss
+
+
+def test_robust_rule_in_data_parallel_keeps_params_replicated():
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = optax.chain(attacks.attack("scaled", "data", (0,)),
+                   robust.geometric_median("data", 4, f=1), optax.sgd(0.1))
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+  dp = commopt.data_parallel(loss, tx, mesh)
+  params = {"w": jnp.zeros((4, 1))}
+  state = dp.init(params)
+  rng = np.random.default_rng(8)
+  x = rng.normal(size=(64, 4)).astype(np.float32)
+  batch = {"x": x, "y": x @ np.ones((4, 1), np.float32)}
+  for _ in range(20):
+    params, state, losses = dp.step(params, state, batch)
+  assert float(losses.mean()) < 0.5
+  assert not any(dp.varying)      # every state leaf is replicated
