@@ -69,6 +69,17 @@ class Compressor:
     return f"Compressor({self.name})"
 
 
+def is_stateless_per_leaf(compressor: Compressor) -> bool:
+  """Whether each payload decodes on its own: no per-leaf state, own protocol or tree-wide selection.
+
+  Chunked reductions and robust rules encode pieces or decode each worker's
+  payload independently, which only such compressors allow.
+  """
+  state = jax.eval_shape(compressor.init, jax.ShapeDtypeStruct((8,), jnp.float32))
+  return (compressor.reduce is None and not jax.tree.leaves(state)
+          and getattr(compressor, "encode_tree", None) is None)
+
+
 def stateless_init(leaf) -> EmptyState:
   del leaf
   return EmptyState()
@@ -87,6 +98,75 @@ def check_positive_int(name: str, value, *, fn: str) -> int:
     raise ValueError(
         f"{fn}: `{name}` must be a positive integer, got {value!r}.")
   return int(value)
+
+
+def block_len(n: int, block_size: Optional[int]) -> int:
+  """Coordinates per block when ``n`` are cut into blocks of ``block_size`` (None: one block)."""
+  return n if block_size is None else min(block_size, n)
+
+
+def block_counts(n: int, block_size: Optional[int]) -> np.ndarray:
+  """Coordinates in each block (float32; the last block may be shorter)."""
+  size = block_len(n, block_size)
+  counts = np.full(-(-n // size), size, np.float32)
+  counts[-1] = n - size * (counts.size - 1)
+  return counts
+
+
+def check_int(name: str, value, *, fn: str, minimum: int) -> int:
+  """``value`` as an int, or a ValueError unless it is an integer >= ``minimum``."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{fn}: `{name}` must be an integer >= {minimum}, got {value!r}.")
+  return int(value)
+
+
+def check_number(name: str, value, *, fn: str, low: float, high: float = math.inf,
+                 low_open: bool = True, high_open: bool = True,
+                 what: Optional[str] = None) -> float:
+  """``value`` as a float, or a ValueError unless it lies in the interval from ``low`` to ``high``.
+
+  The ends are open unless ``low_open``/``high_open`` say otherwise; NaN and
+  booleans are refused. ``what`` replaces the default description
+  ("a number in (low, high)") in the message.
+  """
+  try:
+    v = float(value)
+  except (TypeError, ValueError):
+    v = float("nan")
+  ok = ((v > low) if low_open else (v >= low)) and ((v < high) if high_open else (v <= high))
+  if isinstance(value, bool) or not ok:
+    if what is None:
+      lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+      what = f"a number in {lo}{low}, {high}{hi}"
+    raise ValueError(f"{fn}: `{name}` must be {what}, got {value!r}.")
+  return v
+
+
+def need_key(key, fn: str):
+  """``key``, or a ValueError when a stochastic encode was given none."""
+  if key is None:
+    raise ValueError(
+        f"{fn}: `encode` needs a PRNG key (this compressor is stochastic), got key=None. "
+        "compressed_mean passes one; when calling encode yourself pass jax.random.key(0) "
+        "or similar.")
+  return key
+
+
+def check_axis_name(axis_name, fn: str) -> None:
+  """A ValueError unless ``axis_name`` is None or a mesh axis name."""
+  if axis_name is not None and not isinstance(axis_name, str):
+    raise ValueError(
+        f"{fn}: `axis_name` must be None or a mesh axis name (str), got {axis_name!r}.")
+
+
+def check_float_leaf(fn: str, path, leaf, *, verb: str, what: str = "an update") -> None:
+  """A ValueError unless ``leaf`` is a floating-point array (None-like leaves pass)."""
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None or not is_float_dtype(dtype):
+    raise ValueError(
+        f"{fn}: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}, but "
+        f"only floating-point leaves can be {verb}. Pass None for leaves that carry no "
+        "gradient, or wrap the transform in optax.masked so that it skips them.")
 
 
 def check_ratio(name: str, value, *, fn: str) -> float:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from commopt import kernels
 from commopt._src import base
 from commopt._src import bits as bitops
 from commopt.parallel import _collectives as coll
@@ -99,20 +100,14 @@ def majority_vote(axis_name: Optional[str] = None) -> optax.GradientTransformati
     Bernstein et al., signSGD with Majority Vote is Communication Efficient
     and Fault Tolerant, ICLR 2019.
   """
-  if axis_name is not None and not isinstance(axis_name, str):
-    raise ValueError(
-        f"majority_vote: `axis_name` must be None or a mesh axis name (str), got {axis_name!r}.")
+  base.check_axis_name(axis_name, "majority_vote")
 
   def vote(path, u):
     if u is None or isinstance(u, optax.MaskedNode):
       return u
-    if not base.is_float_dtype(u.dtype):
-      raise ValueError(
-          f"majority_vote: update leaf {jax.tree_util.keystr(path) or '<root>'} has dtype "
-          f"{u.dtype}; only floating-point leaves can be voted. Pass None for leaves "
-          "without a gradient or wrap the transform in optax.masked.")
+    base.check_float_leaf("majority_vote", path, u, verb="voted")
     n = base.leaf_size(u.shape)
-    words = bitops.pack(u.reshape(-1) < 0, bits=1)
+    words = kernels.sign_bits(u.reshape(-1))
     negative, tie = vote_words(coll.all_gather(words, axis_name))
     neg = bitops.unpack(negative, n, 1).astype(jnp.float32)
     zero = bitops.unpack(tie, n, 1).astype(jnp.float32)

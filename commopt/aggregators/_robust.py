@@ -29,6 +29,7 @@ import optax
 
 from commopt._src import base
 from commopt.parallel import _collectives as coll
+from commopt.transforms._compressed_mean import worker_key as worker_key_for
 
 PayloadAttack = Callable[..., Any]
 """``payload_attack(payload, *, key, axis_name) -> payload``: corrupts what a worker sends."""
@@ -67,32 +68,6 @@ def _is_node(x) -> bool:
   return x is None or isinstance(x, optax.MaskedNode)
 
 
-def _check_int(name: str, value, *, fn: str, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(
-        f"{fn}: `{name}` must be an integer >= {minimum}, got {value!r}.")
-  return int(value)
-
-
-def _check_float(name: str, value, *, fn: str, low: float, high: float = float("inf"),
-                 low_open: bool = True, high_open: bool = True) -> float:
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    v = float("nan")
-  ok = ((v > low) if low_open else (v >= low)) and ((v < high) if high_open else (v <= high))
-  if isinstance(value, bool) or not ok:
-    lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-    raise ValueError(f"{fn}: `{name}` must be a number in {lo}{low}, {high}{hi}, got {value!r}.")
-  return v
-
-
-def _check_axis(axis_name, fn: str):
-  if axis_name is not None and not isinstance(axis_name, str):
-    raise ValueError(
-        f"{fn}: `axis_name` must be None or a mesh axis name (str), got {axis_name!r}.")
-
-
 def _check_compressor(compressor, fn: str):
   if compressor is None:
     return
@@ -100,9 +75,7 @@ def _check_compressor(compressor, fn: str):
     raise ValueError(
         f"{fn}: `compressor` must be None (dense) or a commopt Compressor such as "
         f"commopt.int_quant(), got {compressor!r}.")
-  state = jax.eval_shape(compressor.init, jax.ShapeDtypeStruct((8,), jnp.float32))
-  if (compressor.reduce is not None or jax.tree.leaves(state)
-      or getattr(compressor, "encode_tree", None) is not None):
+  if not base.is_stateless_per_leaf(compressor):
     raise ValueError(
         f"{fn}: `compressor` must be a stateless per-leaf compressor (each worker's "
         f"payload is decoded on its own); {compressor.name} keeps per-leaf state, runs its "
@@ -141,7 +114,7 @@ class _Wire(NamedTuple):
 
 def _make_wire(fn, compressor, min_size, payload_attack) -> _Wire:
   _check_compressor(compressor, fn)
-  _check_int("min_size", min_size, fn=fn, minimum=0)
+  base.check_int("min_size", min_size, fn=fn, minimum=0)
   if payload_attack is not None and not callable(payload_attack):
     raise ValueError(
         f"{fn}: `payload_attack` must be None or a callable "
@@ -167,30 +140,13 @@ def _gather(wire: _Wire, u: jax.Array, key, axis_name) -> jax.Array:
   return coll.all_gather(u, axis_name).astype(jnp.float32)
 
 
-def _leaf_keys(state_key, count, compressor, axis_name):
-  step_key = jax.random.fold_in(state_key, count)
-  if compressor is not None and compressor.shared_randomness:
-    return step_key
-  return jax.random.fold_in(step_key, coll.axis_index(axis_name))
-
-
-def _check_leaves(fn, leaves):
-  for path, u in leaves:
-    if _is_node(u):
-      continue
-    dtype = getattr(u, "dtype", None)
-    if dtype is None or not base.is_float_dtype(dtype):
-      raise ValueError(
-          f"{fn}: update leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}; "
-          "only floating-point leaves can be aggregated. Pass None for leaves without a "
-          "gradient or wrap the transform in optax.masked.")
-
-
 def _gathered_leaves(fn, wire, updates, state, axis_name):
   """(flat leaves with paths, treedef, gathered [n, ...] float32 per array leaf or None)."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_node)
-  _check_leaves(fn, leaves)
-  worker_key = _leaf_keys(state.key, state.count, wire.compressor, axis_name)
+  for path, u in leaves:
+    if not _is_node(u):
+      base.check_float_leaf(fn, path, u, verb="aggregated")
+  worker_key = worker_key_for(state.key, state.count, wire.compressor, axis_name)
   gathered = [None if _is_node(u) else _gather(wire, u, jax.random.fold_in(worker_key, i),
                                                axis_name)
               for i, (_, u) in enumerate(leaves)]
@@ -342,8 +298,8 @@ def krum(axis_name: Optional[str], f: int, *, compressor: Optional[base.Compress
     Gradient Descent, NeurIPS 2017.
   """
   fn = "krum"
-  _check_axis(axis_name, fn)
-  f = _check_int("f", f, fn=fn, minimum=0)
+  base.check_axis_name(axis_name, fn)
+  f = base.check_int("f", f, fn=fn, minimum=0)
   wire = _make_wire(fn, compressor, min_size, payload_attack)
   return _transform(fn, axis_name, wire, seed, _multi_krum_rule(f, 1),
                     lambda n: check_tolerance(fn, n, f, need="krum"), vector=True)
@@ -386,10 +342,10 @@ def multi_krum(axis_name: Optional[str], f: int, m: Optional[int] = None, *,
     Gradient Descent, NeurIPS 2017.
   """
   fn = "multi_krum"
-  _check_axis(axis_name, fn)
-  f = _check_int("f", f, fn=fn, minimum=0)
+  base.check_axis_name(axis_name, fn)
+  f = base.check_int("f", f, fn=fn, minimum=0)
   if m is not None:
-    m = _check_int("m", m, fn=fn, minimum=1)
+    m = base.check_int("m", m, fn=fn, minimum=1)
   wire = _make_wire(fn, compressor, min_size, payload_attack)
 
   def check_n(n):
@@ -443,9 +399,9 @@ def coordinate_median(axis_name: Optional[str], f: Optional[int] = None, *,
     Statistical Rates, ICML 2018.
   """
   fn = "coordinate_median"
-  _check_axis(axis_name, fn)
+  base.check_axis_name(axis_name, fn)
   if f is not None:
-    f = _check_int("f", f, fn=fn, minimum=0)
+    f = base.check_int("f", f, fn=fn, minimum=0)
   wire = _make_wire(fn, compressor, min_size, payload_attack)
   return _transform(fn, axis_name, wire, seed, lambda g: jnp.median(g, axis=0),
                     lambda n: check_tolerance(fn, n, f, need="majority"), vector=False)
@@ -495,10 +451,10 @@ def trimmed_mean(axis_name: Optional[str], beta: float, f: Optional[int] = None,
     Statistical Rates, ICML 2018.
   """
   fn = "trimmed_mean"
-  _check_axis(axis_name, fn)
-  beta = _check_float("beta", beta, fn=fn, low=0.0, high=0.5, low_open=False)
+  base.check_axis_name(axis_name, fn)
+  beta = base.check_number("beta", beta, fn=fn, low=0.0, high=0.5, low_open=False)
   if f is not None:
-    f = _check_int("f", f, fn=fn, minimum=0)
+    f = base.check_int("f", f, fn=fn, minimum=0)
   wire = _make_wire(fn, compressor, min_size, payload_attack)
 
   def check_n(n):
@@ -582,11 +538,11 @@ def geometric_median(axis_name: Optional[str], iters: int = 8, *, nu: float = 1e
     Learning, IEEE Transactions on Signal Processing 2022 (RFA).
   """
   fn = "geometric_median"
-  _check_axis(axis_name, fn)
-  iters = _check_int("iters", iters, fn=fn, minimum=1)
-  nu = _check_float("nu", nu, fn=fn, low=0.0)
+  base.check_axis_name(axis_name, fn)
+  iters = base.check_int("iters", iters, fn=fn, minimum=1)
+  nu = base.check_number("nu", nu, fn=fn, low=0.0)
   if f is not None:
-    f = _check_int("f", f, fn=fn, minimum=0)
+    f = base.check_int("f", f, fn=fn, minimum=0)
   wire = _make_wire(fn, compressor, min_size, payload_attack)
   return _transform(fn, axis_name, wire, seed, lambda x: weiszfeld(x, iters, nu),
                     lambda n: check_tolerance(fn, n, f, need="majority"), vector=True)
@@ -654,11 +610,11 @@ def centered_clip(axis_name: Optional[str], tau: float, iters: int = 1, *,
     Optimization, ICML 2021.
   """
   fn = "centered_clip"
-  _check_axis(axis_name, fn)
-  tau = _check_float("tau", tau, fn=fn, low=0.0)
-  iters = _check_int("iters", iters, fn=fn, minimum=1)
+  base.check_axis_name(axis_name, fn)
+  tau = base.check_number("tau", tau, fn=fn, low=0.0)
+  iters = base.check_int("iters", iters, fn=fn, minimum=1)
   if f is not None:
-    f = _check_int("f", f, fn=fn, minimum=0)
+    f = base.check_int("f", f, fn=fn, minimum=0)
   wire = _make_wire(fn, compressor, min_size, payload_attack)
 
   def init_fn(params):

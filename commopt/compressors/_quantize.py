@@ -13,7 +13,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from commopt import kernels
 from commopt._src import base
@@ -40,40 +39,24 @@ def _num_blocks(n: int, block_size: Optional[int]) -> int:
 def _blocks(flat: jax.Array, block_size: Optional[int]) -> jax.Array:
   """``flat`` zero-padded to whole blocks, shaped ``[blocks, block]``."""
   n = flat.shape[0]
-  size = n if block_size is None else min(block_size, n)
+  size = base.block_len(n, block_size)
   nb = -(-n // size)
   return jnp.pad(flat, (0, nb * size - n)).reshape(nb, size)
 
 
 def _per_element(per_block: jax.Array, n: int, block_size: Optional[int]) -> jax.Array:
   """Broadcasts one value per block back to the ``n`` coordinates."""
-  size = n if block_size is None else min(block_size, n)
+  size = base.block_len(n, block_size)
   return jnp.broadcast_to(per_block[:, None], (per_block.shape[0], size)).reshape(-1)[:n]
 
 
-def _block_counts(n: int, block_size: Optional[int]) -> np.ndarray:
-  size = n if block_size is None else min(block_size, n)
-  counts = np.full(-(-n // size), size, np.float32)
-  counts[-1] = n - size * (counts.size - 1)
-  return counts
-
-
-def _need_key(key, fn: str):
-  if key is None:
-    raise ValueError(
-        f"{fn}: this compressor is stochastic and needs a PRNG key; got key=None. "
-        "compressed_mean passes one; when calling encode yourself pass "
-        "jax.random.key(0) or similar.")
-  return key
-
-
 def _uniform(key, n: int, fn: str) -> jax.Array:
-  return jax.random.uniform(_need_key(key, fn), (n,), _F32)
+  return jax.random.uniform(base.need_key(key, fn), (n,), _F32)
 
 
 def _random_bits(key, n: int, fn: str) -> jax.Array:
   """The uint32 bits ``_uniform(key, n, fn)`` is made of (see ``kernels.uniform_from_bits``)."""
-  return jax.random.bits(_need_key(key, fn), (n,), jnp.uint32)
+  return jax.random.bits(base.need_key(key, fn), (n,), jnp.uint32)
 
 
 def _inverse(scales: jax.Array, top) -> jax.Array:
@@ -187,9 +170,7 @@ def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
   block_size = _check_block_size(block_size, "scaled_sign")
 
   def encode(x, state, key):
-    flat = _flat32(x)
-    n = flat.shape[0]
-    scale, signs = kernels.sign_pack(flat, block_size)
+    scale, signs = kernels.sign_pack(_flat32(x), block_size)
     return {"scale": scale, "signs": signs}, state
 
   def decode(payload, state, like):
@@ -282,7 +263,7 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
     Distributed Deep Learning, NeurIPS 2017.
   """
   if clip is not None:
-    clip = _check_positive_float("clip", clip, fn="terngrad")
+    clip = base.check_number("clip", clip, fn="terngrad", low=0.0, what="a finite number > 0")
 
   def encode(x, state, key):
     flat = _flat32(x)
@@ -304,21 +285,8 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
       payload_bits=lambda shape, dtype: 32 + _words_bits(base.leaf_size(shape), 2))
 
 
-def _check_positive_float(name: str, value, *, fn: str) -> float:
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    v = float("nan")
-  if isinstance(value, bool) or not (v > 0 and math.isfinite(v)):
-    raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {value!r}.")
-  return v
-
-
 def _check_levels(levels, fn: str, minimum: int = 1) -> int:
-  if (isinstance(levels, bool) or not isinstance(levels, (int, np.integer))
-      or levels < minimum):
-    raise ValueError(f"{fn}: `levels` must be an integer >= {minimum}, got {levels!r}.")
-  return int(levels)
+  return base.check_int("levels", levels, fn=fn, minimum=minimum)
 
 
 def _signed_levels(block_size, width: int, top: int, scale_key: str):
@@ -414,7 +382,7 @@ def qsgd_elias_bits(shape, levels: int, bucket_size: Optional[int] = 512) -> flo
   levels = _check_levels(levels, "qsgd_elias_bits")
   n = base.leaf_size(shape)
   total = 0.0
-  for count in _block_counts(n, _check_block_size(bucket_size, "qsgd_elias_bits", "bucket_size")):
+  for count in base.block_counts(n, _check_block_size(bucket_size, "qsgd_elias_bits", "bucket_size")):
     count = float(count)
     nonzeros = levels * (levels + math.sqrt(count))
     total += (3 + 1.5 * math.log2(2 * (levels ** 2 + count) / nonzeros)) * nonzeros + 32

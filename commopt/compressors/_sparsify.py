@@ -134,24 +134,6 @@ def _check_choice(name: str, value, valid: tuple, fn: str):
   return value
 
 
-def _check_float(name: str, value, fn: str, *, low: float, what: str) -> float:
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    v = float("nan")
-  if isinstance(value, bool) or not (v > low and math.isfinite(v)):
-    raise ValueError(f"{fn}: `{name}` must be {what}, got {value!r}.")
-  return v
-
-
-def _need_key(key, fn: str):
-  if key is None:
-    raise ValueError(
-        f"{fn}: `encode` needs a PRNG key (e.g. jax.random.PRNGKey(0)), got None; "
-        "compressed_mean passes one.")
-  return key
-
-
 def _check_coded_size(size: int, fn: str):
   if size > _MAX_CODED_SIZE:
     raise ValueError(
@@ -257,7 +239,7 @@ def _magnitude_selector(approx: bool, method: str, sample_ratio: float,
   def select(flat, k, key):
     magnitude = jnp.abs(flat)
     if method == "sample":
-      threshold = sampled_threshold(magnitude, k / flat.size, _need_key(key, "top_k"),
+      threshold = sampled_threshold(magnitude, k / flat.size, base.need_key(key, "top_k"),
                                     sample_ratio)
       return first_true((magnitude >= threshold) & (magnitude > 0), k)
     if approx:
@@ -439,7 +421,7 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
 
   def draw(key, shape):
     size = base.leaf_size(shape)
-    uniform = jax.random.uniform(_need_key(key, "random_k"), (size,))
+    uniform = jax.random.uniform(base.need_key(key, "random_k"), (size,))
     return jax.lax.top_k(uniform, leaf_k(shape))[1].astype(jnp.int32)
 
   def factor(shape):
@@ -511,7 +493,7 @@ def threshold(tau: float, *, capacity: float = 0.01) -> base.Compressor:
     Strom, Scalable Distributed DNN Training Using Commodity GPU Cloud
     Computing, Interspeech 2015.
   """
-  tau = _check_float("tau", tau, "threshold", low=0.0, what="a finite number > 0")
+  tau = base.check_number("tau", tau, fn="threshold", low=0.0, what="a finite number > 0")
   capacity = base.check_ratio("capacity", capacity, fn="threshold")
 
   def slots(shape) -> int:
@@ -579,7 +561,7 @@ def gradient_dropping(drop_ratio: float = 0.99, *, sample_ratio: float = 0.001,
   return _sparse_compressor(
       f"gradient_dropping(drop_ratio={drop})",
       lambda shape: _fraction_count(keep, base.leaf_size(shape)),
-      _with_values(lambda flat, k, key: select(flat, k, _need_key(key, "gradient_dropping"))),
+      _with_values(lambda flat, k, key: select(flat, k, base.need_key(key, "gradient_dropping"))),
       value_dtype)
 
 
@@ -717,10 +699,8 @@ def variance_balanced(ratio: float | None = None, *, k: int | None = None,
   """
   leaf_k = _budget("variance_balanced", ratio, k)
   iterations = base.check_positive_int("iterations", iterations, fn="variance_balanced")
-  capacity = _check_float("capacity", capacity, "variance_balanced", low=-math.inf,
-                          what="a number >= 1")
-  if capacity < 1.0:
-    raise ValueError(f"variance_balanced: `capacity` must be a number >= 1, got {capacity!r}.")
+  capacity = base.check_number("capacity", capacity, fn="variance_balanced", low=1.0,
+                               low_open=False, what="a number >= 1")
 
   def slots(shape) -> int:
     return min(base.leaf_size(shape), math.ceil(capacity * leaf_k(shape)))
@@ -728,7 +708,7 @@ def variance_balanced(ratio: float | None = None, *, k: int | None = None,
   def pick(flat, n_slots, key):
     magnitude = jnp.abs(flat).astype(jnp.float32)
     p = keep_probabilities(magnitude, leaf_k(flat.shape), iterations)
-    u = jax.random.uniform(_need_key(key, "variance_balanced"), flat.shape)
+    u = jax.random.uniform(base.need_key(key, "variance_balanced"), flat.shape)
     indices = first_true(u < p, n_slots)
     kept = _take(p, indices)
     return indices, _take(flat.astype(jnp.float32), indices) / jnp.where(kept > 0, kept, 1.0)

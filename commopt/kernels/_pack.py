@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from commopt._src import base
 from commopt._src import bits as bitops
 from commopt.kernels import _dispatch as dispatch
 
@@ -89,19 +90,9 @@ def _segment_size(n: int, block_size: Optional[int], block: int) -> int:
   return min(block, block_size & -block_size)
 
 
-def _block_len(n: int, block_size: Optional[int]) -> int:
-  return n if block_size is None else min(block_size, n)
-
-
-def _block_counts(n: int, block_size: Optional[int]) -> jax.Array:
-  size = _block_len(n, block_size)
-  nb = -(-n // size)
-  return jnp.full((nb,), size, _F32).at[-1].set(n - size * (nb - 1))
-
-
 def _block_sums(values: jax.Array, n: int, block_size: Optional[int], per: int) -> jax.Array:
   """Sums of ``values`` in groups of ``per``, one per scale block (zero-padded)."""
-  size = _block_len(n, block_size)
+  size = base.block_len(n, block_size)
   nb = -(-n // size)
   group = -(-size // per)
   values = jnp.pad(values, (0, nb * group - values.shape[0]))
@@ -337,7 +328,7 @@ def sign_pack(x: jax.Array, block_size: Optional[int] = None, *, implementation:
     if not with_scale:
       return None, words
     sums = _block_sums(jnp.abs(flat), n, block_size, 1)
-    return sums / _block_counts(n, block_size), words
+    return sums / base.block_counts(n, block_size), words
 
   def codes_fn(chunks, extra, idx):
     v = chunks[0].astype(_F32)
@@ -348,7 +339,7 @@ def sign_pack(x: jax.Array, block_size: Optional[int] = None, *, implementation:
   if not with_scale:
     return None, out[0]
   sums = _block_sums(out[1], n, block_size, segment)
-  return sums / _block_counts(n, block_size), out[0]
+  return sums / base.block_counts(n, block_size), out[0]
 
 
 def quantize_pack(x: jax.Array, random_bits: jax.Array, levels: int, scales: jax.Array, *,
@@ -411,7 +402,7 @@ def quantize_pack(x: jax.Array, random_bits: jax.Array, levels: int, scales: jax
     raise ValueError(
         f"quantize_pack: `random_bits` must be uint32 with {n} elements (as `x`), got "
         f"{rbits.dtype} with {rbits.shape[0]}.")
-  size = _block_len(n, block_size) if n else 1
+  size = base.block_len(n, block_size) if n else 1
   nb = -(-n // size) if n else 0
   scales = jnp.reshape(scales, (-1,)).astype(_F32)
   if scales.shape[0] != nb:

@@ -76,9 +76,7 @@ def payload_words(compressor: base.Compressor, n: int, dtype) -> int:
 
 def check_stateless(compressor: base.Compressor, fn: str, strategy: str):
   """Two-phase and hierarchical re-encode chunks; they need a stateless compressor."""
-  state = jax.eval_shape(compressor.init, jax.ShapeDtypeStruct((8,), jnp.float32))
-  if compressor.reduce is not None or jax.tree.leaves(state) \
-      or getattr(compressor, "encode_tree", None) is not None:
+  if not base.is_stateless_per_leaf(compressor):
     raise ValueError(
         f"{fn}: strategy={strategy!r} splits each leaf into chunks and encodes them "
         f"independently, so it needs a stateless per-leaf compressor; {compressor.name} "

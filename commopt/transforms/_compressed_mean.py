@@ -58,15 +58,21 @@ def _flatten(tree):
 
 
 def _check_leaf(path, leaf, what: str):
-  if _is_node(leaf):
-    return
-  dtype = getattr(leaf, "dtype", None)
-  if dtype is None or not base.is_float_dtype(dtype):
-    raise ValueError(
-        f"compressed_mean: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has "
-        f"dtype {dtype}, but only floating-point leaves can be compressed. "
-        "Pass None for leaves that carry no gradient, or wrap the transform in "
-        "optax.masked so that it skips them.")
+  if not _is_node(leaf):
+    base.check_float_leaf("compressed_mean", path, leaf, verb="compressed", what=what)
+
+
+def worker_key(key, count, compressor, axis_name):
+  """This worker's key for step ``count``: ``fold_in(fold_in(key, count), axis_index)``.
+
+  Compressors with shared randomness (or none, ``compressor=None`` counts as
+  not shared) use the step key alone; one local worker (``axis_name=None``)
+  draws as worker 0 of a mesh would.
+  """
+  step_key = jax.random.fold_in(key, count)
+  if compressor is not None and compressor.shared_randomness:
+    return step_key
+  return jax.random.fold_in(step_key, coll.axis_index(axis_name))
 
 
 def exchange(payload, decode, strategy: str, axis_name):
@@ -173,7 +179,8 @@ def compressed_mean(
 
   Randomness: the step key is ``fold_in(key, count)`` and the worker key
   ``fold_in(step_key, axis_index)`` (index 0 when ``axis_name`` is None);
-  compressors with shared randomness use the step key alone. Leaf ``i`` uses ``fold_in(worker_key, i)``.
+  compressors with shared randomness use the step key alone (see :func:`worker_key`).
+  Leaf ``i`` uses ``fold_in(worker_key, i)``.
 
   Args:
     compressor: a :class:`~commopt.Compressor`.
@@ -314,12 +321,7 @@ def compressed_mean(
     residuals = treedef.flatten_up_to(state.residual)
     cstates = treedef.flatten_up_to(state.compressor_state)
 
-    step_key = jax.random.fold_in(state.key, state.count)
-    worker_key = step_key
-    if not compressor.shared_randomness:
-      # One local worker (axis_name=None) draws as worker 0 of a mesh would.
-      index = 0 if axis_name is None else coll.axis_index(axis_name)
-      worker_key = jax.random.fold_in(step_key, index)
+    wkey = worker_key(state.key, state.count, compressor, axis_name)
 
     out, new_res, new_cs = [], [], []
     inputs, compressed = [], []
@@ -340,42 +342,47 @@ def compressed_mean(
     servers = (treedef.flatten_up_to(state.server_residual)
                if state.server_residual is not None else [optax.MaskedNode()] * len(leaves))
     new_servers = list(servers)
+    memories = [None if _is_node(m) else m for m in servers]
+
+    def _update_residuals(indices, means, locals_):
+      for i, mean, local in zip(indices, means, locals_):
+        p = inputs[i]
+        out[i] = mean.astype(leaves[i][1].dtype)
+        new_res[i] = p - local.astype(p.dtype) if error_feedback else residuals[i]
+
     xs = [inputs[i].astype(leaves[i][1].dtype) for i in compressed]
-    if strategy in ("two_phase", "hierarchical"):
+    if strategy == "hierarchical":
+      # Worker-side memory lives on the compressed shard: the strategy keeps it.
       for i in compressed:
         u, e = leaves[i][1], residuals[i]
-        memory = None if _is_node(servers[i]) else servers[i]
-        key = jax.random.fold_in(worker_key, i)
-        if strategy == "two_phase":
-          mean, local, memory = _strategies.two_phase(
-              compressor, xs[compressed.index(i)].reshape(-1), memory, key, axis_name)
-          out[i] = mean.reshape(u.shape).astype(u.dtype)
-          new_res[i] = (inputs[i] - local.reshape(u.shape).astype(inputs[i].dtype)
-                        if error_feedback else e)
-        else:
-          mean, residual, memory = _strategies.hierarchical(
-              _slow_reduce(compressor, inner, key, axis_name[0]), u.reshape(-1),
-              e.reshape(-1) if error_feedback else None, memory, *axis_name)
-          out[i] = mean.reshape(u.shape).astype(u.dtype)
-          new_res[i] = residual.reshape(u.shape) if error_feedback else e
+        mean, residual, memory = _strategies.hierarchical(
+            _slow_reduce(compressor, inner, jax.random.fold_in(wkey, i), axis_name[0]),
+            u.reshape(-1), e.reshape(-1) if error_feedback else None, memories[i], *axis_name)
+        out[i] = mean.reshape(u.shape).astype(u.dtype)
+        new_res[i] = residual.reshape(u.shape) if error_feedback else e
         if memory is not None:
           new_servers[i] = memory
-      compressed = []   # handled
-    if _is_global(compressor) and compressed:
+    elif _is_global(compressor) and compressed:
       # One selection over every compressed leaf; the state is per leaf and unused.
-      means, locals_ = _reduce_global(compressor, strategy, xs, worker_key, axis_name)
+      means, locals_ = _reduce_global(compressor, strategy, xs, wkey, axis_name)
+      _update_residuals(compressed, means, locals_)
     else:
       means, locals_ = [], []
       for i, x in zip(compressed, xs):
-        reduced = _reduce_leaf(compressor, strategy, x, cstates[i],
-                               jax.random.fold_in(worker_key, i), axis_name)
-        means.append(reduced.mean)
-        locals_.append(reduced.local)
-        new_cs[i] = reduced.state
-    for i, mean, local in zip(compressed, means, locals_):
-      p = inputs[i]
-      out[i] = mean.astype(leaves[i][1].dtype)
-      new_res[i] = p - local.astype(p.dtype) if error_feedback else residuals[i]
+        key = jax.random.fold_in(wkey, i)
+        if strategy == "two_phase":
+          mean, local, memory = _strategies.two_phase(
+              compressor, x.reshape(-1), memories[i], key, axis_name)
+          mean, local = mean.reshape(x.shape), local.reshape(x.shape)
+          if memory is not None:
+            new_servers[i] = memory
+        else:
+          reduced = _reduce_leaf(compressor, strategy, x, cstates[i], key, axis_name)
+          mean, local = reduced.mean, reduced.local
+          new_cs[i] = reduced.state
+        means.append(mean)
+        locals_.append(local)
+      _update_residuals(compressed, means, locals_)
 
     unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
     new_state = CompressedMeanState(

@@ -221,17 +221,12 @@ def dgc(axis_name: Optional[str] = None, *,
     Bandwidth for Distributed Training, ICLR 2018.
   """
   densities, boundaries = _check_schedule(densities, boundaries)
-  try:
-    m = float(momentum)
-  except (TypeError, ValueError):
-    m = float("nan")
-  if isinstance(momentum, bool) or not 0.0 <= m < 1.0:
-    raise ValueError(f"dgc: `momentum` must be a number in [0, 1), got {momentum!r}.")
+  m = base.check_number("momentum", momentum, fn="dgc", low=0, high=1, low_open=False)
   if not isinstance(nesterov, bool):
     raise ValueError(f"dgc: `nesterov` must be True or False, got {nesterov!r}.")
   if clip_norm is not None:
-    clip_norm = _sparsify._check_float("clip_norm", clip_norm, "dgc", low=0.0,
-                                       what="None or a finite number > 0")
+    clip_norm = base.check_number("clip_norm", clip_norm, fn="dgc", low=0.0,
+                                  what="None or a finite number > 0")
   inner = cm.compressed_mean(scheduled_top_k(densities, boundaries, method=method),
                              axis_name, min_size=min_size, seed=seed)
 
