@@ -150,7 +150,25 @@ def _gathered_leaves(fn, wire, updates, state, axis_name):
   gathered = [None if _is_node(u) else _gather(wire, u, jax.random.fold_in(worker_key, i),
                                                axis_name)
               for i, (_, u) in enumerate(leaves)]
-  return leaves, treedef, gathered
+  return leaves, treedef, zero_non_finite_workers(gathered)
+
+
+def zero_non_finite_workers(gathered):
+  """Replaces by zeros every worker whose update holds a non-finite value in any leaf.
+
+  A corrupted payload (a flipped exponent bit) or an overflow would otherwise
+  make the distances, norms and sums of the rules NaN on every worker; as
+  zeros it is one more outlier for the rule to reject.
+  """
+  arrays = [g for g in gathered if g is not None]
+  if not arrays:
+    return gathered
+  bad = jnp.zeros(arrays[0].shape[:1], bool)
+  for g in arrays:
+    bad = bad | ~jnp.all(jnp.isfinite(g.reshape(g.shape[0], -1)), axis=1)
+  return [None if g is None else
+          jnp.where(bad.reshape((-1,) + (1,) * (g.ndim - 1)), jnp.zeros((), g.dtype), g)
+          for g in gathered]
 
 
 def _unflatten(treedef, leaves, values):
@@ -216,6 +234,9 @@ _COMMON_ARGS = """
       payloads are all-gathered and every worker's payload is decoded before
       the rule is applied. Leaves below ``min_size`` elements, or that the
       compressor does not accept, go dense. There is no error feedback.
+      Whatever the wire, a worker whose update holds a non-finite value (in
+      any leaf) is counted as sending zeros, so it cannot make the aggregate
+      NaN.
     min_size: leaves with fewer elements are sent dense.
     payload_attack: ``None`` or ``payload_attack(payload, *, key, axis_name)``
       applied to what each worker sends, before the all-gather (e.g.
@@ -665,4 +686,5 @@ __all__ = [
     "trimmed_count",
     "trimmed_mean",
     "weiszfeld",
+    "zero_non_finite_workers",
 ]
