@@ -32,8 +32,9 @@ run keeps what it measured) and a heat map ``robust_<problem>.png`` beside it.
 ``--check`` exits 1 unless every rule meets its stated factor.
 
     python benchmarks/bench_robust.py --problems convex --check     # seconds
-    python benchmarks/bench_robust.py --problems digits --check     # ~1 h on 2 CPU cores
+    python benchmarks/bench_robust.py --problems digits --check     # ~15 min on 2 CPU cores
     python benchmarks/bench_robust.py --problems digits --rules mean,krum --attacks none,alie --fs 2
+    python benchmarks/bench_robust.py --problems speed    # sorting network vs jnp.sort
 """
 
 from __future__ import annotations
@@ -320,17 +321,44 @@ def run_digits(rules=RULES, names=ATTACKS, fs=(1, 2, 3), *, epochs: int = 5,
 
 
 # ---------------------------------------------------------------------------
+# Speed of the coordinate-wise sort behind the median family.
+
+
+def run_speed(ns=(8, 16), d: int = 1 << 20, repeats: int = 5) -> dict:
+  """Best-of-``repeats`` ms of XLA's ``jnp.sort`` / ``jnp.median`` over axis 0 against the
+  sorting network (``sort_workers`` / ``median_workers``), same run, same input."""
+  import timeit
+  out = {}
+  for n in ns:
+    x = jnp.asarray(np.random.default_rng(n).normal(size=(n, d)).astype(np.float32))
+    pairs = {"sort": (lambda v: jnp.sort(v, axis=0), robust.sort_workers),
+             "median": (lambda v: jnp.median(v, axis=0), robust.median_workers)}
+    for what, (xla, net) in pairs.items():
+      times = []
+      for fn in (xla, net):
+        f = jax.jit(fn)
+        f(x).block_until_ready()
+        times.append(1e3 * min(timeit.repeat(lambda f=f: f(x).block_until_ready(),
+                                             number=1, repeat=repeats)))
+      out[f"{what} n={n} d={d}"] = {"xla_ms": times[0], "network_ms": times[1],
+                                    "speedup": times[0] / times[1]}
+      print(f"  {what:<6} n={n:<3} d={d}: jnp {times[0]:8.2f} ms   network {times[1]:8.2f} ms"
+            f"   {times[0] / times[1]:5.1f}x", flush=True)
+  return out
+
+
+# ---------------------------------------------------------------------------
 # Reporting.
 
 
 def _ratios(results: dict, rule: str, own: bool = False) -> dict:
   """``{"attack/f": loss / reference}`` for ``rule``, against the honest mean run
   (or, ``own=True``, against the rule's own run without attackers)."""
-  ref = results[rule if own else "mean"]["none/0"] if (rule if own else "mean") in results else None
-  row = results.get(rule, {})
-  if ref is None:
+  ref = results.get(rule if own else "mean", {}).get("none/0")
+  if ref is None:        # the reference run was not asked for
     return {}
-  return {c: (v / ref if np.isfinite(v) else float("inf")) for c, v in row.items()}
+  return {c: (v / ref if np.isfinite(v) else float("inf"))
+          for c, v in results.get(rule, {}).items()}
 
 
 def _order(cols):
@@ -427,7 +455,8 @@ def plot(results: dict, problem: str, path: pathlib.Path) -> None:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--problems", default="convex,digits", help="convex, digits or both")
+  p.add_argument("--problems", default="convex,digits",
+                 help="comma-separated: convex, digits, speed (the median family's sort)")
   p.add_argument("--rules", default=",".join(RULES))
   p.add_argument("--attacks", default=",".join(ATTACKS))
   p.add_argument("--fs", default="1,2,3",
@@ -476,6 +505,10 @@ def main(argv=None):
   failures = []
   for problem in [p for p in args.problems.split(",") if p]:
     t0 = time.perf_counter()
+    if problem == "speed":
+      out["speed"] = run_speed()
+      save()
+      continue
     if problem == "convex":
       res = run_convex(rules, names, fs)
     elif problem == "digits":
@@ -483,7 +516,7 @@ def main(argv=None):
                        momentum=args.momentum, worker_momentum=args.momentum_at == "worker",
                        tau=args.tau, on_result=lambda r: save("digits", r))
     else:
-      sys.exit(f"--problems: unknown {problem!r}; valid: convex, digits")
+      sys.exit(f"--problems: unknown {problem!r}; valid: convex, digits, speed")
     save(problem, res)
     print(table(res, problem))
     print(summary(res, FACTORS[problem]))

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import commopt
 from commopt.aggregators import _robust as robust
@@ -86,6 +88,30 @@ def flat(tree):
 
 def unflat(vec):
   return {"b": vec[:5], "w": vec[5:].reshape(3, 4)}
+
+
+@settings(max_examples=40)
+@given(n=st.integers(1, 40), d=st.integers(1, 7), seed=st.integers(0, 2**31 - 1),
+       ties=st.booleans())
+def test_sort_workers_equals_numpy_sort(n, d, seed, ties):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, d)).astype(np.float32)
+  if ties:    # repeated values and infinities
+    x = np.round(x)
+    x[rng.random(size=x.shape) < 0.1] = np.inf
+    x[rng.random(size=x.shape) < 0.1] = -np.inf
+  np.testing.assert_array_equal(np.asarray(robust.sort_workers(jnp.asarray(x))), np.sort(x, 0))
+  if np.isfinite(x).all():
+    np.testing.assert_allclose(np.asarray(robust.median_workers(jnp.asarray(x))),
+                               np.median(x, 0), rtol=1e-6, atol=1e-6)
+
+
+def test_sorting_network_sizes():
+  # Batcher's odd-even merge sort: 19 comparators for 8 inputs, 63 for 16.
+  assert len(robust.sorting_network(8)) == 19
+  assert len(robust.sorting_network(16)) == 63
+  assert all(i < j < 5 for i, j in robust.sorting_network(5))
+  assert robust.sorting_network(1) == ()
 
 
 @pytest.mark.parametrize("name", sorted(RULES))

