@@ -146,11 +146,28 @@ def configs(fs=(1, 2, 3), names=ATTACKS, rule=None):
 
 FACTORS = {
     "convex": {rule: 1.5 for rule in RULES if rule != "mean"},
-    "digits": {},
+    # Measured on 2 CPU cores, jax 0.10.2 (the closing table of the digits run), rounded
+    # up. Krum keeps one worker's update, and the two ALIE attackers send the same
+    # vector, so Krum picks it every step (alie/2: 21.8x; 4.1x its own honest run).
+    # centered_clip's worst is the scaled attack at f = 2 (6.5x): each attacker
+    # still moves the centre by tau/n a step. The median family at f = 3 is 5.6x at
+    # worst, against 8.4x for the plain mean under the same sign flips.
+    "digits": {"krum": 25.0, "multi_krum": 4.0, "coordinate_median": {2: 4.0, 3: 6.0},
+               "trimmed_mean": 3.5, "centered_clip": 7.0, "geometric_median": {2: 4.0, 3: 6.0}},
 }
 """The stated factor per problem and rule: its final loss under every attack it
-tolerates stays within ``factor ×`` the honest plain-mean run's. ``--check`` holds
-a run to it; tests/test_robust.py holds the convex problem to it in CI."""
+tolerates stays within ``factor ×`` the honest plain-mean run's. A ``{f_max: factor}``
+dict states one factor per attacker count (the smallest ``f_max >= f`` applies).
+``--check`` holds a run to them; tests/test_robust.py holds the convex problem to
+them in CI."""
+
+
+def stated_factor(spec, f: int) -> float:
+  """The factor of ``spec`` (a number or ``{f_max: factor}``) for ``f`` attackers."""
+  if not isinstance(spec, dict):
+    return float(spec)
+  fits = [k for k in spec if k >= f]
+  return float(spec[min(fits)]) if fits else float("nan")
 
 
 def masks(f: int) -> np.ndarray:
@@ -391,7 +408,7 @@ def summary(results: dict, factors: dict) -> str:
   """Per rule: the worst ratio under attack, against the honest mean run and against
   the rule's own honest run, and the stated factor (against the honest mean run)."""
   lines = [f"{'rule':<18}{'worst vs honest mean':>28}{'worst vs own honest run':>28}"
-           f"{'stated':>8}"]
+           f"{'stated':>10}"]
   for rule in results:
     if rule == "mean":
       continue
@@ -404,16 +421,20 @@ def summary(results: dict, factors: dict) -> str:
       worst = max(r, key=r.get)
       cells.append(f"{f'{r[worst]:.2f}x ({worst})':>28}")
     stated = factors.get(rule)
-    lines.append(f"{rule:<18}" + "".join(cells)
-                 + f"{(f'{stated:g}x' if stated else '-'):>8}")
+    if isinstance(stated, dict):
+      stated = "/".join(f"{v:g}x" for _, v in sorted(stated.items()))
+    elif stated is not None:
+      stated = f"{stated:g}x"
+    lines.append(f"{rule:<18}" + "".join(cells) + f"{stated or '-':>10}")
   return "\n".join(lines)
 
 
 def check(results: dict, factors: dict) -> list[str]:
-  """The runs whose loss exceeds ``factor ×`` the honest mean run's (empty: all met)."""
+  """The runs whose loss exceeds the stated factor × the honest mean run's (empty: all met)."""
   bad = []
-  for rule, factor in factors.items():
+  for rule, spec in factors.items():
     for cfg, ratio in _ratios(results, rule).items():
+      factor = stated_factor(spec, int(cfg.split("/")[1]))
       if not ratio <= factor:
         bad.append(f"{rule} {cfg}: {ratio:.2f}x > {factor:g}x")
   return bad
@@ -470,11 +491,35 @@ def parse_args(argv=None):
   p.add_argument("--check", action="store_true",
                  help="exit 1 unless every rule meets its stated factor (FACTORS)")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "robust.json"))
+  p.add_argument("--report", metavar="JSON", default=None,
+                 help="run nothing: print the tables (and --check) of a saved run")
   return p.parse_args(argv)
+
+
+def report(path: str, do_check: bool) -> None:
+  """Tables, summaries, heat maps and the factor check of a saved run."""
+  saved = json.loads(pathlib.Path(path).read_text())
+  failures = []
+  for problem in ("convex", "digits"):
+    if problem in saved:
+      print(table(saved[problem], problem))
+      print(summary(saved[problem], FACTORS[problem]) + "\n")
+      failures += [f"{problem}: {line}" for line in check(saved[problem], FACTORS[problem])]
+      plot(saved[problem], problem, pathlib.Path(path).with_name(f"robust_{problem}.png"))
+  finish(failures, do_check)
+
+
+def finish(failures: list[str], do_check: bool) -> None:
+  if do_check:
+    if failures:
+      sys.exit("stated factors not met:\n  " + "\n  ".join(failures))
+    print("every rule meets its stated factor")
 
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.report:
+    return report(args.report, args.check)
   rules = tuple(r for r in args.rules.split(",") if r)
   names = tuple(a for a in args.attacks.split(",") if a)
   for r in rules:
@@ -525,10 +570,7 @@ def main(argv=None):
     plot(res, problem, path.with_name(f"robust_{problem}.png"))
   save()
   print(f"wrote {path}")
-  if args.check:
-    if failures:
-      sys.exit("stated factors not met:\n  " + "\n  ".join(failures))
-    print("every rule meets its stated factor")
+  finish(failures, args.check)
 
 
 if __name__ == "__main__":

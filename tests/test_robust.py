@@ -368,6 +368,9 @@ def test_robustness_check_flags_a_rule_beyond_its_factor(convex_results):
   assert bench.check(worse, {"krum": 1.5}) == ["krum ipm/2: 1.60x > 1.5x"]
   assert bench.check({**worse, "krum": {**worse["krum"], "ipm/2": float("nan")}},
                      {"krum": 1.5}) == ["krum ipm/2: infx > 1.5x"]
+  assert not bench.check(worse, {"krum": {1: 1.5, 2: 1.7}})     # one factor per f
+  assert [bench.stated_factor({2: 4, 3: 6}, f) for f in (1, 2, 3)] == [4.0, 4.0, 6.0]
+  assert np.isnan(bench.stated_factor({2: 4}, 3))
 
 
 def test_plain_mean_diverges_under_scaled_attack(convex_results):

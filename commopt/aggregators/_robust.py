@@ -281,7 +281,9 @@ def sort_workers(x: jax.Array) -> jax.Array:
   """``jnp.sort(x, axis=0)`` for the ``[n, ...]`` values of ``n`` workers.
 
   For ``n <= SORT_NETWORK_MAX_N`` a sorting network of elementwise min/max
-  over whole rows (about 20x faster than XLA's sort for ``n = 8`` on CPU);
+  over whole rows, one fused pass (14-30x faster than XLA's sort for
+  ``n = 8, 16`` on CPU; a median keeps only the comparators that reach the
+  middle rows, which XLA prunes: ~300x; ``bench_robust.py --problems speed``);
   beyond, ``jnp.sort``. Inputs must not hold NaN (the rules zero non-finite
   workers first; see :func:`zero_non_finite_workers`).
   """
@@ -352,6 +354,12 @@ def krum(axis_name: Optional[str], f: int, *, compressor: Optional[base.Compress
   Tolerance: ``f`` Byzantine workers out of ``n`` when ``n > 2f + 2``
   (Blanchard et al.); with ``n = 8`` that is ``f <= 2``. A smaller axis
   raises a ``ValueError`` when the update is traced.
+
+  Krum keeps one worker's update, so even without attackers it has the
+  variance of a single worker's batch; and colluding attackers that send the
+  same update (ALIE) have the lowest scores and are picked every step. On the
+  demo CNN both cost more than any other rule here (``benchmarks/bench_robust.py``);
+  prefer :func:`multi_krum` or the median family.
 
   Args:
     axis_name: the named axis of the workers (``None``: one local worker,
