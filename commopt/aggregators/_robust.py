@@ -45,9 +45,13 @@ class RobustState(NamedTuple):
       ``fold_in(key, count)``.
     key: the base PRNG key (raw uint32[2]) of the compressor and of a
       ``payload_attack``.
+    residual: with ``error_feedback=True``, each worker's error memory (float32,
+      shaped like the updates; ``optax.MaskedNode()`` where a leaf is sent
+      dense); else ``optax.MaskedNode()``. It differs between workers.
   """
   count: jax.Array
   key: jax.Array
+  residual: Any = optax.MaskedNode()
 
 
 class CenteredClipState(NamedTuple):
@@ -59,10 +63,13 @@ class CenteredClipState(NamedTuple):
     center: the previous aggregate, shaped like the updates (float32;
       ``optax.MaskedNode()`` for ``None`` and masked leaves); the clipping
       starts from it.
+    residual: each worker's error memory with ``error_feedback=True`` (as in
+      :class:`RobustState`).
   """
   count: jax.Array
   key: jax.Array
   center: Any
+  residual: Any = optax.MaskedNode()
 
 
 def _is_node(x) -> bool:
@@ -111,9 +118,10 @@ class _Wire(NamedTuple):
   compressor: Optional[base.Compressor]
   min_size: int
   payload_attack: Optional[PayloadAttack]
+  error_feedback: bool = False
 
 
-def _make_wire(fn, compressor, min_size, payload_attack) -> _Wire:
+def _make_wire(fn, compressor, min_size, payload_attack, error_feedback=False) -> _Wire:
   _check_compressor(compressor, fn)
   base.check_int("min_size", min_size, fn=fn, minimum=0)
   if payload_attack is not None and not callable(payload_attack):
@@ -121,37 +129,82 @@ def _make_wire(fn, compressor, min_size, payload_attack) -> _Wire:
         f"{fn}: `payload_attack` must be None or a callable "
         f"payload_attack(payload, *, key, axis_name) (e.g. attacks.bit_flip(...)), got "
         f"{payload_attack!r}.")
-  return _Wire(compressor, int(min_size), payload_attack)
+  if not isinstance(error_feedback, bool):
+    raise ValueError(f"{fn}: `error_feedback` must be True or False, got {error_feedback!r}.")
+  if error_feedback and compressor is None:
+    raise ValueError(
+        f"{fn}: `error_feedback=True` needs a `compressor` (dense updates lose nothing); "
+        f"pass compressor=... or leave error_feedback False.")
+  return _Wire(compressor, int(min_size), payload_attack, error_feedback)
 
 
-def _gather(wire: _Wire, u: jax.Array, key, axis_name) -> jax.Array:
-  """All workers' versions of one leaf, decoded, as float32 ``[n, *u.shape]``."""
+def _compresses(wire: _Wire, u) -> bool:
   c = wire.compressor
-  if c is not None and base.leaf_size(u.shape) >= max(wire.min_size, 1) \
-      and c.accepts(tuple(u.shape), u.dtype):
+  return (c is not None and not _is_node(u) and base.leaf_size(u.shape) >= max(wire.min_size, 1)
+          and c.accepts(tuple(u.shape), u.dtype))
+
+
+def _init_residual(wire: _Wire, params):
+  """Zero error memories for the compressed leaves (``MaskedNode`` elsewhere)."""
+  if not wire.error_feedback:
+    return optax.MaskedNode()
+  return jax.tree.map(
+      lambda p: jnp.zeros(jnp.shape(p), jnp.float32) if _compresses(wire, p)
+      else optax.MaskedNode(), params, is_leaf=_is_node)
+
+
+def _gather(wire: _Wire, u: jax.Array, key, axis_name, residual=None):
+  """All workers' versions of one leaf, decoded, as float32 ``[n, *u.shape]``, and
+  this worker's new error memory (``None`` without error feedback)."""
+  c = wire.compressor
+  if _compresses(wire, u):
     state = c.init(u)
-    payload, _ = c.encode(u, state, key)
+    total = None if residual is None else u.astype(jnp.float32) + residual
+    payload, _ = c.encode(u if total is None else total.astype(u.dtype), state, key)
+    new_residual = None
+    if total is not None:     # what this worker's own payload missed
+      new_residual = total - c.decode(payload, state, u).astype(jnp.float32)
     if wire.payload_attack is not None:
       payload = wire.payload_attack(payload, key=jax.random.fold_in(key, 1), axis_name=axis_name)
     gathered = coll.all_gather(payload, axis_name)
     decoded = jax.vmap(lambda pl: c.decode(pl, state, u))(gathered)
-    return decoded.astype(jnp.float32)
+    return decoded.astype(jnp.float32), new_residual
   if wire.payload_attack is not None:
     u = wire.payload_attack(u, key=jax.random.fold_in(key, 1), axis_name=axis_name)
-  return coll.all_gather(u, axis_name).astype(jnp.float32)
+  return coll.all_gather(u, axis_name).astype(jnp.float32), None
 
 
 def _gathered_leaves(fn, wire, updates, state, axis_name):
-  """(flat leaves with paths, treedef, gathered [n, ...] float32 per array leaf or None)."""
+  """(flat leaves with paths, treedef, gathered [n, ...] float32 per array leaf or None,
+  the new error-memory tree)."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_node)
   for path, u in leaves:
     if not _is_node(u):
       base.check_float_leaf(fn, path, u, verb="aggregated")
+  if wire.error_feedback:
+    residuals = treedef.flatten_up_to(state.residual)
+    for (path, u), r in zip(leaves, residuals):
+      if _compresses(wire, u) and (_is_node(r) or tuple(r.shape) != tuple(u.shape)):
+        raise ValueError(
+            f"{fn}: the error memory does not match `updates` at leaf "
+            f"{jax.tree_util.keystr(path) or '<root>'}: update shape {tuple(u.shape)}, memory "
+            f"{getattr(r, 'shape', r)}. Call init with the pytree whose updates you pass.")
+  else:
+    residuals = [None] * len(leaves)
   worker_key = worker_key_for(state.key, state.count, wire.compressor, axis_name)
-  gathered = [None if _is_node(u) else _gather(wire, u, jax.random.fold_in(worker_key, i),
-                                               axis_name)
-              for i, (_, u) in enumerate(leaves)]
-  return leaves, treedef, zero_non_finite_workers(gathered)
+  gathered, new_residuals = [], []
+  for i, ((_, u), r) in enumerate(zip(leaves, residuals)):
+    if _is_node(u):
+      gathered.append(None)
+      new_residuals.append(r)
+      continue
+    g, nr = _gather(wire, u, jax.random.fold_in(worker_key, i), axis_name,
+                    None if _is_node(r) else r)
+    gathered.append(g)
+    new_residuals.append(r if nr is None else nr)
+  new_residual = (jax.tree_util.tree_unflatten(treedef, new_residuals) if wire.error_feedback
+                  else state.residual)
+  return leaves, treedef, zero_non_finite_workers(gathered), new_residual
 
 
 def zero_non_finite_workers(gathered):
@@ -210,20 +263,21 @@ def _transform(fn: str, axis_name, wire: _Wire, seed: int, aggregate,
   """
 
   def init_fn(params):
-    del params
-    return RobustState(count=jnp.zeros([], jnp.int32), key=jax.random.PRNGKey(seed))
+    return RobustState(count=jnp.zeros([], jnp.int32), key=jax.random.PRNGKey(seed),
+                       residual=_init_residual(wire, params))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     check_n(coll.axis_size(axis_name))
-    leaves, treedef, gathered = _gathered_leaves(fn, wire, updates, state, axis_name)
+    leaves, treedef, gathered, residual = _gathered_leaves(fn, wire, updates, state, axis_name)
     if not _has_arrays(gathered):
       values = gathered
     elif vector:
       values = _split(aggregate(_flat_matrix(gathered)), gathered)
     else:
       values = [None if g is None else aggregate(g) for g in gathered]
-    new_state = RobustState(count=optax.safe_int32_increment(state.count), key=state.key)
+    new_state = RobustState(count=optax.safe_int32_increment(state.count), key=state.key,
+                            residual=residual)
     return _unflatten(treedef, leaves, values), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -234,7 +288,7 @@ _COMMON_ARGS = """
       :class:`~commopt.Compressor`: each worker encodes its update, the packed
       payloads are all-gathered and every worker's payload is decoded before
       the rule is applied. Leaves below ``min_size`` elements, or that the
-      compressor does not accept, go dense. There is no error feedback.
+      compressor does not accept, go dense.
       Whatever the wire, a worker whose update holds a non-finite value (in
       any leaf) is counted as sending zeros, so it cannot make the aggregate
       NaN.
@@ -242,6 +296,10 @@ _COMMON_ARGS = """
     payload_attack: ``None`` or ``payload_attack(payload, *, key, axis_name)``
       applied to what each worker sends, before the all-gather (e.g.
       :func:`commopt.aggregators.attacks.bit_flip`), for attack studies.
+    error_feedback: with a ``compressor``, each worker adds its error memory
+      (kept in the state, per worker) to its update before encoding and keeps
+      what its payload missed, as ``compressed_mean`` does; needed by biased
+      compressors (sign, top-k) to converge.
     seed: seed of the base key of the compressor and the payload attack."""
 
 
@@ -343,7 +401,7 @@ def _multi_krum_rule(f: int, m: Optional[int]):
 @_doc
 def krum(axis_name: Optional[str], f: int, *, compressor: Optional[base.Compressor] = None,
          min_size: int = 0, payload_attack: Optional[PayloadAttack] = None,
-         seed: int = 0) -> optax.GradientTransformationExtraArgs:
+         error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """Krum: the worker update closest to its ``n − f − 2`` nearest neighbours.
 
   Each worker's whole update (all leaves, flattened) is one vector ``x_i``.
@@ -386,7 +444,7 @@ def krum(axis_name: Optional[str], f: int, *, compressor: Optional[base.Compress
   fn = "krum"
   base.check_axis_name(axis_name, fn)
   f = base.check_int("f", f, fn=fn, minimum=0)
-  wire = _make_wire(fn, compressor, min_size, payload_attack)
+  wire = _make_wire(fn, compressor, min_size, payload_attack, error_feedback)
   return _transform(fn, axis_name, wire, seed, _multi_krum_rule(f, 1),
                     lambda n: check_tolerance(fn, n, f, need="krum"), vector=True)
 
@@ -395,7 +453,7 @@ def krum(axis_name: Optional[str], f: int, *, compressor: Optional[base.Compress
 def multi_krum(axis_name: Optional[str], f: int, m: Optional[int] = None, *,
                compressor: Optional[base.Compressor] = None, min_size: int = 0,
                payload_attack: Optional[PayloadAttack] = None,
-               seed: int = 0) -> optax.GradientTransformationExtraArgs:
+               error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """Multi-Krum: the mean of the ``m`` worker updates with the best Krum scores.
 
   Scores are those of :func:`krum` (over the flattened update pytree); the
@@ -432,7 +490,7 @@ def multi_krum(axis_name: Optional[str], f: int, m: Optional[int] = None, *,
   f = base.check_int("f", f, fn=fn, minimum=0)
   if m is not None:
     m = base.check_int("m", m, fn=fn, minimum=1)
-  wire = _make_wire(fn, compressor, min_size, payload_attack)
+  wire = _make_wire(fn, compressor, min_size, payload_attack, error_feedback)
 
   def check_n(n):
     check_tolerance(fn, n, f, need="krum")
@@ -452,7 +510,7 @@ def multi_krum(axis_name: Optional[str], f: int, m: Optional[int] = None, *,
 def coordinate_median(axis_name: Optional[str], f: Optional[int] = None, *,
                       compressor: Optional[base.Compressor] = None, min_size: int = 0,
                       payload_attack: Optional[PayloadAttack] = None,
-                      seed: int = 0) -> optax.GradientTransformationExtraArgs:
+                      error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """The coordinate-wise median of the workers' updates.
 
   Each coordinate of each leaf is the median of the ``n`` workers' values
@@ -488,7 +546,7 @@ def coordinate_median(axis_name: Optional[str], f: Optional[int] = None, *,
   base.check_axis_name(axis_name, fn)
   if f is not None:
     f = base.check_int("f", f, fn=fn, minimum=0)
-  wire = _make_wire(fn, compressor, min_size, payload_attack)
+  wire = _make_wire(fn, compressor, min_size, payload_attack, error_feedback)
   return _transform(fn, axis_name, wire, seed, median_workers,
                     lambda n: check_tolerance(fn, n, f, need="majority"), vector=False)
 
@@ -502,7 +560,7 @@ def trimmed_count(n: int, beta: float) -> int:
 def trimmed_mean(axis_name: Optional[str], beta: float, f: Optional[int] = None, *,
                  compressor: Optional[base.Compressor] = None, min_size: int = 0,
                  payload_attack: Optional[PayloadAttack] = None,
-                 seed: int = 0) -> optax.GradientTransformationExtraArgs:
+                 error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """The coordinate-wise ``beta``-trimmed mean of the workers' updates.
 
   Per coordinate, the ``b = ⌊beta·n⌋`` largest and ``b`` smallest of the
@@ -541,7 +599,7 @@ def trimmed_mean(axis_name: Optional[str], beta: float, f: Optional[int] = None,
   beta = base.check_number("beta", beta, fn=fn, low=0.0, high=0.5, low_open=False)
   if f is not None:
     f = base.check_int("f", f, fn=fn, minimum=0)
-  wire = _make_wire(fn, compressor, min_size, payload_attack)
+  wire = _make_wire(fn, compressor, min_size, payload_attack, error_feedback)
 
   def check_n(n):
     check_tolerance(fn, n, f, need="majority")
@@ -588,7 +646,7 @@ def geometric_median(axis_name: Optional[str], iters: int = 8, *, nu: float = 1e
                      f: Optional[int] = None,
                      compressor: Optional[base.Compressor] = None, min_size: int = 0,
                      payload_attack: Optional[PayloadAttack] = None,
-                     seed: int = 0) -> optax.GradientTransformationExtraArgs:
+                     error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """Robust federated aggregation (RFA): the geometric median of the updates.
 
   Each worker's whole update (flattened) is one vector; the output
@@ -629,7 +687,7 @@ def geometric_median(axis_name: Optional[str], iters: int = 8, *, nu: float = 1e
   nu = base.check_number("nu", nu, fn=fn, low=0.0)
   if f is not None:
     f = base.check_int("f", f, fn=fn, minimum=0)
-  wire = _make_wire(fn, compressor, min_size, payload_attack)
+  wire = _make_wire(fn, compressor, min_size, payload_attack, error_feedback)
   return _transform(fn, axis_name, wire, seed, lambda x: weiszfeld(x, iters, nu),
                     lambda n: check_tolerance(fn, n, f, need="majority"), vector=True)
 
@@ -655,7 +713,7 @@ def centered_clip(axis_name: Optional[str], tau: float, iters: int = 1, *,
                   f: Optional[int] = None,
                   compressor: Optional[base.Compressor] = None, min_size: int = 0,
                   payload_attack: Optional[PayloadAttack] = None,
-                  seed: int = 0) -> optax.GradientTransformationExtraArgs:
+                  error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """Centred clipping: the centre moved by the mean of clipped differences.
 
   Starting from the previous aggregate ``v`` (zeros at first, kept in the
@@ -701,19 +759,19 @@ def centered_clip(axis_name: Optional[str], tau: float, iters: int = 1, *,
   iters = base.check_int("iters", iters, fn=fn, minimum=1)
   if f is not None:
     f = base.check_int("f", f, fn=fn, minimum=0)
-  wire = _make_wire(fn, compressor, min_size, payload_attack)
+  wire = _make_wire(fn, compressor, min_size, payload_attack, error_feedback)
 
   def init_fn(params):
     center = jax.tree.map(
         lambda p: optax.MaskedNode() if _is_node(p) else jnp.zeros(jnp.shape(p), jnp.float32),
         params, is_leaf=_is_node)
     return CenteredClipState(count=jnp.zeros([], jnp.int32), key=jax.random.PRNGKey(seed),
-                             center=center)
+                             center=center, residual=_init_residual(wire, params))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     check_tolerance(fn, coll.axis_size(axis_name), f, need="majority")
-    leaves, treedef, gathered = _gathered_leaves(fn, wire, updates, state, axis_name)
+    leaves, treedef, gathered, residual = _gathered_leaves(fn, wire, updates, state, axis_name)
     centers = treedef.flatten_up_to(state.center)
     for (path, u), c in zip(leaves, centers):
       if not _is_node(u) and (_is_node(c) or tuple(c.shape) != tuple(u.shape)):
@@ -731,7 +789,7 @@ def centered_clip(axis_name: Optional[str], tau: float, iters: int = 1, *,
       new_centers = [c if g is None else val for c, g, val in zip(centers, gathered, values)]
     new_state = CenteredClipState(
         count=optax.safe_int32_increment(state.count), key=state.key,
-        center=jax.tree_util.tree_unflatten(treedef, new_centers))
+        center=jax.tree_util.tree_unflatten(treedef, new_centers), residual=residual)
     return _unflatten(treedef, leaves, values), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
