@@ -32,7 +32,7 @@ run keeps what it measured) and a heat map ``robust_<problem>.png`` beside it.
 ``--check`` exits 1 unless every rule meets its stated factor.
 
     python benchmarks/bench_robust.py --problems convex --check     # seconds
-    python benchmarks/bench_robust.py --problems digits --check     # ~15 min on 2 CPU cores
+    python benchmarks/bench_robust.py --problems digits --check     # ~30 min on 2 CPU cores
     python benchmarks/bench_robust.py --problems digits --rules mean,krum --attacks none,alie --fs 2
     python benchmarks/bench_robust.py --problems speed    # sorting network vs jnp.sort
 """
