@@ -502,11 +502,18 @@ def report(path: str, do_check: bool) -> None:
   failures = []
   for problem in ("convex", "digits"):
     if problem in saved:
-      print(table(saved[problem], problem))
-      print(summary(saved[problem], FACTORS[problem]) + "\n")
-      failures += [f"{problem}: {line}" for line in check(saved[problem], FACTORS[problem])]
-      plot(saved[problem], problem, pathlib.Path(path).with_name(f"robust_{problem}.png"))
+      failures += present(saved[problem], problem, pathlib.Path(path))
+      print()
   finish(failures, do_check)
+
+
+def present(res: dict, problem: str, path: pathlib.Path) -> list[str]:
+  """Prints the table and the summary, draws the heat map beside ``path``, and
+  returns the runs over their stated factors."""
+  print(table(res, problem))
+  print(summary(res, FACTORS[problem]))
+  plot(res, problem, path.with_name(f"robust_{problem}.png"))
+  return [f"{problem}: {line}" for line in check(res, FACTORS[problem])]
 
 
 def finish(failures: list[str], do_check: bool) -> None:
@@ -563,11 +570,8 @@ def main(argv=None):
     else:
       sys.exit(f"--problems: unknown {problem!r}; valid: convex, digits, speed")
     save(problem, res)
-    print(table(res, problem))
-    print(summary(res, FACTORS[problem]))
+    failures += present(res, problem, path)
     print(f"({time.perf_counter() - t0:.1f} s)\n")
-    failures += [f"{problem}: {line}" for line in check(res, FACTORS[problem])]
-    plot(res, problem, path.with_name(f"robust_{problem}.png"))
   save()
   print(f"wrote {path}")
   finish(failures, args.check)

@@ -174,6 +174,16 @@ def _gather(wire: _Wire, u: jax.Array, key, axis_name, residual=None):
   return coll.all_gather(u, axis_name).astype(jnp.float32), None
 
 
+def _check_stored(fn, leaves, stored, needed, *, what: str, label: str) -> None:
+  """Raises unless every leaf ``needed(u)`` has a stored array of its shape."""
+  for (path, u), s in zip(leaves, stored):
+    if needed(u) and (_is_node(s) or tuple(s.shape) != tuple(u.shape)):
+      raise ValueError(
+          f"{fn}: {what} does not match `updates` at leaf "
+          f"{jax.tree_util.keystr(path) or '<root>'}: update shape {tuple(u.shape)}, {label} "
+          f"{getattr(s, 'shape', s)}. Call init with the pytree whose updates you pass.")
+
+
 def _gathered_leaves(fn, wire, updates, state, axis_name):
   """(flat leaves with paths, treedef, gathered [n, ...] float32 per array leaf or None,
   the new error-memory tree)."""
@@ -183,12 +193,8 @@ def _gathered_leaves(fn, wire, updates, state, axis_name):
       base.check_float_leaf(fn, path, u, verb="aggregated")
   if wire.error_feedback:
     residuals = treedef.flatten_up_to(state.residual)
-    for (path, u), r in zip(leaves, residuals):
-      if _compresses(wire, u) and (_is_node(r) or tuple(r.shape) != tuple(u.shape)):
-        raise ValueError(
-            f"{fn}: the error memory does not match `updates` at leaf "
-            f"{jax.tree_util.keystr(path) or '<root>'}: update shape {tuple(u.shape)}, memory "
-            f"{getattr(r, 'shape', r)}. Call init with the pytree whose updates you pass.")
+    _check_stored(fn, leaves, residuals, lambda u: _compresses(wire, u),
+                  what="the error memory", label="memory")
   else:
     residuals = [None] * len(leaves)
   worker_key = worker_key_for(state.key, state.count, wire.compressor, axis_name)
@@ -773,12 +779,8 @@ def centered_clip(axis_name: Optional[str], tau: float, iters: int = 1, *,
     check_tolerance(fn, coll.axis_size(axis_name), f, need="majority")
     leaves, treedef, gathered, residual = _gathered_leaves(fn, wire, updates, state, axis_name)
     centers = treedef.flatten_up_to(state.center)
-    for (path, u), c in zip(leaves, centers):
-      if not _is_node(u) and (_is_node(c) or tuple(c.shape) != tuple(u.shape)):
-        raise ValueError(
-            f"centered_clip: the state does not match `updates` at leaf "
-            f"{jax.tree_util.keystr(path) or '<root>'}: update shape {tuple(u.shape)}, centre "
-            f"{getattr(c, 'shape', c)}. Call init with the pytree whose updates you pass.")
+    _check_stored(fn, leaves, centers, lambda u: not _is_node(u), what="the state",
+                  label="centre")
     values = gathered
     new_centers = centers
     if _has_arrays(gathered):
