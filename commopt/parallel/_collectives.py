@@ -14,7 +14,14 @@ import jax.numpy as jnp
 
 
 def varying_axes(x) -> frozenset:
-  """The mesh axes over which ``x`` is typed varying (empty outside shard_map)."""
+  """The mesh axes over which ``x`` is typed varying (empty outside shard_map).
+
+  ``x`` may be an array, a tracer or a ``jax.ShapeDtypeStruct`` from
+  ``jax.eval_shape`` inside ``shard_map``.
+  """
+  if isinstance(x, jax.ShapeDtypeStruct):
+    mat = getattr(x, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(x, "vma", None) or ())
   aval = jax.typeof(x)
   vma = getattr(aval, "vma", None)
   if vma is None:
@@ -26,6 +33,53 @@ def varying_axes(x) -> frozenset:
 def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
   """``x`` typed varying over the axes ``like`` varies over (e.g. a scan's initial carry)."""
   missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def bound_axis_size(axis_name) -> Optional[int]:
+  """Workers on ``axis_name`` (a name or tuple of names) if it is bound here, else None.
+
+  Bound means: inside ``jax.shard_map`` over that axis or ``jax.vmap(...,
+  axis_name=...)``. A transform's ``init`` uses it to size per-worker chunks
+  when it is called inside the mapped context (as :func:`~commopt.data_parallel`
+  and :mod:`commopt.testing` do) and to fall back to whole-leaf sizes otherwise.
+  """
+  if axis_name is None:
+    return None
+  try:
+    return int(jax.lax.psum(1, axis_name))
+  except NameError:
+    return None
+
+
+def cond(pred, true_fn, false_fn, *operands):
+  """``lax.cond`` whose branch outputs are typed varying over the same axes.
+
+  Inside ``shard_map`` a branch that passes state through unchanged and one
+  that updates it (per-worker residuals, accumulated gradients) return
+  different varying-axis types, which ``lax.cond`` rejects. Each output leaf
+  is cast to the union of the two branches' varying axes. ``pred`` must be
+  the same on every worker whenever a branch communicates (a counter, or a
+  flag that was itself reduced over the axis), else workers deadlock.
+  """
+  t = jax.eval_shape(true_fn, *operands)
+  f = jax.eval_shape(false_fn, *operands)
+  if jax.tree.structure(t) != jax.tree.structure(f):
+    raise ValueError(
+        f"cond: the branches return different structures: {jax.tree.structure(t)} and "
+        f"{jax.tree.structure(f)}.")
+  axes = jax.tree.map(lambda a, b: tuple(sorted(varying_axes(a) | varying_axes(b))), t, f)
+
+  def joined(fn):
+    def branch(*ops):
+      return jax.tree.map(lambda x, ax: _vary_to(x, ax), fn(*ops), axes)
+    return branch
+
+  return jax.lax.cond(pred, joined(true_fn), joined(false_fn), *operands)
+
+
+def _vary_to(x, axes):
+  missing = tuple(a for a in axes if a not in varying_axes(x))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
