@@ -6,7 +6,7 @@ payload on the wire; :func:`data_parallel` builds a ``shard_map`` training
 step around it; :mod:`commopt.wire` accounts for and audits the bytes.
 """
 
-from commopt import aggregators, compressors, testing, wire
+from commopt import aggregators, compressors, parallel, testing, transforms, wire
 from commopt.aggregators import (
     CenteredClipState,
     RobustState,
@@ -42,10 +42,21 @@ from commopt.compressors import (
     top_k,
     variance_balanced,
 )
-from commopt.parallel import DataParallel, data_parallel
+from commopt.parallel import (
+    DataParallel,
+    NnxDataParallel,
+    NnxTrainState,
+    data_parallel,
+    local_value_and_grad,
+    nnx_data_parallel,
+)
 from commopt.transforms import (
     DEFAULT_MIN_SIZE,
+    ApplyIfFiniteState,
     CompressedMeanState,
+    MultiStepsState,
+    apply_if_finite,
+    multi_steps,
     DGCState,
     compressed_mean,
     dgc,
@@ -58,6 +69,8 @@ __all__ = [
     "adacomp",
     "AdaCompState",
     "adaptive_levels",
+    "apply_if_finite",
+    "ApplyIfFiniteState",
     "aggregators",
     "cast",
     "centered_clip",
@@ -79,10 +92,17 @@ __all__ = [
     "identity",
     "int_quant",
     "krum",
+    "local_value_and_grad",
+    "multi_steps",
+    "MultiStepsState",
     "majority_vote",
     "multi_krum",
     "natural",
+    "nnx_data_parallel",
+    "NnxDataParallel",
+    "NnxTrainState",
     "onebit",
+    "parallel",
     "power_sgd",
     "PowerSGDLeafState",
     "qsgd",
@@ -97,6 +117,7 @@ __all__ = [
     "testing",
     "threshold",
     "top_k",
+    "transforms",
     "trimmed_mean",
     "variance_balanced",
     "wire",

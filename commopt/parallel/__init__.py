@@ -1,5 +1,17 @@
-"""Data parallelism over device meshes."""
+"""Data parallelism over device meshes: the pure step, its state layout, and the helpers it uses.
 
-from commopt.parallel._data_parallel import DataParallel, data_parallel
+- :func:`data_parallel` / :class:`DataParallel`: ``init``, the jitted ``step``,
+  the pure ``step_fn`` and the state's ``state_specs`` for a ``loss_fn`` and an
+  optax transform.
+- :func:`nnx_data_parallel`: the same for a Flax nnx model with mutable state.
+- For a hand-written ``shard_map`` step: :func:`local_value_and_grad` (gradients
+  that stay on the worker), :meth:`DataParallel.state_specs` (which state
+  leaves are per-worker), :func:`stack_workers` / :func:`unstack_workers`.
+"""
 
-__all__ = ["DataParallel", "data_parallel"]
+from commopt.parallel._data_parallel import DataParallel, Layout, data_parallel
+from commopt.parallel._layout import local_value_and_grad, stack_workers, unstack_workers
+from commopt.parallel._nnx import NnxDataParallel, NnxTrainState, nnx_data_parallel
+
+__all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "data_parallel",
+           "local_value_and_grad", "nnx_data_parallel", "stack_workers", "unstack_workers"]

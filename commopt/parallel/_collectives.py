@@ -72,13 +72,15 @@ def cond(pred, true_fn, false_fn, *operands):
 
   def joined(fn):
     def branch(*ops):
-      return jax.tree.map(lambda x, ax: _vary_to(x, ax), fn(*ops), axes)
+      return jax.tree.map(lambda x, ax: vary(x, ax), fn(*ops), axes)
     return branch
 
   return jax.lax.cond(pred, joined(true_fn), joined(false_fn), *operands)
 
 
-def _vary_to(x, axes):
+def vary(x, axes):
+  """``x`` typed varying over ``axes`` (a name or tuple of names), casting only what is missing."""
+  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
   missing = tuple(a for a in axes if a not in varying_axes(x))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 

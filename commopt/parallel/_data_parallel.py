@@ -1,239 +1,472 @@
-"""data_parallel: a jitted shard_map training step whose only reduction is the transform's."""
+"""data_parallel: a pure shard_map training step whose only reduction is the optimizer's."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
+import dataclasses
+import functools
 import math
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from commopt.parallel import _collectives as coll
+from commopt.parallel import _layout as lay
+from commopt.parallel._layout import keystr, local_value_and_grad
+
+MODEL_STATE_SYNC = ("mean", "none")
 
 
-def _keystr(path) -> str:
-  return jax.tree_util.keystr(path) or "<root>"
-
-
-class DataParallel:
-  """A data-parallel trainer over mesh axes (see :func:`data_parallel`).
+class Layout(NamedTuple):
+  """Where the step's values live, for one parameter layout (see :meth:`DataParallel.layout`).
 
   Attributes:
-    mesh: the device mesh.
-    axis_name: the data axis, or a tuple of axes (e.g. ``("node", "local")``).
-    num_workers: the number of workers (the product of the axes' sizes).
-    varying: after :meth:`init`, one bool per optimizer-state leaf: True where
-      the leaf is per-worker (stacked on a leading axis sharded over the data
-      axis), False where it is replicated.
+    param_specs: a pytree like the parameters of their ``PartitionSpec``\\ s
+      (over the mesh's non-data axes; replicated over the data axes).
+    state_specs: a pytree like the optimizer state of ``PartitionSpec``\\ s:
+      per-worker leaves lead with the data axes, e.g. ``P('data', None, 'model')``.
+    per_worker: a pytree like the optimizer state of bools.
+    state_treedef: the optimizer state's tree structure.
   """
+  param_specs: Any
+  state_specs: Any
+  per_worker: Any
+  state_treedef: Any
 
-  def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation,
-               mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...] = "data"):
-    if not callable(loss_fn):
-      raise ValueError(f"data_parallel: `loss_fn` must be callable, got {loss_fn!r}.")
-    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+
+def _manual(spec: P, axes) -> P:
+  """The part of ``spec`` that ``shard_map`` sees: only the data axes (manual)."""
+  return P(lay.data_spec(axes)) if lay._is_stacked(spec, axes) else P()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataParallel:
+  """A data-parallel training step over mesh axes (see :func:`data_parallel`).
+
+  Immutable: every method is a pure function of its arguments, so ``init`` and
+  ``step`` may be called inside your own ``jax.jit``, ``lax.scan``,
+  ``lax.fori_loop`` and ``jax.eval_shape``, and one ``DataParallel`` serves
+  any number of independent runs.
+
+  Attributes:
+    loss_fn, tx, mesh, axis_name, has_aux, has_state, model_state_sync,
+    skip_nonfinite, donate: as given to :func:`data_parallel`.
+  """
+  loss_fn: Callable
+  tx: optax.GradientTransformation
+  mesh: jax.sharding.Mesh
+  axis_name: str | tuple[str, ...] = "data"
+  has_aux: bool = False
+  has_state: bool = False
+  model_state_sync: str = "mean"
+  skip_nonfinite: bool = True
+  donate: bool = True
+
+  def __post_init__(self):
+    fn = "data_parallel"
+    if not callable(self.loss_fn):
+      raise ValueError(f"{fn}: `loss_fn` must be callable, got {self.loss_fn!r}.")
+    if not (hasattr(self.tx, "init") and hasattr(self.tx, "update")):
+      raise ValueError(f"{fn}: `tx` must be an optax GradientTransformation, got {self.tx!r}.")
+    if not isinstance(self.mesh, jax.sharding.Mesh):
       raise ValueError(
-          f"data_parallel: `tx` must be an optax GradientTransformation, got {tx!r}.")
-    if not isinstance(mesh, jax.sharding.Mesh):
-      raise ValueError(
-          f"data_parallel: `mesh` must be a jax.sharding.Mesh (e.g. "
-          f"jax.make_mesh((8,), ('data',))), got {mesh!r}.")
-    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    missing = [a for a in axes if a not in mesh.axis_names]
+          f"{fn}: `mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))), "
+          f"got {self.mesh!r}.")
+    axes = lay.axes_tuple(self.axis_name)
+    missing = [a for a in axes if a not in self.mesh.axis_names]
     if not axes or missing or len(set(axes)) != len(axes):
       raise ValueError(
-          f"data_parallel: `axis_name` {axis_name!r} must name distinct axes of the mesh, "
-          f"whose axes are {tuple(mesh.axis_names)}"
+          f"{fn}: `axis_name` {self.axis_name!r} must name distinct axes of the mesh, "
+          f"whose axes are {tuple(self.mesh.axis_names)}"
           + (f"; {missing} {'is' if len(missing) == 1 else 'are'} not among them." if missing
              else "."))
-    self._axes = axes
-    self.loss_fn = loss_fn
-    self.tx = tx
-    self.mesh = mesh
-    self.axis_name = axis_name
-    self.num_workers = int(math.prod(mesh.shape[a] for a in axes))
-    self.varying = None
-    self._treedef = None
-    self._jitted = None
+    if self.model_state_sync not in MODEL_STATE_SYNC:
+      raise ValueError(
+          f"{fn}: `model_state_sync` must be one of {MODEL_STATE_SYNC}, got "
+          f"{self.model_state_sync!r}.")
+    for name in ("has_aux", "has_state", "skip_nonfinite", "donate"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{fn}: `{name}` must be True or False, got {getattr(self, name)!r}.")
+    object.__setattr__(self, "_layouts", {})
 
-  # -- placement ---------------------------------------------------------------
+  # -- basic facts ---------------------------------------------------------------
 
-  def _replicated(self):
-    return NamedSharding(self.mesh, P())
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """The data axes as a tuple."""
+    return lay.axes_tuple(self.axis_name)
 
-  def _sharded(self):
-    return NamedSharding(self.mesh, P(self.axis_name))
+  @property
+  def num_workers(self) -> int:
+    """The number of workers (the product of the data axes' sizes)."""
+    return int(math.prod(self.mesh.shape[a] for a in self.axes))
+
+  @functools.cached_property
+  def optimizer(self) -> optax.GradientTransformation:
+    """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip."""
+    if not self.skip_nonfinite:
+      return self.tx
+    from commopt.transforms._control import apply_if_finite
+    return apply_if_finite(self.tx, self.axis_name)
+
+  # -- layout --------------------------------------------------------------------
+
+  def _spec_of(self, x, what: str, path) -> P:
+    """The user's sharding of a parameter or model-state leaf over the non-data axes."""
+    spec = lay.leaf_spec(x)
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.core.Tracer) and isinstance(sharding, NamedSharding):
+      placed = P(*list(sharding.spec)[:len(jnp.shape(x))])
+      if any(e is not None for e in placed) and placed != spec:
+        if sharding.mesh.shape_tuple != self.mesh.shape_tuple or any(
+            t != AxisType.Explicit for t in self.mesh.axis_types):
+          raise ValueError(
+              f"data_parallel: {what} {keystr(path)} is placed with {placed} on a mesh whose "
+              f"axes are not all explicit ({dict(zip(self.mesh.axis_names, self.mesh.axis_types))}). "
+              "The optimizer state can only follow a tensor-parallel layout whose sharding "
+              "is part of the array type: build the mesh with jax.make_mesh(shape, names) "
+              "(explicit axes by default) and place the parameters on it.")
+        spec = placed
+    lay.check_no_data_axes(what, path, spec, self.axes)
+    return spec
+
+  def _specs_of(self, tree, what: str):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(treedef, [self._spec_of(x, what, p) for p, x in leaves])
+
+  def layout(self, params) -> Layout:
+    """The step's :class:`Layout` for ``params`` (arrays, tracers or ``ShapeDtypeStruct``\\ s).
+
+    Which optimizer-state leaves are per-worker is found by tracing ``tx.init``
+    and ``tx.update`` inside ``shard_map`` with local gradients, to a fixed
+    point: a leaf is per-worker when its new value varies over the data axes.
+    Nothing is computed; the result is cached per parameter shapes and specs.
+    """
+    param_specs = self._specs_of(params, "parameter")
+    flat_specs = jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P))
+    key = (jax.tree.structure(params),
+           tuple((tuple(jnp.shape(x)), str(jnp.result_type(x)), s)
+                 for x, s in zip(jax.tree.leaves(params), flat_specs)))
+    cached = self._layouts.get(key)
+    if cached is not None:
+      return cached
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                          sharding=NamedSharding(self.mesh, s)),
+        params, param_specs)
+    found = {}
+    axes, opt = self.axes, self.optimizer
+
+    def probe(p):
+      p = self._whole(p)
+      state = opt.init(p)
+      leaves, treedef = jax.tree_util.tree_flatten(state)
+      grads = jax.tree.map(lambda x: coll.vary(x, axes), p)
+      mask = [False] * len(leaves)
+      new = leaves
+      for _ in range(len(leaves) + 1):
+        s = jax.tree_util.tree_unflatten(
+            treedef, [coll.vary(l, axes) if m else l for l, m in zip(leaves, mask)])
+        new = jax.tree.leaves(jax.eval_shape(lambda g, s: opt.update(g, s, p)[1], grads, s))
+        seen = [m or lay.per_worker(x, axes) for x, m in zip(new, mask)]
+        if seen == mask:
+          break
+        mask = seen
+      found.update(treedef=treedef, mask=mask, shapes=[jnp.shape(x) for x in leaves])
+      return jnp.zeros(())
+
+    fn = jax.shard_map(probe, mesh=self.mesh, in_specs=(P(),), out_specs=P(),
+                       axis_names=set(axes))
+    try:
+      jax.eval_shape(fn, abstract)
+    except ValueError as e:
+      if "cond branches must have equal output types" in str(e):
+        raise ValueError(
+            "data_parallel: `tx` runs a lax.cond whose branches return per-worker state in "
+            "one branch and replicated state in the other, which shard_map rejects (as "
+            "optax.MultiSteps and optax.apply_if_finite do). Use commopt.transforms."
+            "multi_steps / commopt.transforms.apply_if_finite (data_parallel already skips "
+            "non-finite steps by agreement, skip_nonfinite=True).") from e
+      raise
+    by_shape = lay.specs_by_shape(params, param_specs)
+    state_specs = [lay.stacked_spec(by_shape.get(tuple(shape), P(*[None] * len(shape))), axes)
+                   if m else by_shape.get(tuple(shape), P(*[None] * len(shape)))
+                   for shape, m in zip(found["shapes"], found["mask"])]
+    result = Layout(
+        param_specs=param_specs,
+        state_specs=jax.tree_util.tree_unflatten(found["treedef"], state_specs),
+        per_worker=jax.tree_util.tree_unflatten(found["treedef"], found["mask"]),
+        state_treedef=found["treedef"])
+    self._layouts[key] = result
+    return result
+
+  def state_specs(self, params) -> Any:
+    """The optimizer state's ``PartitionSpec``\\ s, a pytree like the state."""
+    return self.layout(params).state_specs
+
+  def state_shardings(self, params) -> Any:
+    """The optimizer state's ``NamedSharding``\\ s on the mesh (for orbax restores)."""
+    return lay.to_shardings(self.mesh, self.state_specs(params))
+
+  def per_worker(self, params) -> Any:
+    """A pytree like the optimizer state: True where a leaf is per-worker (stacked)."""
+    return self.layout(params).per_worker
+
+  # -- placement -----------------------------------------------------------------
+
+  def _put(self, tree, specs):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), tree, specs,
+                        is_leaf=lambda s: isinstance(s, P))
 
   def place_params(self, params):
-    """Replicates ``params`` over the mesh (a no-op when they already are)."""
-    return jax.device_put(params, self._replicated())
+    """Places ``params`` replicated over the data axes, keeping their other sharding."""
+    return self._put(params, self.layout(params).param_specs)
+
+  def place_model_state(self, model_state):
+    """Places model state (batch statistics, RNG state) replicated over the data axes."""
+    return self._put(model_state, self._specs_of(model_state, "model state leaf"))
 
   def place_batch(self, batch):
-    """Shards every batch leaf on its leading axis over the data axis."""
+    """Shards every batch leaf on its leading axis over the data axes."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-      shape = getattr(leaf, "shape", ())
+      shape = jnp.shape(leaf)
       if not shape or shape[0] % self.num_workers:
         raise ValueError(
-            f"data_parallel: batch leaf {_keystr(path)} has shape {tuple(shape)}; "
+            f"data_parallel: batch leaf {keystr(path)} has shape {tuple(shape)}; "
             f"its leading axis must be divisible by the {self.num_workers} "
             f"workers on axis {self.axis_name!r}.")
-    return jax.device_put(batch, self._sharded())
+    return jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(self.mesh, P(lay.data_spec(self.axes)))),
+        batch)
 
-  # -- state layout ------------------------------------------------------------
-
-  def _spec(self, varying: bool):
-    return P(self.axis_name) if varying else P()
-
-  def _unstack(self, leaves, mask):
-    return [l[0] if m else l for l, m in zip(leaves, mask)]
-
-  def _stack(self, leaves, mask):
-    return [l[None] if m else l for l, m in zip(leaves, mask)]
-
-  def _varies(self, leaf) -> bool:
-    return bool(coll.varying_axes(leaf) & set(self._axes))
-
-  def _updated_state_varying(self, params, state_leaves, mask) -> list[bool]:
-    """Traces one update and reports which new state leaves vary per worker."""
-    seen = []
-    axis = self.axis_name
-
-    def body(params, leaves):
-      state = jax.tree_util.tree_unflatten(self._treedef, self._unstack(leaves, mask))
-      grads = jax.lax.pcast(params, axis, to="varying")
-      _, new_state = self.tx.update(grads, state, params)
-      new_leaves = jax.tree_util.tree_leaves(new_state)
-      seen[:] = [self._varies(l) for l in new_leaves]
-      return [l[None] for l in new_leaves]
-
-    abstract = [
-        jax.ShapeDtypeStruct(((self.num_workers,) + l.shape) if m else l.shape, l.dtype,
-                             sharding=NamedSharding(self.mesh, self._spec(m)))
-        for l, m in zip(state_leaves, mask)]
-    fn = jax.shard_map(
-        body, mesh=self.mesh,
-        in_specs=(P(), [self._spec(m) for m in mask]),
-        out_specs=[P(axis)] * len(state_leaves))
-    jax.eval_shape(fn, params, abstract)
-    return seen
+  # -- init ----------------------------------------------------------------------
 
   def init(self, params) -> Any:
-    """Builds the optimizer state: per-worker leaves stacked, the rest replicated.
+    """The optimizer state: per-worker leaves stacked ``[num_workers, ...]``, the rest replicated.
 
-    Which leaves are per-worker is found by tracing the update inside
-    ``shard_map``: a leaf is per-worker when its new value varies over the data
-    axis (an error-feedback residual, or momentum before the reduction).
+    ``tx.init`` runs inside the step's ``shard_map``, so a transform can size
+    per-worker chunks by the number of workers. Pure: ``jax.eval_shape(dp.init,
+    params)`` gives the abstract state with its shardings.
     """
-    with jax.set_mesh(self.mesh):
-      params = self.place_params(params)
-      state = jax.jit(self.tx.init)(params)
-      leaves, self._treedef = jax.tree_util.tree_flatten(state)
-      mask = [False] * len(leaves)
-      for _ in range(len(leaves) + 1):
-        seen = self._updated_state_varying(params, leaves, mask)
-        new_mask = [a or b for a, b in zip(mask, seen)]
-        if new_mask == mask:
-          break
-        mask = new_mask
-      self.varying = tuple(mask)
-      self._jitted = self._build_step()
-      placed = [
-          jax.device_put(jnp.broadcast_to(l, (self.num_workers,) + l.shape), self._sharded())
-          if m else jax.device_put(l, self._replicated())
-          for l, m in zip(leaves, mask)]
-    return jax.tree_util.tree_unflatten(self._treedef, placed)
+    layout = self.layout(params)
+    params = self._put(params, layout.param_specs)
+    axes, opt = self.axes, self.optimizer
+    manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs,
+                          is_leaf=lambda s: isinstance(s, P))
 
-  # -- the step ----------------------------------------------------------------
+    def body(p):
+      return lay.stack_workers(opt.init(self._whole(p)), layout.state_specs, axes)
 
-  def _build_step(self):
-    axis, mask = self.axis_name, self.varying
+    state = jax.shard_map(body, mesh=self.mesh, in_specs=(P(),), out_specs=manual,
+                          axis_names=set(axes))(params)
+    return self._put(state, layout.state_specs)
 
-    def body(params, leaves, batch):
-      state = jax.tree_util.tree_unflatten(self._treedef, self._unstack(leaves, mask))
-      # Differentiate a varying copy: gradients stay local, so no dense
-      # all-reduce is inserted; the transform does the only reduction.
-      local_params = jax.lax.pcast(params, axis, to="varying")
-      loss, grads = jax.value_and_grad(self.loss_fn)(local_params, batch)
-      updates, new_state = self.tx.update(grads, state, params)
-      new_params = optax.apply_updates(params, updates)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:
-        if self._varies(leaf):
-          raise ValueError(
-              f"data_parallel: the update of parameter {_keystr(path)} differs "
-              f"between workers on axis {axis!r}, so the replicas would drift "
-              "apart. `tx` must reduce over that axis after anything per-worker, "
-              f"e.g. optax.chain(commopt.compressed_mean(c, {axis!r}), "
-              "optax.sgd(lr)).")
-      new_leaves = jax.tree_util.tree_leaves(new_state)
-      return new_params, self._stack(new_leaves, mask), loss[None]
+  # -- the step ------------------------------------------------------------------
 
-    specs = [self._spec(m) for m in mask]
-    fn = jax.shard_map(
-        body, mesh=self.mesh,
-        in_specs=(P(), specs, P(axis)),
-        out_specs=(P(), specs, P(axis)))
-    return jax.jit(fn)
+  def step_fn(self, params, opt_state, batch, model_state=None, key=None):
+    """The pure, un-jitted training step (what :meth:`step` jits with donation).
 
-  def _args(self, params, opt_state, batch):
-    if self._jitted is None:
-      raise ValueError("data_parallel: call `init(params)` before `step`.")
-    leaves, treedef = jax.tree_util.tree_flatten(opt_state)
-    if treedef != self._treedef:
-      raise ValueError(
-          "data_parallel: `opt_state` does not have the structure that "
-          f"`init` returned ({self._treedef}); got {treedef}.")
-    return self.place_params(params), leaves, self.place_batch(batch)
-
-  def step(self, params, opt_state, batch):
-    """One training step.
+    Jit it with your own options, or call it inside your own jitted function.
 
     Args:
-      params: replicated parameters (placed for you if they are not).
+      params: parameters, replicated over the data axes (and sharded over other
+        axes as you placed them).
       opt_state: the state from :meth:`init` or a previous step.
       batch: a pytree whose leaves share a leading batch axis, divisible by
-        the number of workers; it is sharded over the data axis.
+        the number of workers; each worker gets its contiguous slice.
+      model_state: with ``has_state=True``, the model's mutable state (e.g.
+        batch statistics), replicated over the data axes.
+      key: an optional PRNG key for this step; ``loss_fn`` receives
+        ``key=fold_in(key, worker_index)``. Fold the step number in yourself.
 
     Returns:
-      ``(params, opt_state, losses)`` where ``losses`` holds each worker's
-      loss, shape ``[num_workers]`` (no collective is spent on it).
+      ``(params, opt_state, metrics)``, or ``(params, opt_state, model_state,
+      metrics)`` with ``has_state=True``. ``metrics`` is each worker's loss,
+      shape ``[num_workers]``, or ``(losses, aux)`` with ``has_aux=True``,
+      where every aux leaf gains a leading ``[num_workers]`` axis. No
+      collective is spent on metrics.
     """
-    with jax.set_mesh(self.mesh):
-      params, leaves, batch = self._args(params, opt_state, batch)
-      new_params, new_leaves, losses = self._jitted(params, leaves, batch)
-    return new_params, jax.tree_util.tree_unflatten(self._treedef, new_leaves), losses
+    if self.has_state and model_state is None:
+      raise ValueError("data_parallel: has_state=True needs `model_state` in every step.")
+    if not self.has_state and model_state is not None:
+      raise ValueError(
+          "data_parallel: `model_state` was given but has_state=False; pass has_state=True "
+          "and a loss_fn(params, model_state, batch) -> (loss, new_model_state).")
+    layout = self.layout(params)
+    leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+    if treedef != layout.state_treedef:
+      raise ValueError(
+          "data_parallel: `opt_state` does not have the structure that `init` returns "
+          f"({layout.state_treedef}); got {treedef}.")
+    axes, opt = self.axes, self.optimizer
+    is_spec = lambda s: isinstance(s, P)
+    manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs, is_leaf=is_spec)
+    params = self._put(params, layout.param_specs)
+    opt_state = self._put(opt_state, layout.state_specs)
+    batch = self.place_batch(batch)
+    ms_specs = None
+    if self.has_state:
+      ms_specs = self._specs_of(model_state, "model state leaf")
+      model_state = self.place_model_state(model_state)
+    if key is not None:
+      key = jax.device_put(key, NamedSharding(self.mesh, P()))
+    grad_fn = local_value_and_grad(self.loss_fn, axes, has_aux=self.has_aux or self.has_state)
 
-  def lower(self, params, opt_state, batch):
+    def body(params, state, batch, model_state, key):
+      state = lay.unstack_workers(state, layout.state_specs, axes)
+      kwargs = {} if key is None else {"key": jax.random.fold_in(key, coll.axis_index(axes))}
+      args = (model_state, batch) if self.has_state else (batch,)
+      value, grads = grad_fn(params, *args, **kwargs)
+      loss, out = value if (self.has_aux or self.has_state) else (value, None)
+      aux = new_ms = None
+      if self.has_state:
+        new_ms, aux = out if self.has_aux else (out, None)
+      elif self.has_aux:
+        aux = out
+      updates, new_state = opt.update(self._whole(grads), self._whole(state), self._whole(params))
+      updates = self._reshard(updates, layout.param_specs)
+      new_state = self._reshard(new_state, lay.unstacked_specs(layout.state_specs, axes))
+      new_params = optax.apply_updates(params, updates)
+      for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:
+        if lay.per_worker(leaf, axes):
+          raise ValueError(
+              f"data_parallel: the update of parameter {keystr(path)} differs between "
+              f"workers on axis {self.axis_name!r}, so the replicas would drift apart. "
+              "`tx` must reduce over that axis after anything per-worker, e.g. "
+              f"optax.chain(commopt.compressed_mean(c, {self.axis_name!r}), optax.sgd(lr)).")
+      if self.has_state:
+        new_ms = self._sync_model_state(new_ms, model_state)
+        if self.skip_nonfinite:
+          ok = new_state.last_finite
+          new_ms = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_ms, model_state)
+      metrics = loss[None] if not self.has_aux else (
+          loss[None], jax.tree.map(lambda x: jnp.asarray(x)[None], aux))
+      return (new_params, lay.stack_workers(new_state, layout.state_specs, axes), metrics,
+              new_ms)
+
+    data = P(lay.data_spec(axes))
+    fn = jax.shard_map(
+        body, mesh=self.mesh,
+        in_specs=(P(), manual, data, P(), P()),
+        out_specs=(P(), manual, data, P()),
+        axis_names=set(axes))
+    new_params, new_state, metrics, new_ms = fn(params, opt_state, batch, model_state, key)
+    new_params = self._put(new_params, layout.param_specs)
+    new_state = self._put(new_state, layout.state_specs)
+    if self.has_state:
+      return new_params, new_state, self._put(new_ms, ms_specs), metrics
+    return new_params, new_state, metrics
+
+  @property
+  def _other_axes(self) -> tuple[str, ...]:
+    return tuple(a for a in self.mesh.axis_names if a not in self.axes and self.mesh.shape[a] > 1)
+
+  def _whole(self, tree):
+    """Inside the step: ``tree`` replicated over the non-data axes (the optimizer sees whole leaves)."""
+    if not self._other_axes:
+      return tree
+    return jax.tree.map(lambda x: jax.sharding.reshard(x, P(*[None] * jnp.ndim(x))), tree)
+
+  def _reshard(self, tree, specs):
+    if not self._other_axes:
+      return tree
+    return jax.tree.map(lambda x, s: jax.sharding.reshard(x, s), tree, specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+  def _sync_model_state(self, new, old):
+    """Averages model state that differs between workers (``model_state_sync='mean'``)."""
+    axes = self.axes
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
+    out = []
+    for (path, x), o in zip(leaves, jax.tree.leaves(old)):
+      if not lay.per_worker(x, axes):
+        out.append(x)
+        continue
+      if self.model_state_sync == "none" or not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise ValueError(
+            f"data_parallel: model state leaf {keystr(path)} ({x.dtype}) differs between "
+            f"workers after the loss, and model_state_sync={self.model_state_sync!r} "
+            + ("keeps model state replicated without communicating; use "
+               "model_state_sync='mean' to average it." if self.model_state_sync == "none"
+               else "can only average floating-point state."))
+      out.append((jax.lax.psum(x.astype(jnp.float32), axes) / self.num_workers).astype(x.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  @functools.cached_property
+  def _jitted_step(self):
+    names = ("params", "opt_state", "model_state") if self.donate else ()
+    return jax.jit(self.step_fn, donate_argnames=names)
+
+  def step(self, params, opt_state, batch, model_state=None, key=None):
+    """One jitted training step: :meth:`step_fn` with params, state and model state donated.
+
+    Callable inside your own ``jax.jit``, ``lax.scan`` and ``fori_loop`` (there
+    donation is up to the outer jit). With ``donate=True`` (the default) the
+    arrays passed as ``params``, ``opt_state`` and ``model_state`` are consumed:
+    use the returned ones.
+    """
+    return self._jitted_step(params, opt_state, batch, model_state, key)
+
+  def lower(self, params, opt_state, batch, model_state=None, key=None):
     """``jax.jit(...).lower`` of the step, for HLO audits (see :mod:`commopt.wire`)."""
-    with jax.set_mesh(self.mesh):
-      return self._jitted.lower(*self._args(params, opt_state, batch))
+    return self._jitted_step.lower(params, opt_state, batch, model_state, key)
 
 
 def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
-                  mesh: jax.sharding.Mesh,
-                  axis_name: str | tuple[str, ...] = "data") -> DataParallel:
-  """Packages a data-parallel training step over ``mesh``'s ``axis_name``.
+                  mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...] = "data", *,
+                  has_aux: bool = False, has_state: bool = False,
+                  model_state_sync: str = "mean", skip_nonfinite: bool = True,
+                  donate: bool = True) -> DataParallel:
+  """A data-parallel training step over ``mesh``'s ``axis_name``.
 
-  Parameters are replicated; the batch is sharded on its leading axis; each
-  worker differentiates ``loss_fn`` on its shard with its gradients kept
-  local, and ``tx`` (which must contain a reduction such as
-  :func:`~commopt.compressed_mean` over ``axis_name``) does the only
-  communication. Per-worker optimizer state is stacked on a leading axis
-  sharded over ``axis_name``; the rest stays replicated.
+  Parameters are replicated over the data axes (a sharding over the mesh's
+  other axes, e.g. ``P(None, 'model')``, is kept: tensor parallelism plus
+  compressed data parallelism); the batch is split on its leading axis; each
+  worker differentiates ``loss_fn`` on its shard with its gradients kept local
+  (:func:`~commopt.parallel.local_value_and_grad`), and ``tx`` (which must
+  contain a reduction such as :func:`~commopt.compressed_mean` over
+  ``axis_name``) does the only communication. Per-worker optimizer state is
+  stacked on a leading axis sharded over ``axis_name``; the rest stays
+  replicated (:meth:`DataParallel.state_specs`).
+
+  Faults: with ``skip_nonfinite=True`` the optimizer runs inside
+  :func:`commopt.transforms.apply_if_finite`: a non-finite value in any
+  worker's gradient makes all workers agree, with one int32 all-reduce, to
+  skip the step. Parameters, optimizer state (error residuals included) and
+  model state stay as they were, and ``opt_state.total_notfinite`` counts the
+  skips. The compressed exchange still runs on a skipped step (its result is
+  discarded), so no worker ever waits in a collective another one skipped.
+
+  Model state (``has_state=True``), e.g. batch-norm statistics: ``loss_fn``
+  returns the new state beside the loss. With ``model_state_sync='mean'``
+  (the default, the usual JAX recipe) floating-point leaves that differ
+  between workers are averaged over the data axes each step with one dense
+  all-reduce (model state is small); ``'none'`` refuses model state that
+  differs between workers instead of communicating.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar`` on one worker's shard.
+    loss_fn: ``loss_fn(params, batch) -> loss`` on one worker's shard;
+      ``-> (loss, aux)`` with ``has_aux``; ``loss_fn(params, model_state,
+      batch) -> (loss, new_model_state)`` (or ``(loss, (new_model_state,
+      aux))``) with ``has_state``. If the step is given a ``key``, ``loss_fn``
+      also receives ``key=`` (this worker's key).
     tx: an optax transformation.
     mesh: a ``jax.sharding.Mesh`` with the axes named by ``axis_name``.
     axis_name: the data axis, or a tuple of axes that together hold the
-      workers, e.g. ``("node", "local")`` on a 2-D mesh with
+      workers, e.g. ``("node", "local")`` with
       ``compressed_mean(c, ("node", "local"), strategy="hierarchical")``.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; aux comes back per worker.
+    has_state: ``loss_fn`` takes and returns model state.
+    model_state_sync: ``"mean"`` or ``"none"``.
+    skip_nonfinite: skip steps with a non-finite gradient on any worker.
+    donate: donate params, optimizer state and model state to the jitted step.
 
   Returns:
-    A :class:`DataParallel` with ``init(params) -> opt_state`` and
-    ``step(params, opt_state, batch) -> (params, opt_state, losses)``.
+    A :class:`DataParallel`: ``init(params) -> opt_state``,
+    ``step(params, opt_state, batch) -> (params, opt_state, losses)``, the
+    pure ``step_fn`` and the state's ``state_specs(params)``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, commopt
@@ -246,7 +479,9 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
     >>> state = dp.init(params)
     >>> batch = {"x": jnp.ones((8, 4)), "y": jnp.ones((8, 1))}
     >>> params, state, losses = dp.step(params, state, batch)
-    >>> losses.shape
-    (1,)
+    >>> losses.shape, int(state.total_notfinite)
+    ((1,), 0)
   """
-  return DataParallel(loss_fn, tx, mesh, axis_name)
+  return DataParallel(loss_fn, tx, mesh, axis_name, has_aux=has_aux, has_state=has_state,
+                      model_state_sync=model_state_sync, skip_nonfinite=skip_nonfinite,
+                      donate=donate)
