@@ -6,6 +6,12 @@ from commopt.transforms._compressed_mean import (
     compressed_mean,
     compresses,
 )
+from commopt.transforms._control import (
+    ApplyIfFiniteState,
+    MultiStepsState,
+    apply_if_finite,
+    multi_steps,
+)
 from commopt.transforms._dgc import (
     DGC_WARMUP_DENSITIES,
     DGCLeafState,
@@ -15,6 +21,7 @@ from commopt.transforms._dgc import (
     warmup_density,
 )
 
-__all__ = ["DEFAULT_MIN_SIZE", "CompressedMeanState", "DGC_WARMUP_DENSITIES", "DGCLeafState",
-           "DGCState", "compressed_mean", "compresses", "dgc", "scheduled_top_k",
-           "warmup_density"]
+__all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
+           "DGC_WARMUP_DENSITIES", "DGCLeafState", "DGCState", "MultiStepsState",
+           "apply_if_finite", "compressed_mean", "compresses", "dgc", "multi_steps",
+           "scheduled_top_k", "warmup_density"]

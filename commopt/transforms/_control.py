@@ -1,0 +1,278 @@
+"""Control wrappers that are safe across workers: skipping non-finite steps, accumulating.
+
+``optax.apply_if_finite`` and ``optax.MultiSteps`` branch with ``lax.cond``.
+Inside ``jax.shard_map`` an output that one branch returns per worker
+(varying: zeros shaped like the local gradients, updated residuals,
+accumulated gradients) the other returns replicated (the reduced updates, the
+incoming state), which ``lax.cond`` rejects ("cond branches must have equal
+output types"). And ``apply_if_finite``'s predicate is computed from each
+worker's own gradients, so with ``check_vma=False`` a worker that sees a NaN
+skips the branch holding a collective that the other workers wait in, and the
+step deadlocks. :func:`apply_if_finite` here agrees before it selects and
+never branches; :func:`multi_steps` branches on a counter that is the same on
+every worker, with the branches' outputs joined over their varying axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from commopt._src import base
+from commopt.parallel import _collectives as coll
+
+
+class ApplyIfFiniteState(NamedTuple):
+  """State of :func:`apply_if_finite` (the fields of ``optax.ApplyIfFiniteState``).
+
+  Attributes:
+    notfinite_count: consecutive updates in which some worker saw a NaN or an
+      Inf (int32); reset to 0 by a finite update.
+    last_finite: whether the last update was finite on every worker (bool);
+      the same on all workers.
+    total_notfinite: updates with a non-finite value on some worker since
+      ``init`` (int32); never reset.
+    inner_state: the state of the wrapped transform.
+  """
+  notfinite_count: jax.Array
+  last_finite: jax.Array
+  total_notfinite: jax.Array
+  inner_state: Any
+
+
+class MultiStepsState(NamedTuple):
+  """State of :func:`multi_steps` (the fields of ``optax.MultiStepsState``).
+
+  Attributes:
+    mini_step: calls since the last inner step (int32), in ``[0, k)``; the
+      same on every worker.
+    gradient_step: inner steps taken (int32); the argument of a schedule.
+    inner_opt_state: the state of the wrapped transform.
+    acc_grads: this worker's running mean of the updates since the last inner
+      step, in float32 or wider; per worker under ``shard_map``.
+  """
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  inner_opt_state: Any
+  acc_grads: Any
+
+
+def _check_inner(inner, fn: str) -> optax.GradientTransformationExtraArgs:
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    raise ValueError(
+        f"{fn}: `inner` must be an optax GradientTransformation (with init and update), "
+        f"got {inner!r}.")
+  return optax.with_extra_args_support(inner)
+
+
+def _check_axes(axis_name, fn: str) -> None:
+  if axis_name is None:
+    return
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if (not names or not all(isinstance(a, str) for a in names)
+      or len(set(names)) != len(names)):
+    raise ValueError(
+        f"{fn}: `axis_name` must be None, a mesh axis name (str) or a tuple of distinct "
+        f"names, got {axis_name!r}.")
+
+
+def _skip_zeros(x):
+  # -0.0 is the additive identity of every float, +0.0 and -0.0 included, so
+  # `params + updates` reproduces each parameter bit for bit.
+  if base.is_float_dtype(x.dtype):
+    return jnp.full(x.shape, -0.0, x.dtype)
+  return jnp.zeros(x.shape, x.dtype)
+
+
+def _select(pred, new, old):
+  out = jnp.where(pred, new, old)
+  return out if out.dtype == old.dtype else out.astype(old.dtype)
+
+
+def _all_finite(tree) -> jax.Array:
+  leaves = jax.tree.leaves(tree)
+  return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves], bool))
+
+
+def apply_if_finite(inner: optax.GradientTransformation,
+                    axis_name: Optional[str | tuple[str, ...]] = None,
+                    max_consecutive_errors: Optional[int] = None
+                    ) -> optax.GradientTransformationExtraArgs:
+  """Skips, on every worker together, an update in which any worker saw a NaN or Inf.
+
+  Each worker checks its own input updates; one all-reduce of an int32 flag
+  over ``axis_name`` makes every worker agree whether some worker's were not
+  finite. The inner update is always computed, so every worker runs the same
+  collectives, and its result is selected with ``jnp.where``: on a skip the
+  returned updates are zeros (negative zeros, so ``params + updates`` leaves
+  every parameter unchanged bit for bit) and the inner state (error-feedback
+  residuals included) is returned unchanged. The counters count the skip and
+  ``last_finite`` is the agreed flag, the same on every worker.
+
+  ``optax.apply_if_finite`` does not work across workers: under
+  ``jax.shard_map`` its ``lax.cond`` returns the reduced, replicated updates
+  from one branch and zeros shaped like the per-worker gradients from the
+  other, which ``lax.cond`` rejects; with ``check_vma=False`` its predicate is
+  each worker's own, so a worker with a NaN skips the branch holding the
+  reduction that the other workers wait in, and the step deadlocks.
+
+  Args:
+    inner: the transform to guard, e.g. ``optax.chain(compressed_mean(c,
+      "data"), optax.sgd(lr))``.
+    axis_name: the named axis (or tuple of axes) whose workers must agree, or
+      ``None`` for one local worker.
+    max_consecutive_errors: ``None`` to skip every non-finite update; an
+      integer ``m >= 0`` to apply the update anyway once more than ``m``
+      consecutive updates were not finite, as optax does.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`ApplyIfFiniteState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, commopt
+    >>> tx = commopt.transforms.apply_if_finite(optax.sgd(0.1))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.nan, 0.0])}, state, params)
+    >>> optax.apply_updates(params, updates)["w"].tolist(), int(state.total_notfinite)
+    ([1.0, 1.0, 1.0], 1)
+    >>> updates, state = tx.update({"w": jnp.ones(3)}, state, params)
+    >>> updates["w"].tolist(), bool(state.last_finite)
+    ([-0.10000000149011612, -0.10000000149011612, -0.10000000149011612], True)
+
+  References:
+    ``optax.apply_if_finite``, whose state and counting this follows.
+  """
+  inner = _check_inner(inner, "apply_if_finite")
+  _check_axes(axis_name, "apply_if_finite")
+  if max_consecutive_errors is not None:
+    max_consecutive_errors = base.check_int("max_consecutive_errors", max_consecutive_errors,
+                                            fn="apply_if_finite", minimum=0)
+
+  def init_fn(params):
+    return ApplyIfFiniteState(
+        notfinite_count=jnp.zeros([], jnp.int32),
+        last_finite=jnp.array(True),
+        total_notfinite=jnp.zeros([], jnp.int32),
+        inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    local_bad = jnp.logical_not(_all_finite(updates)).astype(jnp.int32)
+    finite = coll.psum(local_bad, axis_name) == 0
+    notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32),
+                                optax.safe_int32_increment(state.notfinite_count))
+    apply = finite
+    if max_consecutive_errors is not None:
+      apply = finite | (notfinite_count > max_consecutive_errors)
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    new_updates = jax.tree.map(lambda u: jnp.where(apply, u, _skip_zeros(u)), new_updates)
+    new_inner = jax.tree.map(lambda new, old: _select(apply, new, old), new_inner,
+                             state.inner_state)
+    return new_updates, ApplyIfFiniteState(
+        notfinite_count=notfinite_count,
+        last_finite=finite,
+        total_notfinite=jnp.where(finite, state.total_notfinite,
+                                  optax.safe_int32_increment(state.total_notfinite)),
+        inner_state=new_inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _accumulator_dtype(dtype):
+  return jnp.promote_types(dtype, jnp.float32) if base.is_float_dtype(dtype) else dtype
+
+
+def multi_steps(inner: optax.GradientTransformation,
+                every_k_schedule: Union[int, Callable[[jax.Array], Any]]
+                ) -> optax.GradientTransformationExtraArgs:
+  """Accumulates ``k`` calls' updates on each worker and runs ``inner`` once per ``k``.
+
+  Each worker keeps the running mean of its own updates (no communication);
+  on every ``k``-th call ``inner`` (which holds the communication, e.g.
+  :func:`~commopt.compressed_mean`) runs on that mean and its output is
+  returned, and the other calls return zeros. Collectives therefore run only
+  on every ``k``-th call: ``inner`` sits in a ``cond`` whose predicate is the
+  call counter, which is the same on every worker, so all workers take the
+  same branch and none waits in a collective another skipped. With a mean
+  loss on equal micro-batches this is one step of ``inner`` on the ``k``
+  times larger batch.
+
+  ``optax.MultiSteps`` does not type-check under ``jax.shard_map``: its
+  ``lax.cond`` returns the accumulated gradients and the inner state (its
+  error-feedback residuals) per worker from one branch and as they came in,
+  replicated, from the other, and the reduced, replicated updates from one
+  branch against per-worker zeros from the other; ``lax.cond`` requires every
+  output to vary over the same axes in both ("cond branches must have equal
+  output types"). Here the branches' outputs are joined over their varying
+  axes. optax's also calls ``inner.update`` on every call and keeps the
+  result only on every k-th, which would put ``inner``'s collectives on every
+  call.
+
+  Args:
+    inner: the transform run every ``k`` calls, e.g. ``optax.chain(
+      compressed_mean(c, "data"), optax.sgd(lr))``.
+    every_k_schedule: ``k``, an integer >= 1, or a function of the number of
+      inner steps taken (an int32 scalar) that returns it.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`MultiStepsState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, commopt
+    >>> tx = commopt.transforms.multi_steps(optax.sgd(1.0), every_k_schedule=2)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> for g in (1.0, 3.0):
+    ...   updates, state = tx.update({"w": jnp.full(2, g)}, state)
+    ...   params = optax.apply_updates(params, updates)
+    ...   print(params["w"].tolist(), int(state.gradient_step))
+    [0.0, 0.0] 0
+    [-2.0, -2.0] 1
+
+  References:
+    ``optax.MultiSteps``, whose state and averaging this follows.
+  """
+  inner = _check_inner(inner, "multi_steps")
+  if callable(every_k_schedule):
+    schedule = every_k_schedule
+  else:
+    k = base.check_int("every_k_schedule", every_k_schedule, fn="multi_steps", minimum=1)
+    schedule = lambda step: k
+
+  def init_fn(params):
+    return MultiStepsState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        inner_opt_state=inner.init(params),
+        acc_grads=jax.tree.map(
+            lambda p: jnp.zeros(jnp.shape(p), _accumulator_dtype(jnp.result_type(p))), params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    k = jnp.asarray(schedule(state.gradient_step), jnp.int32)
+    n = state.mini_step.astype(jnp.float32)
+    acc = jax.tree.map(lambda g, a: a + (g.astype(a.dtype) - a) / (n + 1).astype(a.dtype),
+                       updates, state.acc_grads)
+    emit = state.mini_step + 1 >= k
+
+    def run(acc, inner_state):
+      mean = jax.tree.map(lambda a, u: a.astype(u.dtype), acc, updates)
+      return inner.update(mean, inner_state, params, **extra_args)
+
+    def hold(acc, inner_state):
+      shapes, _ = jax.eval_shape(run, acc, inner_state)
+      return jax.tree.map(_skip_zeros, shapes), inner_state
+
+    new_updates, inner_state = coll.cond(emit, run, hold, acc, state.inner_opt_state)
+    return new_updates, MultiStepsState(
+        mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
+        gradient_step=jnp.where(emit, optax.safe_int32_increment(state.gradient_step),
+                                state.gradient_step),
+        inner_opt_state=inner_state,
+        acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
