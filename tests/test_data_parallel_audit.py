@@ -43,7 +43,8 @@ def audits(mesh):
   params = mlp_params()
   for name in sorted(REGISTRY):
     tx = optax.chain(commopt.compressed_mean(make(name), "data"), optax.sgd(0.1))
-    dp = commopt.data_parallel(loss_fn, tx, mesh)
+    # The compressor's collectives alone (the non-finite skip adds one int32 flag).
+    dp = commopt.data_parallel(loss_fn, tx, mesh, skip_nonfinite=False)
     state = dp.init(params)
     out[name] = (wire.hlo_collectives(dp, params, state, make_batch()),
                  wire.payload_bytes(make(name), params))
@@ -66,6 +67,18 @@ def test_no_dense_gradient_all_reduce(audits, name):
       continue
     for dtype, shape in zip(c.dtypes, c.shapes):
       assert not (dtype.startswith(("f", "bf")) and int(np.prod(shape)) in weight_sizes), c.line
+
+
+def test_nonfinite_skip_adds_one_int32_flag(mesh):
+  tx = optax.chain(commopt.compressed_mean(make("scaled_sign"), "data"), optax.sgd(0.1))
+  params, batch = mlp_params(), make_batch()
+  audits = {}
+  for skip in (False, True):
+    dp = commopt.data_parallel(loss_fn, tx, mesh, skip_nonfinite=skip)
+    audits[skip] = wire.hlo_collectives(dp, params, dp.init(params), batch)
+  assert wire.total_bytes(audits[True]) == wire.total_bytes(audits[False]) + 4
+  flags = [c for c in audits[True] if "s32" in c.dtypes or "u32" in c.dtypes and c.kind == "all-reduce"]
+  assert flags and all(c.group_size == N for c in flags)
 
 
 def test_identity_is_the_dense_baseline(audits):
@@ -97,7 +110,7 @@ def test_training_reduces_loss_and_keeps_replicas_equal(mesh):
   assert losses.shape == (N,)
   assert float(np.mean(losses)) < 0.8 * first
   # Residuals are per worker (stacked, sharded); parameters are replicated.
-  residual = state[0].residual["w1"]
+  residual = state.inner_state[0].residual["w1"]
   assert residual.shape == (N, 1024, 512)
   assert params["w1"].sharding.is_fully_replicated
   shards = [np.asarray(s.data) for s in params["w1"].addressable_shards]
@@ -111,7 +124,7 @@ def test_equals_simulated_workers(mesh):
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   params = mlp_params(3)
   batch = make_batch(2, size=16)
-  new_params, _, _ = dp.step(params, dp.init(params), batch)
+  new_params, _, _ = dp.step(jax.tree.map(jnp.copy, params), dp.init(params), batch)
   shards = jax.tree.map(lambda x: x.reshape(N, -1, *x.shape[1:]), batch)
   grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(params, shards)
   workers = commopt.testing.vmap_workers(tx, N, "data")
@@ -127,7 +140,7 @@ def test_momentum_before_the_reduction_is_per_worker(mesh):
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   dp.init(mlp_params())
   # trace's momentum and the residuals vary per worker; counters and keys do not.
-  assert sum(dp.varying) == 4 + 2
+  assert sum(jax.tree.leaves(dp.per_worker(mlp_params()))) == 4 + 2
 
 
 def test_transform_without_reduction_is_rejected(mesh):

@@ -181,7 +181,7 @@ class DataParallel:
                        axis_names=set(axes))
     try:
       jax.eval_shape(fn, abstract)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
       if "cond branches must have equal output types" in str(e):
         raise ValueError(
             "data_parallel: `tx` runs a lax.cond whose branches return per-worker state in "
@@ -294,12 +294,7 @@ class DataParallel:
       raise ValueError(
           "data_parallel: `model_state` was given but has_state=False; pass has_state=True "
           "and a loss_fn(params, model_state, batch) -> (loss, new_model_state).")
-    layout = self.layout(params)
-    leaves, treedef = jax.tree_util.tree_flatten(opt_state)
-    if treedef != layout.state_treedef:
-      raise ValueError(
-          "data_parallel: `opt_state` does not have the structure that `init` returns "
-          f"({layout.state_treedef}); got {treedef}.")
+    layout = self._checked_layout(params, opt_state)
     axes, opt = self.axes, self.optimizer
     is_spec = lambda s: isinstance(s, P)
     manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs, is_leaf=is_spec)
@@ -375,6 +370,15 @@ class DataParallel:
     return jax.tree.map(lambda x, s: jax.sharding.reshard(x, s), tree, specs,
                         is_leaf=lambda s: isinstance(s, P))
 
+  def _checked_layout(self, params, opt_state) -> Layout:
+    layout = self.layout(params)
+    treedef = jax.tree.structure(opt_state)
+    if treedef != layout.state_treedef:
+      raise ValueError(
+          "data_parallel: `opt_state` does not have the structure that `init` returns "
+          f"({layout.state_treedef}); got {treedef}.")
+    return layout
+
   def _sync_model_state(self, new, old):
     """Averages model state that differs between workers (``model_state_sync='mean'``)."""
     axes = self.axes
@@ -407,11 +411,30 @@ class DataParallel:
     arrays passed as ``params``, ``opt_state`` and ``model_state`` are consumed:
     use the returned ones.
     """
-    return self._jitted_step(params, opt_state, batch, model_state, key)
+    return self._jitted_step(*self._placed(params, opt_state, batch, model_state, key))
+
+  def _placed(self, params, opt_state, batch, model_state, key):
+    """Outside tracing, the arguments placed as the step expects them.
+
+    Handing host arrays to the jitted step and placing them inside can leave
+    XLA:CPU's collectives waiting for a device that is still copying (a
+    rendezvous timeout), so concrete arguments are placed first; already placed
+    arrays pass through unchanged, so donation still aliases them.
+    """
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, opt_state, batch))):
+      return params, opt_state, batch, model_state, key
+    layout = self._checked_layout(params, opt_state)
+    params = self._put(params, layout.param_specs)
+    opt_state = self._put(opt_state, layout.state_specs)
+    if model_state is not None:
+      model_state = self.place_model_state(model_state)
+    if key is not None:
+      key = jax.device_put(key, NamedSharding(self.mesh, P()))
+    return params, opt_state, self.place_batch(batch), model_state, key
 
   def lower(self, params, opt_state, batch, model_state=None, key=None):
     """``jax.jit(...).lower`` of the step, for HLO audits (see :mod:`commopt.wire`)."""
-    return self._jitted_step.lower(params, opt_state, batch, model_state, key)
+    return self._jitted_step.lower(*self._placed(params, opt_state, batch, model_state, key))
 
 
 def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
