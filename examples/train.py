@@ -1,6 +1,9 @@
 """Train a Flax (nnx) CNN on the digits dataset with compressed data parallelism.
 
-Each compressor trains the same model from the same start on simulated CPU
+The CNN has batch norm and dropout and trains through
+``commopt.nnx_data_parallel``: batch statistics are averaged across workers
+each step and every worker draws its own dropout masks. Each compressor trains
+the same model from the same start on simulated CPU
 devices (8 by default); per epoch it prints the loss and test accuracy, and
 at the start the bytes each worker sends per step, analytic and audited from
 the compiled step's HLO, against dense. It writes a plot of training loss
@@ -59,6 +62,7 @@ def parse_args(argv=None):
   p.add_argument("--no-error-feedback", action="store_true")
   p.add_argument("--strategy", default="auto", choices=["auto", "psum", "gather", "two_phase"],
                  help="compressed_mean's reduction (compressors that cannot use it run 'auto')")
+  p.add_argument("--dropout", type=float, default=0.25, help="dropout rate before the last layer")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="folder for the plot and metrics")
   p.add_argument("--max-steps", type=int, default=None, help="stop each run early (smoke tests)")
@@ -80,7 +84,8 @@ def main(argv=None):
   import commopt
   from commopt import wire
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-  from digits_cnn import load_digits_split, model_fns
+  from flax import nnx
+  from digits_cnn import CNN, cross_entropy, load_digits_split
 
   if len(jax.devices()) < args.workers:
     sys.exit(f"--workers {args.workers} needs that many devices; this backend has "
@@ -94,11 +99,15 @@ def main(argv=None):
   x_train, y_train, x_test, y_test = load_digits_split(args.seed)
   batch = args.batch_size - args.batch_size % args.workers
   steps_per_epoch = len(x_train) // batch
-  init_params, logits_fn, loss_fn = model_fns(args.seed)
+  model = CNN(nnx.Rngs(args.seed), batch_norm=True, dropout=args.dropout)
+  model.train()
+  graphdef = nnx.graphdef(model)
 
   @jax.jit
-  def accuracy(params, images, labels):
-    return jnp.mean(jnp.argmax(logits_fn(params, images), -1) == labels)
+  def accuracy(state, images, labels):
+    trained = nnx.merge(graphdef, state.params, state.model_state)
+    trained.eval()                                  # running statistics, no dropout
+    return jnp.mean(jnp.argmax(trained(images), -1) == labels)
 
   mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[:args.workers])
   out_dir = pathlib.Path(args.out)
@@ -150,17 +159,23 @@ def main(argv=None):
 
   for name in names:
     label, tx, compressor, min_size, schedule = optimizer(name)
-    dp = commopt.data_parallel(loss_fn, tx, mesh)
-    params = init_params
-    state = dp.init(params)
+    trainer = commopt.nnx_data_parallel(model, cross_entropy, tx, mesh)
+    state = trainer.init(model)                     # every run starts from the same model
+    params = state.params
     first = {"x": x_train[:batch], "y": y_train[:batch]}
 
     report = wire.payload_bytes(compressor, params, min_size=min_size)
-    audit = wire.hlo_collectives(dp, params, state, first)
+    audit = wire.hlo_collectives(trainer, state, first)
+    # Besides the payload: the batch statistics' mean over workers (dense) and
+    # the int32 flag that makes every worker agree to skip a non-finite step.
+    stats_bytes = sum(x.size * x.dtype.itemsize
+                      for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat)))
+    skip_flag_bytes = 4
     dense_sent = 2 * (args.workers - 1) / args.workers * report.dense
     sent = wire.total_bytes(audit, "sent_bytes")
     print(f"\n== {label}: payload {report.total / 1e3:,.1f} kB/worker/step "
-          f"(HLO audit {wire.total_bytes(audit) / 1e3:,.1f} kB, {len(audit)} collectives) "
+          f"(HLO audit {wire.total_bytes(audit) / 1e3:,.1f} kB in {len(audit)} collectives = "
+          f"payload + {stats_bytes} B batch statistics + {skip_flag_bytes} B skip flag) "
           f"vs dense {report.dense / 1e3:,.1f} kB: {report.ratio:.1f}x smaller; "
           f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
           f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
@@ -192,7 +207,7 @@ def main(argv=None):
                  leave=False, file=sys.stdout, dynamic_ncols=True)
       for i in bar:
         idx = perm[i * batch:(i + 1) * batch]
-        params, state, loss = dp.step(params, state, {"x": x_train[idx], "y": y_train[idx]})
+        state, loss = trainer.step(state, {"x": x_train[idx], "y": y_train[idx]})
         total_sent += sent_at(step)
         step += 1
         loss = float(np.mean(loss))
@@ -203,7 +218,7 @@ def main(argv=None):
         bar.set_postfix(loss=f"{loss:.3f}")
         if args.max_steps and step >= args.max_steps:
           break
-      acc = float(accuracy(params, x_test, y_test))
+      acc = float(accuracy(state, x_test, y_test))
       history["epoch_acc"].append(acc)
       history["epoch_loss"].append(float(np.mean(losses)))
       print(f"{name:>12} epoch {epoch + 1:3d}  loss {np.mean(losses):.4f}  test acc {acc:.4f}  "
@@ -212,6 +227,8 @@ def main(argv=None):
         break
     history.update(seconds=time.perf_counter() - t0, payload_bytes=report.total,
                    dense_bytes=report.dense, audited_bytes=wire.total_bytes(audit),
+                   model_state_sync_bytes=stats_bytes, skip_flag_bytes=skip_flag_bytes,
+                   skipped_steps=int(state.opt_state.total_notfinite),
                    sent_bytes_per_step=sent, dense_sent_bytes_per_step=dense_sent,
                    compressor=label)
     results[name] = history

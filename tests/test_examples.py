@@ -22,7 +22,10 @@ def test_demo_trains_and_plots(tmp_path):
   metrics = json.loads((tmp_path / "train_metrics.json").read_text())
   assert set(metrics) == {"identity", "scaled_sign"}
   sign = metrics["scaled_sign"]
-  assert sign["audited_bytes"] == sign["payload_bytes"]
+  # The audit holds the payload, the batch statistics' mean and the skip flag.
+  assert sign["audited_bytes"] == (sign["payload_bytes"] + sign["model_state_sync_bytes"]
+                                   + sign["skip_flag_bytes"])
+  assert sign["model_state_sync_bytes"] == 2 * 64 * 4 and sign["skipped_steps"] == 0
   assert sign["dense_bytes"] / sign["payload_bytes"] > 30
   assert (tmp_path / "train_loss_vs_bytes.png").stat().st_size > 10_000
 
@@ -36,7 +39,8 @@ def test_demo_runs_quantizers_and_signum(tmp_path):
   assert metrics["int_quant"]["compressor"].startswith("int_quant(bits=4")
   assert metrics["qsgd"]["compressor"].startswith("qsgd(levels=3")
   for h in metrics.values():
-    assert h["audited_bytes"] == h["payload_bytes"]
+    assert h["audited_bytes"] == (h["payload_bytes"] + h["model_state_sync_bytes"]
+                                  + h["skip_flag_bytes"])
   assert metrics["signum"]["dense_bytes"] / metrics["signum"]["payload_bytes"] > 30
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -45,7 +46,9 @@ class NnxDataParallel:
 
   def init(self, model: nnx.Module) -> NnxTrainState:
     """The train state for ``model``'s current variables (the model is not modified)."""
-    params, state = self.split(model)
+    # Copies: the step donates the train state, and placing an array can share
+    # its buffer, which donation would then take from the model.
+    params, state = jax.tree.map(jnp.copy, self.split(model))
     params = self.dp.place_params(params)
     return NnxTrainState(params, self.dp.place_model_state(state), self.dp.init(params))
 
