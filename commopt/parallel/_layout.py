@@ -82,13 +82,19 @@ def stacked_spec(spec: P, axes) -> P:
   return P(data_spec(axes), *spec)
 
 
-def stack_workers(tree, specs, axes) -> Any:
-  """Inside ``shard_map``: gives each per-worker leaf its leading worker axis (size 1 here)."""
+def stack_workers(tree, specs, axis_name) -> Any:
+  """Inside ``shard_map``: gives each per-worker leaf its leading worker axis (size 1 here).
+
+  ``specs`` are the state's specs (:meth:`~commopt.DataParallel.state_specs`);
+  ``axis_name`` is the data axis or tuple of axes.
+  """
+  axes = axes_tuple(axis_name)
   return jax.tree.map(lambda x, s: x[None] if _is_stacked(s, axes) else x, tree, specs)
 
 
-def unstack_workers(tree, specs, axes) -> Any:
+def unstack_workers(tree, specs, axis_name) -> Any:
   """Inside ``shard_map``: drops each per-worker leaf's leading worker axis."""
+  axes = axes_tuple(axis_name)
   return jax.tree.map(lambda x, s: x[0] if _is_stacked(s, axes) else x, tree, specs)
 
 
