@@ -37,6 +37,7 @@ def main(argv=None):
   import jax
   jax.config.update("jax_num_cpu_devices", args.workers)
   import numpy as np
+  import jax.numpy as jnp
   import optax
 
   import commopt
@@ -64,8 +65,9 @@ def main(argv=None):
       continue
     label = compressor.name if strategy == "auto" else f"{compressor.name} [{strategy}]"
     tx = optax.chain(reduce, optax.sgd(0.05, momentum=0.9))
-    dp = commopt.data_parallel(loss_fn, tx, mesh)
-    p_, s_ = params, dp.init(params)
+    # The compressor alone: no non-finite skip (its int32 flag is not a payload).
+    dp = commopt.data_parallel(loss_fn, tx, mesh, skip_nonfinite=False)
+    p_, s_ = jax.tree.map(jnp.copy, params), dp.init(params)   # the step donates its inputs
     audit = wire.hlo_collectives(dp, p_, s_, batches[0])
     report = wire.payload_bytes(compressor, params)
     for b in batches[:2]:  # compile and warm up
