@@ -251,6 +251,29 @@ def test_tensor_parallel_layout_is_kept_and_equals_replicated():
     np.testing.assert_allclose(np.asarray(p[k]), np.asarray(p1[k]), rtol=1e-5, atol=1e-6)
 
 
+def test_tensor_parallel_data_axis_carries_only_payloads():
+  """Across the data axis only packed payloads (and the skip flag) move; the dense
+  gathers that give the optimizer whole leaves stay inside each model group."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+  def tp_loss(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"])
+    return jnp.mean((jnp.matmul(h, p["w2"], out_sharding=P()) - b["y"]) ** 2)
+
+  specs = {"w1": P(None, "model"), "w2": P("model", None)}
+  params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in make_params().items()}
+  compressor = commopt.scaled_sign()
+  tx = optax.chain(commopt.compressed_mean(compressor, "data", min_size=0), optax.sgd(0.1))
+  dp = commopt.data_parallel(tp_loss, tx, mesh)
+  audit = commopt.wire.hlo_collectives(dp, params, dp.init(params), make_batches(1)[0])
+  data_groups = {(0, 2, 4, 6), (1, 3, 5, 7)}
+  across_data = [c for c in audit if set(c.replica_groups) == data_groups]
+  inside_model = [c for c in audit if c.group_size == 2]
+  assert len(across_data) + len(inside_model) == len(audit)
+  payload = commopt.wire.payload_bytes(compressor, make_params(), min_size=0).total
+  assert commopt.wire.total_bytes(across_data) == payload + 4
+
+
 def test_unsupported_layouts_are_refused():
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)

@@ -130,6 +130,16 @@ def all_gather(tree: Any, axis_name: Optional[str]) -> Any:
   return jax.tree.map(gather, tree)
 
 
+def all_gather_tiled(x, axis_name, axis: int):
+  """Concatenates every worker's ``x`` along ``axis``; typed invariant when ``x`` varies."""
+  if axis_name in varying_axes(x):
+    try:
+      return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")
+    except TypeError:
+      return jax.lax.all_gather_invariant(x, axis_name, axis=axis, tiled=True)
+  return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
 def _all_gather_invariant(x, axis_name):
   # Spelled `all_gather(..., to="invarying")` in JAX 0.10; older and newer
   # releases expose `all_gather_invariant`.

@@ -256,11 +256,26 @@ class DataParallel:
     manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs,
                           is_leaf=lambda s: isinstance(s, P))
 
-    def body(p):
-      return lay.stack_workers(opt.init(self._whole(p)), layout.state_specs, axes)
+    is_spec = lambda s: isinstance(s, P)
+    if not self._other_axes:
+      def body(p):
+        return lay.stack_workers(opt.init(p), layout.state_specs, axes)
 
-    state = jax.shard_map(body, mesh=self.mesh, in_specs=(P(),), out_specs=manual,
-                          axis_names=set(axes))(params)
+      state = jax.shard_map(body, mesh=self.mesh, in_specs=(P(),), out_specs=manual,
+                            axis_names=set(axes))(params)
+      return self._put(state, layout.state_specs)
+
+    # Tensor parallel: manual over every axis, whole leaves gathered over the
+    # non-data axes, each rank keeping its slice of the state.
+    state_specs = lay.unstacked_specs(layout.state_specs, axes)
+
+    def body_tp(p):
+      whole = jax.tree.map(lay.gather_spec, p, layout.param_specs, is_leaf=is_spec)
+      state = jax.tree.map(lay.slice_spec, opt.init(whole), state_specs, is_leaf=is_spec)
+      return lay.stack_workers(state, layout.state_specs, axes)
+
+    state = jax.shard_map(body_tp, mesh=self.mesh, in_specs=(layout.param_specs,),
+                          out_specs=layout.state_specs)(params)
     return self._put(state, layout.state_specs)
 
   # -- the step ------------------------------------------------------------------
@@ -295,9 +310,6 @@ class DataParallel:
           "data_parallel: `model_state` was given but has_state=False; pass has_state=True "
           "and a loss_fn(params, model_state, batch) -> (loss, new_model_state).")
     layout = self._checked_layout(params, opt_state)
-    axes, opt = self.axes, self.optimizer
-    is_spec = lambda s: isinstance(s, P)
-    manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs, is_leaf=is_spec)
     params = self._put(params, layout.param_specs)
     opt_state = self._put(opt_state, layout.state_specs)
     batch = self.place_batch(batch)
@@ -307,6 +319,42 @@ class DataParallel:
       model_state = self.place_model_state(model_state)
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
+    if self._other_axes:
+      new_params, new_state, metrics, new_ms = self._tensor_parallel_step(
+          layout, params, opt_state, batch, model_state, key)
+    else:
+      new_params, new_state, metrics, new_ms = self._data_parallel_step(
+          layout, params, opt_state, batch, model_state, key)
+    new_params = self._put(new_params, layout.param_specs)
+    new_state = self._put(new_state, layout.state_specs)
+    if self.has_state:
+      return new_params, new_state, self._put(new_ms, ms_specs), metrics
+    return new_params, new_state, metrics
+
+  def _split_out(self, value):
+    """``(loss, aux, new_model_state)`` from what the loss returned."""
+    loss, out = value if (self.has_aux or self.has_state) else (value, None)
+    aux = new_ms = None
+    if self.has_state:
+      new_ms, aux = out if self.has_aux else (out, None)
+    elif self.has_aux:
+      aux = out
+    return loss, aux, new_ms
+
+  def _check_replicated(self, tree, what="the update of parameter"):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if lay.per_worker(leaf, self.axes):
+        raise ValueError(
+            f"data_parallel: {what} {keystr(path)} differs between "
+            f"workers on axis {self.axis_name!r}, so the replicas would drift apart. "
+            "`tx` must reduce over that axis after anything per-worker, e.g. "
+            f"optax.chain(commopt.compressed_mean(c, {self.axis_name!r}), optax.sgd(lr)).")
+
+  def _data_parallel_step(self, layout, params, opt_state, batch, model_state, key):
+    """One ``shard_map`` over the data axes: local gradients, then the optimizer."""
+    axes, opt = self.axes, self.optimizer
+    is_spec = lambda s: isinstance(s, P)
+    manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs, is_leaf=is_spec)
     grad_fn = local_value_and_grad(self.loss_fn, axes, has_aux=self.has_aux or self.has_state)
 
     def body(params, state, batch, model_state, key):
@@ -314,23 +362,10 @@ class DataParallel:
       kwargs = {} if key is None else {"key": jax.random.fold_in(key, coll.axis_index(axes))}
       args = (model_state, batch) if self.has_state else (batch,)
       value, grads = grad_fn(params, *args, **kwargs)
-      loss, out = value if (self.has_aux or self.has_state) else (value, None)
-      aux = new_ms = None
-      if self.has_state:
-        new_ms, aux = out if self.has_aux else (out, None)
-      elif self.has_aux:
-        aux = out
-      updates, new_state = opt.update(self._whole(grads), self._whole(state), self._whole(params))
-      updates = self._reshard(updates, layout.param_specs)
-      new_state = self._reshard(new_state, lay.unstacked_specs(layout.state_specs, axes))
+      loss, aux, new_ms = self._split_out(value)
+      updates, new_state = opt.update(grads, state, params)
       new_params = optax.apply_updates(params, updates)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(new_params)[0]:
-        if lay.per_worker(leaf, axes):
-          raise ValueError(
-              f"data_parallel: the update of parameter {keystr(path)} differs between "
-              f"workers on axis {self.axis_name!r}, so the replicas would drift apart. "
-              "`tx` must reduce over that axis after anything per-worker, e.g. "
-              f"optax.chain(commopt.compressed_mean(c, {self.axis_name!r}), optax.sgd(lr)).")
+      self._check_replicated(new_params)
       if self.has_state:
         new_ms = self._sync_model_state(new_ms, model_state)
         if self.skip_nonfinite:
@@ -347,12 +382,85 @@ class DataParallel:
         in_specs=(P(), manual, data, P(), P()),
         out_specs=(P(), manual, data, P()),
         axis_names=set(axes))
-    new_params, new_state, metrics, new_ms = fn(params, opt_state, batch, model_state, key)
-    new_params = self._put(new_params, layout.param_specs)
-    new_state = self._put(new_state, layout.state_specs)
+    return fn(params, opt_state, batch, model_state, key)
+
+  def _tensor_parallel_step(self, layout, params, opt_state, batch, model_state, key):
+    """Tensor parallel plus data parallel, with no dense value crossing the data axis.
+
+    The gradients come from ``jax.vmap`` over the workers (``spmd_axis_name``
+    shards the worker axis over the data axis, and the model's own sharding
+    over the other axes is left to the compiler), so each worker's gradient
+    stays on its data rank. The optimizer then runs in a ``shard_map`` manual
+    over every mesh axis: each leaf is all-gathered over the non-data axes its
+    spec names, the optimizer (and its compressed exchange over the data axis)
+    runs on whole leaves, and each rank keeps its slice. (A ``shard_map``
+    manual over the data axes alone would gather its model-sharded inputs at
+    its boundary, over all devices.)
+    """
+    axes, n = self.axes, self.num_workers
+    if len(axes) != 1:
+      raise ValueError(
+          f"data_parallel: on a mesh with other axes ({self._other_axes}) the data axis must "
+          f"be one mesh axis; got axis_name={self.axis_name!r}.")
+    if self.has_state and self.model_state_sync != "mean":
+      raise ValueError(
+          "data_parallel: with tensor-parallel parameters, model state is averaged across "
+          f"workers (model_state_sync='mean'); got {self.model_state_sync!r}.")
+    (axis,) = axes
+    is_spec = lambda s: isinstance(s, P)
+
+    def split_workers(x):
+      shape = (n, x.shape[0] // n) + tuple(x.shape[1:])
+      return jax.lax.reshape(x, shape, out_sharding=NamedSharding(
+          self.mesh, P(axis, *[None] * (len(shape) - 1))))
+
+    local_batch = jax.tree.map(split_workers, batch)
+    keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(
+        jnp.arange(n))
+    grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux or self.has_state)
+
+    def worker(b, k):
+      args = (model_state, b) if self.has_state else (b,)
+      return grad_fn(params, *args, **({} if k is None else {"key": k}))
+
+    # The mesh as the abstract context, so a model's own sharding annotations
+    # (PartitionSpecs) resolve; it is not a device context (none is entered).
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+      value, grads = jax.vmap(worker, in_axes=(0, None if keys is None else 0),
+                              axis_name=axis, spmd_axis_name=axis)(local_batch, keys)
+    loss, aux, new_ms = self._split_out(value)
+
+    opt = self.optimizer
+    state_specs = lay.unstacked_specs(layout.state_specs, axes)
+
+    def update(g, st, p):
+      g = jax.tree.map(lambda x: x[0], g)
+      st = lay.unstack_workers(st, layout.state_specs, axes)
+      whole = lambda tree, specs: jax.tree.map(lay.gather_spec, tree, specs, is_leaf=is_spec)
+      mine = lambda tree, specs: jax.tree.map(lay.slice_spec, tree, specs, is_leaf=is_spec)
+      u, new = opt.update(whole(g, layout.param_specs), whole(st, state_specs),
+                          whole(p, layout.param_specs))
+      self._check_replicated(u)
+      new = lay.stack_workers(mine(new, state_specs), layout.state_specs, axes)
+      return mine(u, layout.param_specs), new
+
+    grad_specs = jax.tree.map(lambda s: lay.stacked_spec(s, axes), layout.param_specs,
+                              is_leaf=is_spec)
+    updates, new_state = jax.shard_map(
+        update, mesh=self.mesh, in_specs=(grad_specs, layout.state_specs, layout.param_specs),
+        out_specs=(layout.param_specs, layout.state_specs))(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    metrics = loss if not self.has_aux else (loss, aux)
     if self.has_state:
-      return new_params, new_state, self._put(new_ms, ms_specs), metrics
-    return new_params, new_state, metrics
+      # Floating-point state is averaged over the workers; the rest (counters)
+      # advances the same way on every worker.
+      new_ms = jax.tree.map(
+          lambda x: jnp.mean(x.astype(jnp.float32), 0).astype(x.dtype)
+          if jnp.issubdtype(x.dtype, jnp.inexact) else x[0], new_ms)
+      if self.skip_nonfinite:
+        ok = new_state.last_finite
+        new_ms = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_ms, model_state)
+    return new_params, new_state, metrics, new_ms
 
   @property
   def _other_axes(self) -> tuple[str, ...]:
@@ -363,12 +471,6 @@ class DataParallel:
     if not self._other_axes:
       return tree
     return jax.tree.map(lambda x: jax.sharding.reshard(x, P(*[None] * jnp.ndim(x))), tree)
-
-  def _reshard(self, tree, specs):
-    if not self._other_axes:
-      return tree
-    return jax.tree.map(lambda x, s: jax.sharding.reshard(x, s), tree, specs,
-                        is_leaf=lambda s: isinstance(s, P))
 
   def _checked_layout(self, params, opt_state) -> Layout:
     layout = self.layout(params)

@@ -143,3 +143,28 @@ def specs_by_shape(params, param_specs) -> dict:
     spec = P(*(list(spec) + [None] * (len(shape) - len(spec))))
     seen.setdefault(shape, set()).add(spec)
   return {shape: next(iter(specs)) for shape, specs in seen.items() if len(specs) == 1}
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+
+def gather_spec(x, spec: P):
+  """Inside ``shard_map`` over ``spec``'s axes: the whole array from this rank's shard.
+
+  Gathered with the invariant all-gather, so values computed from it may be
+  returned replicated.
+  """
+  for dim, entry in enumerate(spec):
+    for name in reversed(_spec_axes(entry)):
+      x = coll.all_gather_tiled(x, name, dim)
+  return x
+
+
+def slice_spec(x, spec: P):
+  """Inside ``shard_map`` over ``spec``'s axes: this rank's shard of the whole array ``x``."""
+  for dim, entry in enumerate(spec):
+    for name in _spec_axes(entry):
+      size = x.shape[dim] // coll.axis_size(name)
+      x = jax.lax.dynamic_slice_in_dim(x, coll.axis_index(name) * size, size, axis=dim)
+  return x
