@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-import math
-
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -24,14 +21,13 @@ class Workers(NamedTuple):
   update: Callable[[Any, Any], tuple[Any, Any]]
 
 
-def _stacked_init(tx, num_workers):
-  return lambda params: jax.tree.map(
-      lambda x: jnp.broadcast_to(x, (num_workers,) + jnp.shape(x)), tx.init(params))
-
-
 def vmap_workers(tx: optax.GradientTransformation, num_workers: int,
                  axis_name: str = "workers") -> Workers:
   """``num_workers`` simulated workers on one device, via ``jax.vmap(axis_name=...)``.
+
+  ``init`` runs ``tx.init`` inside the vmap over the axis, so a transform can
+  size per-worker state for ``num_workers`` workers; each worker's state is
+  stacked on a leading axis.
 
   Example:
     >>> import jax.numpy as jnp, commopt
@@ -41,8 +37,9 @@ def vmap_workers(tx: optax.GradientTransformation, num_workers: int,
     >>> out["x"][0].tolist()
     [3.0, 4.0]
   """
+  init = jax.vmap(tx.init, in_axes=None, axis_size=num_workers, axis_name=axis_name)
   update = jax.jit(jax.vmap(lambda u, s: tx.update(u, s), axis_name=axis_name))
-  return Workers(_stacked_init(tx, num_workers), update)
+  return Workers(init, update)
 
 
 def shard_map_workers(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
@@ -51,27 +48,29 @@ def shard_map_workers(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
 
   Inputs are stacked ``[N, ...]`` and placed sharded over the axis for you. A
   tuple of axes (e.g. ``("node", "local")``) stacks the workers of all of
-  them, in the mesh's row-major order.
+  them, in the mesh's row-major order. ``init`` runs ``tx.init`` inside the
+  ``shard_map``, on replicated parameters, so a transform can size
+  per-worker state for the mesh; each worker's state is stacked likewise.
   """
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  n = int(math.prod(mesh.shape[a] for a in axes))
   sharded = NamedSharding(mesh, P(axis_name))
+  squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
+  expand = lambda t: jax.tree.map(lambda x: x[None], t)
 
   def body(u, s):
-    squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
     out, new = tx.update(squeeze(u), squeeze(s))
-    expand = lambda t: jax.tree.map(lambda x: x[None], t)
     return expand(out), expand(new)
 
   mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis_name), P(axis_name)),
                                  out_specs=(P(axis_name), P(axis_name))))
+  mapped_init = jax.jit(jax.shard_map(lambda p: expand(tx.init(p)), mesh=mesh,
+                                      in_specs=P(), out_specs=P(axis_name)))
 
   def place(tree):
     return jax.device_put(tree, sharded)
 
   def init(params):
     with jax.set_mesh(mesh):
-      return place(_stacked_init(tx, n)(params))
+      return mapped_init(jax.device_put(params, NamedSharding(mesh, P())))
 
   def update(u, s):
     with jax.set_mesh(mesh):

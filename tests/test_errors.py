@@ -1,6 +1,7 @@
 """Bad input fails with a ValueError naming the argument, the value and what is valid."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import commopt
@@ -92,12 +93,42 @@ def test_unknown_registry_name():
     commopt.compressors.make("sgn")
 
 
-def test_residual_dtype_for_bf16():
-  tx = commopt.compressed_mean(commopt.scaled_sign(), residual_dtype=jnp.float32, min_size=0)
-  state = tx.init({"w": jnp.ones(64, jnp.bfloat16)})
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_residual_dtype_for_16_bit_leaves(dtype):
+  # float32 by default; the user may still ask for the leaf's own dtype.
+  for asked, kept in ((None, jnp.float32), (dtype, dtype)):
+    tx = commopt.compressed_mean(commopt.scaled_sign(), residual_dtype=asked, min_size=0)
+    state = tx.init({"w": jnp.ones(64, dtype)})
+    assert state.residual["w"].dtype == kept
+    out, state = tx.update({"w": jnp.linspace(-1, 1, 64).astype(dtype)}, state)
+    assert out["w"].dtype == dtype and state.residual["w"].dtype == kept
+  state = commopt.compressed_mean(commopt.scaled_sign(), min_size=0).init({"w": jnp.ones(64)})
   assert state.residual["w"].dtype == jnp.float32
-  out, state = tx.update({"w": jnp.linspace(-1, 1, 64).astype(jnp.bfloat16)}, state)
-  assert out["w"].dtype == jnp.bfloat16 and state.residual["w"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name", ["identity", "scaled_sign", "top_k"])
+def test_bf16_defaults_keep_a_small_gradient_beside_a_large_residual(name):
+  """1e-3 added to a residual of 256: lost in bf16 (8 bits of mantissa), kept in float32."""
+
+  def gradient_kept(**options):
+    # What was sent plus what is kept, less the residual: the gradient, if nothing is lost.
+    tx = commopt.compressed_mean(commopt.compressors.make(name), min_size=0, **options)
+    state = tx.init({"w": jnp.ones(1024, jnp.bfloat16)})
+    state = state._replace(residual={"w": jnp.full(1024, 256.0, state.residual["w"].dtype)})
+    out, state = tx.update({"w": jnp.full(1024, 1e-3, jnp.bfloat16)}, state)
+    return np.asarray(out["w"], np.float32) + np.asarray(state.residual["w"], np.float32) - 256
+
+  np.testing.assert_allclose(gradient_kept(), 1e-3, rtol=2e-2)
+  # With a bf16 residual, as one may still ask for, the gradient is lost.
+  np.testing.assert_array_equal(gradient_kept(residual_dtype=jnp.bfloat16), 0.0)
+
+
+def test_two_phase_server_memory_is_float32_for_bf16():
+  tx = commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="two_phase", min_size=0)
+  state = commopt.testing.vmap_workers(tx, 4, "data").init({"w": jnp.ones(64, jnp.bfloat16)})
+  assert state.residual["w"].dtype == jnp.float32
+  assert state.server_residual["w"].dtype == jnp.float32
+  assert state.server_residual["w"].shape == (4, 16)
 
 
 def test_inside_optax_masked():

@@ -40,9 +40,33 @@ def leaves(tree):
   return {k: np.asarray(v) for k, v in tree.items() if v is not None}
 
 
-def run_sums(sm, seed, steps):
+def whole_init(tx, n=N):
+  """The state of a plain ``tx.init`` outside any map (whole memories), stacked per worker."""
+  return lambda params: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape),
+                                     tx.init(params))
+
+
+def joined(parts, n):
+  """Per-worker parts ``[W, c]`` laid end to end in worker order: the leaf's ``[n]``."""
+  return np.asarray(parts).reshape(-1)[:n]
+
+
+def shard_parts(parts, n, nodes=2, ranks=4):
+  """Hierarchical parts ``[nodes·ranks, c]`` (node-major) of a leaf of ``n``: ``[nodes, n]``."""
+  return np.asarray(parts).reshape(nodes, -1)[:, :n]
+
+
+def server_parts(parts, n, nodes=2, ranks=4):
+  """Hierarchical server parts: worker (s, l) holds chunk s of shard l. Returns ``[n]``."""
+  parts = np.asarray(parts)
+  shard = -(-n // ranks)
+  by_shard = parts.reshape(nodes, ranks, -1).transpose(1, 0, 2).reshape(ranks, -1)[:, :shard]
+  return by_shard.reshape(-1)[:n]
+
+
+def run_sums(sm, seed, steps, init=None):
   """Runs ``steps`` updates; returns (Σ outputs, Σ mean inputs) of leaf "v", and the state."""
-  state = sm.init(params_like())
+  state = (init or sm.init)(params_like())
   sum_out = sum_in = 0.0
   for step in range(steps):
     u = updates(seed + step)
@@ -85,15 +109,72 @@ def test_two_phase_conservation_of_both_memories(mesh, name):
                                min_size=0)
   sum_out, sum_in, state = run_sums(commopt.testing.shard_map_workers(tx, mesh, "data"), 10, 5)
   worker = np.asarray(state.residual["v"]).mean(0)
-  server = np.asarray(state.server_residual["v"])
   # Each worker keeps the server memory of its own chunk only.
+  server = np.asarray(state.server_residual["v"])
+  assert server.shape == (N, -(-1001 // N))
+  np.testing.assert_allclose(sum_out + worker + joined(server, 1001), sum_in, atol=2e-4,
+                             rtol=1e-4)
+  assert np.abs(server).sum() > 0
+
+
+def test_two_phase_whole_memory_from_a_plain_init(mesh):
+  """A state from tx.init outside any map keeps whole memories: zeros outside the own chunk."""
+  tx = commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="two_phase", min_size=0)
+  sm = commopt.testing.shard_map_workers(tx, mesh, "data")
+  sum_out, sum_in, state = run_sums(sm, 10, 5, init=whole_init(tx))
+  worker = np.asarray(state.residual["v"]).mean(0)
+  server = np.asarray(state.server_residual["v"])
+  assert server.shape == (N, 1001)
   chunk = -(-1001 // N)
   for w in range(N):
     outside = np.ones(1001, bool)
     outside[w * chunk:(w + 1) * chunk] = False
     assert np.all(server[w][outside] == 0)
   np.testing.assert_allclose(sum_out + worker + server.sum(0), sum_in, atol=2e-4, rtol=1e-4)
-  assert np.abs(server).sum() > 0
+
+
+@pytest.mark.parametrize("strategy", ["two_phase", "hierarchical"])
+def test_whole_and_per_worker_memories_agree(mesh, mesh2d, strategy):
+  """The same steps from either layout: equal outputs, and equal memories once joined."""
+  if strategy == "two_phase":
+    tx = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase", min_size=0)
+    sm = commopt.testing.shard_map_workers(tx, mesh, "data")
+  else:
+    tx = hierarchical(commopt.scaled_sign(), "two_phase")
+    sm = commopt.testing.shard_map_workers(tx, mesh2d, AXES)
+  s_part, s_whole = sm.init(params_like()), whole_init(tx)(params_like())
+  for step in range(3):
+    u = updates(50 + step)
+    o_part, s_part = sm.update(u, s_part)
+    o_whole, s_whole = sm.update(u, s_whole)
+    for k in leaves(o_part):
+      np.testing.assert_array_equal(leaves(o_part)[k], leaves(o_whole)[k])
+  for k, n in (("w", 64 * 48), ("v", 1001), ("s", 13)):
+    part, whole = np.asarray(s_part.server_residual[k]), np.asarray(s_whole.server_residual[k])
+    if strategy == "two_phase":
+      np.testing.assert_array_equal(joined(part, n), whole.sum(0))
+      np.testing.assert_array_equal(s_part.residual[k], s_whole.residual[k])
+    else:
+      np.testing.assert_array_equal(server_parts(part, n), whole.sum(0))
+      residual = np.asarray(s_whole.residual[k]).reshape(2, 4, n).sum(1)
+      np.testing.assert_array_equal(shard_parts(s_part.residual[k], n), residual)
+
+
+def test_per_worker_memory_shapes_and_a_state_for_other_workers(mesh2d):
+  n = 1001
+  tx = commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="two_phase", min_size=0)
+  state = commopt.testing.vmap_workers(tx, N, "data").init(params_like())
+  assert state.server_residual["v"].shape == (N, -(-n // N))
+  assert state.residual["v"].shape == (N, n)
+  hier = hierarchical(commopt.scaled_sign(), "two_phase")
+  s_h = commopt.testing.shard_map_workers(hier, mesh2d, AXES).init(params_like())
+  assert s_h.residual["v"].shape == (N, -(-n // 4))
+  assert s_h.server_residual["v"].shape == (N, -(-(-(-n // 4)) // 2))
+  # Parts made for 8 workers do not fit 4: refused, not silently misread.
+  four = commopt.testing.vmap_workers(tx, 4, "data")
+  with pytest.raises(ValueError, match=r"state does not match.*leaf \['s'\] has a server memory "
+                                       r"of shape \(2,\), but .* needs one of \[\(4,\), \(13,\)\]"):
+    four.update(updates(0, n=4), jax.tree.map(lambda x: x[:4], state))
 
 
 def test_two_phase_vmap_equals_shard_map(mesh):
@@ -205,15 +286,19 @@ def test_hierarchical_compressed_bytes_cross_only_the_slow_axis(mesh2d, inner):
 def test_hierarchical_conservation(mesh2d, inner):
   sm = commopt.testing.shard_map_workers(hierarchical(commopt.scaled_sign(), inner), mesh2d, AXES)
   sum_out, sum_in, state = run_sums(sm, 40, 4)
-  # The memory lives on the compressed shard: a node's memory is the sum of its
-  # local ranks' (disjoint) shards, and the mean over nodes enters the balance.
-  residual = np.asarray(state.residual["v"]).reshape(2, 4, -1).sum(1).mean(0)
+  # The memory lives on the compressed shard: a node's memory is its local
+  # ranks' shards end to end, and the mean over nodes enters the balance.
+  residual = shard_parts(state.residual["v"], 1001).mean(0)
   server = 0.0
   if inner == "two_phase":
-    server = np.asarray(state.server_residual["v"]).sum(0)
+    server = server_parts(state.server_residual["v"], 1001)
   else:
     assert isinstance(state.server_residual["v"], optax.MaskedNode)
   np.testing.assert_allclose(sum_out + residual + server, sum_in, atol=2e-4, rtol=1e-4)
+
+
+def is_cm_state(x):
+  return isinstance(x, commopt.CompressedMeanState)
 
 
 def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
@@ -228,7 +313,9 @@ def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
   hier = commopt.data_parallel(
       loss, optax.chain(hierarchical(commopt.identity()), optax.sgd(0.05)), mesh2d, AXES)
   assert hier.num_workers == 8
-  p_f, s_f, p_h, s_h = params, flat.init(params), params, hier.init(params)
+  # Each trainer gets its own copy: the step donates what it is given.
+  fresh = lambda: jax.tree.map(jnp.copy, params)
+  p_f, s_f, p_h, s_h = fresh(), flat.init(params), fresh(), hier.init(params)
   for _ in range(5):
     p_f, s_f, l_f = flat.step(p_f, s_f, batch)
     p_h, s_h, l_h = hier.step(p_h, s_h, batch)
@@ -237,13 +324,14 @@ def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
   # With compression, the per-worker memory is stacked over both axes.
   tx = optax.chain(hierarchical(commopt.scaled_sign(), "two_phase"), optax.sgd(0.05))
   dp = commopt.data_parallel(loss, tx, mesh2d, AXES)
-  state = dp.init(params)
-  first = float(np.mean(np.asarray(dp.step(params, state, batch)[2])))
-  p = params
+  first = float(np.mean(np.asarray(dp.step(fresh(), dp.init(params), batch)[2])))
+  p, state = fresh(), dp.init(params)
   for _ in range(60):
     p, state, losses = dp.step(p, state, batch)
   assert float(np.mean(np.asarray(losses))) < 0.5 * first
-  assert state[0].residual["w"].shape == (8, 32, 4)
+  # data_parallel runs init inside its shard_map: each worker keeps its rank's quarter.
+  cm = next(s for s in jax.tree.leaves(state, is_leaf=is_cm_state) if is_cm_state(s))
+  assert cm.residual["w"].shape == (8, 32)
 
 
 # --- errors --------------------------------------------------------------------------

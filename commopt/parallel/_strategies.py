@@ -1,11 +1,28 @@
 """Reduction strategies that keep compression at scale: two-phase and hierarchical.
 
-Both work on one flat, error-compensated leaf and return ``(mean, local,
-server_memory)``: the mean over the axis of the reconstructions, this
+Both work on one flat, error-compensated leaf of ``n`` coordinates and return
+``(mean, local, memory)``: the mean over the axis of the reconstructions, this
 worker's own reconstruction (what worker-side error feedback subtracts), and
-the new second error memory. Memories are kept in the leaf's own flat
-coordinates: a worker only uses the slice it is responsible for and holds
-zeros elsewhere, so a state made before the mesh is known has the right shape.
+the new second (server) error memory.
+
+What each worker keeps (``N`` workers on the axis; ``L`` local ranks and ``S``
+nodes for hierarchical):
+
+- ``two_phase``: the server memory of its own chunk only, ``[⌈n/N⌉]``
+  (worker ``j`` owns coordinates ``j·c`` to ``(j+1)·c``, the last chunk
+  zero-padded past ``n``). Its worker-side residual covers the whole leaf,
+  since it encodes all of it.
+- ``hierarchical``: the worker-side residual of its own shard only,
+  ``[⌈n/L⌉]`` (local rank ``l`` owns shard ``l``), and with an inner
+  ``two_phase`` the server memory of its own chunk of that shard,
+  ``[⌈⌈n/L⌉/S⌉]``.
+
+A memory may also be kept whole, in the leaf's flat coordinates ``[n]``, with
+each worker using only its own part and holding zeros elsewhere: that is what
+a state made where the number of workers is unknown (``init`` outside any
+mapped axis) holds. Every function here takes either layout, tells them apart
+by the stored length, and returns the new memory in the layout it was given;
+the two give the same results.
 """
 
 from __future__ import annotations
@@ -92,8 +109,47 @@ def chunk_size(n: int, workers: int) -> int:
   return -(-n // workers)
 
 
+def is_own(memory: jax.Array, n: int) -> bool:
+  """Whether a flat memory of a leaf of ``n`` coordinates holds only this worker's part.
+
+  Whole memories have length ``n``; a worker's part is shorter whenever there
+  is more than one worker (when it is not, the two layouts coincide).
+  """
+  return memory.shape[0] != n
+
+
+def own_part(memory: jax.Array, n: int, workers: int, index) -> jax.Array:
+  """Worker ``index``'s ``⌈n/workers⌉`` coordinates of ``memory``, in its dtype.
+
+  ``memory`` is the whole flat memory ``[n]`` or already the part (see
+  :func:`is_own`).
+  """
+  c = chunk_size(n, workers)
+  if memory.shape[0] not in (n, c):
+    raise ValueError(
+        f"the memory of a leaf of {n} coordinates must hold {n} (whole) or {c} (one of "
+        f"{workers} workers' part) values, got {memory.shape[0]}; it was made for another "
+        "number of workers. Call init where the axis has this many workers, or outside it.")
+  if is_own(memory, n):
+    return memory
+  return jax.lax.dynamic_slice(jnp.pad(memory, (0, workers * c - n)), (index * c,), (c,))
+
+
+def store_part(part: jax.Array, memory: jax.Array, n: int, workers: int, index) -> jax.Array:
+  """``part`` (worker ``index``'s coordinates) kept in ``memory``'s layout and dtype.
+
+  A whole memory gets zeros outside the part; either way nothing is kept past
+  the leaf's ``n`` coordinates.
+  """
+  c = part.shape[0]
+  if is_own(memory, n):
+    return jnp.where(index * c + jnp.arange(c) < n, part, 0).astype(memory.dtype)
+  full = jax.lax.dynamic_update_slice(jnp.zeros((workers * c,), part.dtype), part, (index * c,))
+  return full[:n].astype(memory.dtype)
+
+
 def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Array], key,
-              axis_name) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+              axis_name, size=None) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """Compressed all-reduce in two phases (all-to-all, then all-gather).
 
   Worker ``w`` splits its flat input ``p`` (``n`` coordinates, zero-padded to
@@ -106,12 +162,16 @@ def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Ar
   Args:
     compressor: a stateless compressor.
     p: the error-compensated flat input, ``[n]``.
-    memory: the server memory in ``p``'s coordinates, ``[n]``, or None for none.
+    memory: this worker's server memory, ``[⌈n/N⌉]`` (its own chunk) or
+      ``[n]`` (in ``p``'s coordinates, only the own chunk used), or None for none.
     key: this worker's key for the leaf.
     axis_name: the axis.
+    size: how many leading coordinates of ``p`` hold data (default all ``n``;
+      may be traced): the chunk mean and the memory are zero past it.
 
   Returns:
-    ``(mean [n] float32, local [n], new memory [n] or None)``.
+    ``(mean [n] float32, local [n], new memory or None)``, the memory in the
+    layout it was given.
   """
   n = p.shape[0]
   workers = coll.axis_size(axis_name)
@@ -128,19 +188,17 @@ def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Ar
   received = jax.lax.all_to_all(words, axis_name, 0, 0, tiled=False)
   me = coll.axis_index(axis_name)
   start = me * c
-  valid = (start + jnp.arange(c)) < n
+  valid = (start + jnp.arange(c)) < (n if size is None else size)
   chunk_mean = jnp.where(valid, jnp.mean(jax.vmap(decode)(unpack(received)), axis=0), 0.0)
 
   q = chunk_mean
   if memory is not None:
-    padded = jnp.pad(memory.astype(jnp.float32), (0, workers * c - n))
-    q = q + jax.lax.dynamic_slice(padded, (start,), (c,))
+    q = q + own_part(memory, n, workers, me).astype(jnp.float32)
   payload, _ = compressor.encode(q.astype(p.dtype), empty, jax.random.fold_in(key, workers))
   new_memory = None
   if memory is not None:
     kept = jnp.where(valid, q - decode(payload), 0.0)
-    new_memory = jax.lax.dynamic_update_slice(
-        jnp.zeros((workers * c,), jnp.float32), kept, (start,))[:n].astype(memory.dtype)
+    new_memory = store_part(kept, memory, n, workers, me)
 
   words2, unpack2 = to_words(payload)
   gathered = coll.all_gather(words2, axis_name)
@@ -163,35 +221,41 @@ def hierarchical(p_reduce: Callable, u: jax.Array, residual: Optional[jax.Array]
   cross only the slow axis and each local rank sends ``1/L`` of the leaf.
 
   Args:
-    p_reduce: ``p_reduce(p_shard, memory_shard) -> (mean, local, memory)``,
-      the compressed reduction across ``slow``.
+    p_reduce: ``p_reduce(p_shard, memory, size) -> (mean, local, memory)``,
+      the compressed reduction across ``slow`` (it gets and returns ``memory``
+      in the shard's layout: whole shard or its own part; ``size`` is how many
+      leading coordinates of the shard lie inside the leaf).
     u: this worker's flat update, ``[n]``.
-    residual: the error memory in leaf coordinates ``[n]`` (only this local
-      rank's shard is used), or None without error feedback.
-    memory: a second (server) memory in leaf coordinates, or None.
+    residual: this local rank's error memory, ``[⌈n/L⌉]`` (its shard) or
+      ``[n]`` (leaf coordinates, only the shard used), or None without error
+      feedback.
+    memory: a second (server) memory, ``[n]`` in leaf coordinates or already
+      this rank's part of its shard (as ``p_reduce`` keeps it), or None.
     slow, fast: the axis names.
 
   Returns:
-    ``(mean [n], new residual or None, new memory or None)``.
+    ``(mean [n], new residual or None, new memory or None)``, the memories in
+    the layouts they were given.
   """
   n = u.shape[0]
   ranks = coll.axis_size(fast)
   c = chunk_size(n, ranks)
-  start = coll.axis_index(fast) * c
-
-  def shard(v):
-    return jax.lax.dynamic_slice(jnp.pad(v, (0, ranks * c - n)), (start,), (c,))
-
-  def place(v, like):
-    full = jax.lax.dynamic_update_slice(jnp.zeros((ranks * c,), v.dtype), v, (start,))
-    return full[:n].astype(like.dtype)
+  rank = coll.axis_index(fast)
 
   padded = jnp.pad(u.astype(jnp.float32), (0, ranks * c - n))
   dense = jax.lax.psum_scatter(padded, fast, scatter_dimension=0, tiled=True) / ranks
-  p = dense if residual is None else dense + shard(residual).astype(jnp.float32)
-  mean, local, new_memory = p_reduce(p.astype(u.dtype),
-                                     None if memory is None else shard(memory))
+  p = dense
+  if residual is not None:
+    p = p + own_part(residual, n, ranks, rank).astype(jnp.float32)
+  # A whole memory is cut to this shard; a part is already the inner reduction's own.
+  whole = memory is not None and not is_own(memory, n)
+  mean, local, new_memory = p_reduce(
+      p.astype(u.dtype), own_part(memory, n, ranks, rank) if whole else memory,
+      jnp.clip(n - rank * c, 0, c))
   full = coll.all_gather(mean.astype(jnp.float32), fast).reshape(-1)[:n]
-  new_residual = None if residual is None else place(p - local.astype(jnp.float32), residual)
-  new_memory = None if memory is None else place(new_memory, memory)
+  new_residual = None
+  if residual is not None:
+    new_residual = store_part(p - local.astype(jnp.float32), residual, n, ranks, rank)
+  if whole:
+    new_memory = store_part(new_memory, memory, n, ranks, rank)
   return full, new_residual, new_memory

@@ -26,15 +26,27 @@ class CompressedMeanState(NamedTuple):
     count: number of updates so far (int32); the step key is
       ``fold_in(key, count)``.
     key: the base PRNG key (raw uint32[2]).
-    residual: per-worker error-feedback memory, shaped like the updates;
+    residual: per-worker error-feedback memory, shaped like the updates (for
+      ``strategy="hierarchical"``: only this local rank's shard, flat
+      ``[⌈n/L⌉]`` for a leaf of ``n`` elements and ``L`` local ranks);
       ``optax.MaskedNode()`` for dense and ``None`` leaves, or everywhere when
       error feedback is off.
     compressor_state: per-leaf compressor state (e.g. PowerSGD's ``q``);
       ``optax.MaskedNode()`` for leaves that are not compressed.
     server_residual: the second error memory of ``strategy="two_phase"``
-      (what re-encoding the averaged chunk missed), in the leaf's flat
-      coordinates with each worker using only its own chunk;
-      ``optax.MaskedNode()`` for other strategies and without error feedback.
+      (what re-encoding the averaged chunk missed): only this worker's own
+      chunk, flat ``[⌈n/N⌉]`` for ``N`` workers (with hierarchical and
+      ``inner_strategy="two_phase"``: its chunk of its shard,
+      ``[⌈⌈n/L⌉/S⌉]`` for ``S`` nodes); ``optax.MaskedNode()`` for other
+      strategies and without error feedback.
+
+  Both memories are float32 for 16-bit float leaves (bf16, f16) unless
+  ``residual_dtype`` says otherwise. The per-worker parts are allocated when ``init`` runs where
+  the axis is bound (inside ``jax.shard_map`` or ``jax.vmap`` over it, as
+  :func:`~commopt.data_parallel` and :mod:`commopt.testing` call it). Called
+  outside, where the number of workers is unknown, ``init`` keeps each memory
+  whole (``[n]``, or the update's shape) with every worker using only its own
+  part; ``update`` accepts either layout, by the stored shape, and keeps it.
   """
   count: jax.Array
   key: jax.Array
@@ -116,13 +128,22 @@ def _reduce_global(compressor, strategy, xs, key, axis_name):
 def _slow_reduce(compressor, strategy, key, axis_name):
   """The compressed reduction of a hierarchical shard across the slow axis."""
   if strategy == "two_phase":
-    return lambda p, memory: _strategies.two_phase(compressor, p, memory, key, axis_name)
+    return lambda p, memory, size: _strategies.two_phase(compressor, p, memory, key, axis_name,
+                                                         size)
 
-  def reduce(p, memory):
+  def reduce(p, memory, size):
+    del size
     reduced = _reduce_leaf(compressor, strategy, p, compressor.init(p), key, axis_name)
     return reduced.mean, reduced.local, None
 
   return reduce
+
+
+def _server_memories(state: CompressedMeanState, treedef) -> list:
+  """One server memory (or ``MaskedNode``) per leaf; states without the field have none."""
+  if state.server_residual is None:
+    return [optax.MaskedNode()] * treedef.num_leaves
+  return treedef.flatten_up_to(state.server_residual)
 
 
 def _is_global(compressor) -> bool:
@@ -163,16 +184,20 @@ def compressed_mean(
   ``"two_phase"`` keeps the saving at scale (as 1-bit Adam does): each worker
   encodes N chunks of its input, an all-to-all sends chunk ``j`` to worker
   ``j``, which averages it, re-encodes it with a second error memory
-  (``server_residual``) and an all-gather returns the encoded means. Each
-  worker sends about two payloads whatever N, where ``"gather"`` sends N−1.
+  (``server_residual``, of its own chunk only: ``⌈n/N⌉`` values for a leaf of
+  ``n``) and an all-gather returns the encoded means. Each worker sends about
+  two payloads whatever N, where ``"gather"`` sends N−1.
 
   ``"hierarchical"`` takes ``axis_name=(slow, fast)`` on a 2-D mesh (e.g.
   ``("node", "local")``): a dense reduce-scatter inside ``fast``, the
   compressed reduction (``inner_strategy``) of each local rank's shard across
   ``slow``, and a dense all-gather inside ``fast``. Compressed bytes cross
-  only the slow axis; the error memory is kept on the shard that is
-  compressed, in the leaf's coordinates. Both strategies need a stateless
-  per-leaf compressor.
+  only the slow axis; the error memory is kept only for the shard that is
+  compressed (``⌈n/L⌉`` values on each of the ``L`` local ranks). Both
+  strategies need a stateless per-leaf compressor. Their per-worker memories
+  are sized where ``init`` runs with the axis bound (see
+  :class:`CompressedMeanState`); a plain ``init`` outside any mapped axis
+  keeps them whole, and ``update`` takes either.
   Compressors with tree-wide selection (``top_k(scope="global")``, any
   compressor with ``encode_tree``) exchange one payload for all compressed
   leaves, keyed by the worker key.
@@ -182,13 +207,29 @@ def compressed_mean(
   compressors with shared randomness use the step key alone (see :func:`worker_key`).
   Leaf ``i`` uses ``fold_in(worker_key, i)``.
 
+  Non-finite input is not checked for here. A NaN or inf in one worker's input
+  enters its payload (a dense leaf's mean directly); with most compressors
+  (identity, cast, natural, scaled_sign, qsgd, top_k, power_sgd, ...) it
+  reaches every worker's mean, in that coordinate or in the whole block or
+  leaf whose scale it spoils, while others (sign, int_quant, terngrad,
+  threshold, ...) encode it as a finite value. Either way it stays in that
+  worker's residual (``p - decode(payload)`` keeps it; in every worker's with
+  power_sgd, whose factors are shared; with ``"two_phase"`` also in the server
+  memory), so it comes back at every later step. :func:`commopt.data_parallel`
+  skips such steps on every worker together, by agreement
+  (``skip_nonfinite=True``, the default), and
+  ``commopt.transforms.apply_if_finite(tx, axis_name)`` does the same in your
+  own step: the update is dropped and the residuals are left as they were.
+
   Args:
     compressor: a :class:`~commopt.Compressor`.
     axis_name: the named axis to reduce over, or ``None`` for one local worker;
       ``(slow, fast)`` for ``strategy="hierarchical"``.
     error_feedback: keep the residual ``e`` in the state and add it back.
-    residual_dtype: dtype of the residual (default: the leaf's dtype); e.g.
-      ``jnp.float32`` for bf16 parameters.
+    residual_dtype: dtype of the error memories. The default, ``None``, is
+      float32 for float leaves narrower than 32 bits (bf16, f16), whose own
+      dtype would round a small update away next to a large residual, and
+      the leaf's dtype otherwise; pass e.g. ``jnp.bfloat16`` to keep 16 bits.
     min_size: leaves with fewer elements are sent dense (an ordinary pmean).
     strategy: ``"auto"``, ``"psum"`` (linear compressors only), ``"gather"``,
       ``"two_phase"`` or ``"hierarchical"``.
@@ -263,16 +304,42 @@ def compressed_mean(
   def plan(leaf) -> bool:
     return not _is_node(leaf) and compresses(compressor, leaf.shape, leaf.dtype, min_size)
 
+  def memory_dtype(dtype):
+    # 16-bit floats cannot hold a small update next to a large residual.
+    if residual_dtype is not None:
+      return residual_dtype
+    return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+
+  def memory_shapes(shape, workers):
+    """(residual shape, server memory shape) of a compressed leaf.
+
+    ``workers(axis)`` is the number of workers on ``axis``, or None where it
+    is unknown: then that memory is kept whole.
+    """
+    n = base.leaf_size(shape)
+    shape = tuple(shape)
+    if strategy == "two_phase":
+      count = workers(axis_name)
+      return shape, (n if count is None else _strategies.chunk_size(n, count),)
+    if strategy == "hierarchical":
+      nodes, ranks = (workers(a) for a in axis_name)
+      if ranks is None:
+        return shape, (n,)
+      shard = _strategies.chunk_size(n, ranks)
+      return (shard,), (n if nodes is None else _strategies.chunk_size(shard, nodes),)
+    return shape, (n,)
+
   def init_fn(params):
     leaves, treedef = _flatten(params)
     residual, cstate, server = [], [], []
     for path, leaf in leaves:
       _check_leaf(path, leaf, "a parameter")
       if plan(leaf):
-        rdtype = residual_dtype or leaf.dtype
-        residual.append(jnp.zeros(leaf.shape, rdtype) if error_feedback else optax.MaskedNode())
+        rdtype = memory_dtype(leaf.dtype)
+        rshape, sshape = memory_shapes(leaf.shape, coll.bound_axis_size)
+        residual.append(jnp.zeros(rshape, rdtype) if error_feedback else optax.MaskedNode())
         cstate.append(compressor.init(leaf))
-        server.append(jnp.zeros((leaf.size,), rdtype) if server_memory else optax.MaskedNode())
+        server.append(jnp.zeros(sshape, rdtype) if server_memory else optax.MaskedNode())
       else:
         residual.append(optax.MaskedNode())
         cstate.append(optax.MaskedNode())
@@ -296,15 +363,24 @@ def compressed_mean(
       raise mismatch(f"it was initialised for the structure {r_treedef}, but the "
                      f"updates have {treedef}")
     cstates = treedef.flatten_up_to(state.compressor_state)
-    for (path, u), (_, r), cs in zip(leaves, r_leaves, cstates):
+    servers = _server_memories(state, treedef)
+    for (path, u), (_, r), cs, m in zip(leaves, r_leaves, cstates, servers):
       if not plan(u):
         continue
       where = jax.tree_util.keystr(path)
       if error_feedback and isinstance(r, optax.MaskedNode):
         raise mismatch(f"leaf {where} has no residual, but its update {u.shape} is compressed")
-      if not isinstance(r, optax.MaskedNode) and tuple(r.shape) != tuple(u.shape):
-        raise mismatch(f"leaf {where} has a residual of shape {tuple(r.shape)} but an "
-                       f"update of shape {tuple(u.shape)}")
+      if server_memory and _is_node(m):
+        raise mismatch(f"leaf {where} has no server memory, but strategy={strategy!r} "
+                       "keeps one")
+      # Whole memories, or the parts of this many workers (see CompressedMeanState).
+      shapes = {memory_shapes(u.shape, lambda a: None), memory_shapes(u.shape, coll.axis_size)}
+      for memory, i, what in ((r, 0, "a residual"), (m, 1, "a server memory")):
+        if not _is_node(memory) and tuple(memory.shape) not in {sh[i] for sh in shapes}:
+          raise mismatch(
+              f"leaf {where} has {what} of shape {tuple(memory.shape)}, but an update of "
+              f"shape {tuple(u.shape)} needs one of {sorted({sh[i] for sh in shapes})}; "
+              "a per-worker part must be made for the number of workers on the axis")
       expected = jax.eval_shape(compressor.init, jax.ShapeDtypeStruct(u.shape, u.dtype))
       got = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), cs)
       want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), expected)
@@ -332,15 +408,15 @@ def compressed_mean(
         new_cs.append(cs)
         inputs.append(None)
         continue
-      p = u if not error_feedback else u.astype(e.dtype) + e
-      inputs.append(p)
+      # The hierarchical strategy adds the residual to its own shard.
+      adds = error_feedback and strategy != "hierarchical"
+      inputs.append(u.astype(e.dtype) + e if adds else u)
       compressed.append(len(out))
       out.append(None)
       new_res.append(None)
       new_cs.append(cs)
 
-    servers = (treedef.flatten_up_to(state.server_residual)
-               if state.server_residual is not None else [optax.MaskedNode()] * len(leaves))
+    servers = _server_memories(state, treedef)
     new_servers = list(servers)
     memories = [None if _is_node(m) else m for m in servers]
 
@@ -359,7 +435,7 @@ def compressed_mean(
             _slow_reduce(compressor, inner, jax.random.fold_in(wkey, i), axis_name[0]),
             u.reshape(-1), e.reshape(-1) if error_feedback else None, memories[i], *axis_name)
         out[i] = mean.reshape(u.shape).astype(u.dtype)
-        new_res[i] = residual.reshape(u.shape) if error_feedback else e
+        new_res[i] = residual.reshape(e.shape) if error_feedback else e
         if memory is not None:
           new_servers[i] = memory
     elif _is_global(compressor) and compressed:
