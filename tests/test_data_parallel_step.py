@@ -297,3 +297,89 @@ def test_model_state_arguments(mesh):
     commopt.data_parallel(loss_fn, sign_sgd(), mesh, model_state_sync="sum")
   with pytest.raises(ValueError, match="`donate` must be True or False"):
     commopt.data_parallel(loss_fn, sign_sgd(), mesh, donate="yes")
+
+
+def tp_mesh_and_params():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  specs = {"w1": P(None, "model"), "w2": P("model", None)}
+  return mesh, {k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+                for k, v in make_params().items()}
+
+
+def test_tensor_parallel_keys_and_nnx_state_match_the_flat_mesh():
+  mesh, tp = tp_mesh_and_params()
+  flat = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+
+  def loss_key(p, b, key):
+    h = jnp.tanh(b["x"] @ p["w1"])
+    loss = jnp.mean((jnp.matmul(h, p["w2"], out_sharding=P()) - b["y"]) ** 2)
+    return loss, jax.random.uniform(key, ())
+
+  noise = {}
+  for name, m, p in (("tp", mesh, tp), ("flat", flat, make_params())):
+    dp = commopt.data_parallel(loss_key, sign_sgd(), m, has_aux=True)
+    _, _, (_, noise[name]) = dp.step(copy(p), dp.init(p), make_batches(1)[0],
+                                     key=jax.random.key(3))
+  np.testing.assert_array_equal(np.asarray(noise["tp"]), np.asarray(noise["flat"]))
+
+  # An nnx model (integer RNG counts, batch statistics) on the 2-D mesh.
+  model = BNNet(nnx.Rngs(0))
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
+                   optax.sgd(0.05))
+  trainer = commopt.nnx_data_parallel(model, nnx_loss, tx, mesh, has_aux=True)
+  state = trainer.init(model)
+  b = make_batches(1, seed=4)[0]
+  state, (losses, aux) = trainer.step(state, b)
+  np.testing.assert_allclose(np.asarray(state.model_state["bn"]["mean"][...]),
+                             0.5 * b["x"].mean(0), rtol=1e-5, atol=1e-6)
+  masks = np.asarray(aux["mask"])
+  assert not np.array_equal(masks[0], masks[1])
+
+
+def test_replicated_params_on_a_2d_auto_mesh():
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
+  params = make_params()
+  p, s, losses = dp.step(copy(params), dp.init(params), make_batches(1)[0])
+  assert losses.shape == (4,) and np.isfinite(np.asarray(losses)).all()
+
+
+def test_state_for_another_number_of_workers_is_refused(mesh):
+  params = make_params()
+  state8 = commopt.data_parallel(loss_fn, sign_sgd(), mesh).init(params)
+  four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  dp4 = commopt.data_parallel(loss_fn, sign_sgd(), four)
+  with pytest.raises(ValueError, match="must lead with the 4 workers"):
+    dp4.step(copy(params), jax.device_get(state8), make_batches(1)[0])
+
+
+def test_nnx_merge_and_update_model_survive_the_next_step(mesh):
+  model = BNNet(nnx.Rngs(2))
+  tx = optax.chain(commopt.compressed_mean(commopt.identity(), "data"), optax.sgd(0.05))
+  trainer = commopt.nnx_data_parallel(model, nnx_loss, tx, mesh, has_aux=True)
+  state = trainer.init(model)
+  b = make_batches(1)[0]
+  state, _ = trainer.step(state, b)
+  trainer.update_model(model, state)
+  evaluated = trainer.merge(state)
+  state, _ = trainer.step(state, b)
+  model.eval()
+  evaluated.eval()
+  assert np.isfinite(np.asarray(model(b["x"]))).all()
+  assert np.isfinite(np.asarray(evaluated(b["x"]))).all()
+
+
+def test_nonfinite_model_state_alone_skips_the_step(mesh):
+  def loss_state(p, ms, b):
+    stat = jnp.mean(b["y"])                       # reaches the state, not the gradient
+    return loss_fn(p, {"x": b["x"], "y": jnp.nan_to_num(b["y"])}), {"stat": ms["stat"] + stat}
+
+  dp = commopt.data_parallel(loss_state, sign_sgd(), mesh, has_state=True)
+  params, b = make_params(), make_batches(1)[0]
+  p, s = copy(params), dp.init(params)
+  ms = {"stat": jnp.zeros(())}
+  bad = dict(b, y=b["y"].copy())
+  bad["y"][0, 0] = np.nan
+  p2, s2, ms2, _ = dp.step(copy(params), s, bad, ms)
+  assert int(s2.total_notfinite) == 1 and float(ms2["stat"]) == 0.0
+  np.testing.assert_array_equal(np.asarray(p2["w1"]), np.asarray(params["w1"]))

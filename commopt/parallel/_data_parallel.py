@@ -74,6 +74,8 @@ class DataParallel:
       raise ValueError(
           f"{fn}: `mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))), "
           f"got {self.mesh!r}.")
+    if isinstance(self.axis_name, list):
+      object.__setattr__(self, "axis_name", tuple(self.axis_name))
     axes = lay.axes_tuple(self.axis_name)
     missing = [a for a in axes if a not in self.mesh.axis_names]
     if not axes or missing or len(set(axes)) != len(axes):
@@ -257,7 +259,7 @@ class DataParallel:
                           is_leaf=lambda s: isinstance(s, P))
 
     is_spec = lambda s: isinstance(s, P)
-    if not self._other_axes:
+    if not self._tensor_parallel(layout):
       def body(p):
         return lay.stack_workers(opt.init(p), layout.state_specs, axes)
 
@@ -319,7 +321,7 @@ class DataParallel:
       model_state = self.place_model_state(model_state)
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
-    if self._other_axes:
+    if self._tensor_parallel(layout):
       new_params, new_state, metrics, new_ms = self._tensor_parallel_step(
           layout, params, opt_state, batch, model_state, key)
     else:
@@ -340,6 +342,17 @@ class DataParallel:
     elif self.has_aux:
       aux = out
     return loss, aux, new_ms
+
+  def _poison_if_nonfinite(self, grads, new_model_state):
+    """A worker whose new model state is not finite sends NaN gradients, so the agreed
+    skip (``skip_nonfinite``) also covers state that the gradients do not reach."""
+    if not (self.skip_nonfinite and self.has_state):
+      return grads
+    floats = [x for x in jax.tree.leaves(new_model_state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not floats:
+      return grads
+    ok = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
+    return jax.tree.map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), grads)
 
   def _check_replicated(self, tree, what="the update of parameter"):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -363,6 +376,7 @@ class DataParallel:
       args = (model_state, batch) if self.has_state else (batch,)
       value, grads = grad_fn(params, *args, **kwargs)
       loss, aux, new_ms = self._split_out(value)
+      grads = self._poison_if_nonfinite(grads, new_ms)
       updates, new_state = opt.update(grads, state, params)
       new_params = optax.apply_updates(params, updates)
       self._check_replicated(new_params)
@@ -415,8 +429,10 @@ class DataParallel:
           self.mesh, P(axis, *[None] * (len(shape) - 1))))
 
     local_batch = jax.tree.map(split_workers, batch)
-    keys = None if key is None else jax.vmap(lambda i: jax.random.fold_in(key, i))(
-        jnp.arange(n))
+    keys = None
+    if key is not None:
+      keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
+      keys = jax.device_put(keys, NamedSharding(self.mesh, P(axis)))
     grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux or self.has_state)
 
     def worker(b, k):
@@ -429,6 +445,7 @@ class DataParallel:
       value, grads = jax.vmap(worker, in_axes=(0, None if keys is None else 0),
                               axis_name=axis, spmd_axis_name=axis)(local_batch, keys)
     loss, aux, new_ms = self._split_out(value)
+    grads = jax.vmap(self._poison_if_nonfinite, spmd_axis_name=axis)(grads, new_ms)
 
     opt = self.optimizer
     state_specs = lay.unstacked_specs(layout.state_specs, axes)
@@ -454,13 +471,19 @@ class DataParallel:
     if self.has_state:
       # Floating-point state is averaged over the workers; the rest (counters)
       # advances the same way on every worker.
+      replicated = lambda x: jax.device_put(x, NamedSharding(self.mesh, P()))
       new_ms = jax.tree.map(
           lambda x: jnp.mean(x.astype(jnp.float32), 0).astype(x.dtype)
-          if jnp.issubdtype(x.dtype, jnp.inexact) else x[0], new_ms)
+          if jnp.issubdtype(x.dtype, jnp.inexact) else replicated(x)[0], new_ms)
       if self.skip_nonfinite:
         ok = new_state.last_finite
         new_ms = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_ms, model_state)
     return new_params, new_state, metrics, new_ms
+
+  def _tensor_parallel(self, layout: Layout) -> bool:
+    """Whether some parameter is sharded over a mesh axis other than the data axes."""
+    specs = jax.tree.leaves(layout.param_specs, is_leaf=lambda s: isinstance(s, P))
+    return bool(self._other_axes) and any(e is not None for s in specs for e in s)
 
   @property
   def _other_axes(self) -> tuple[str, ...]:
@@ -479,6 +502,14 @@ class DataParallel:
       raise ValueError(
           "data_parallel: `opt_state` does not have the structure that `init` returns "
           f"({layout.state_treedef}); got {treedef}.")
+    leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    for (path, x), stacked in zip(leaves, jax.tree.leaves(layout.per_worker)):
+      if stacked and (not jnp.shape(x) or jnp.shape(x)[0] != self.num_workers):
+        raise ValueError(
+            f"data_parallel: optimizer-state leaf {keystr(path)} is per-worker and must lead "
+            f"with the {self.num_workers} workers of axis {self.axis_name!r}, but has shape "
+            f"{tuple(jnp.shape(x))}: a state made for another number of workers cannot be "
+            "used as it is (its error residuals would be dropped or duplicated).")
     return layout
 
   def _sync_model_state(self, new, old):

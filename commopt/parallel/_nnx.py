@@ -53,12 +53,14 @@ class NnxDataParallel:
     return NnxTrainState(params, self.dp.place_model_state(state), self.dp.init(params))
 
   def merge(self, state: NnxTrainState) -> nnx.Module:
-    """A model holding the train state's variables (e.g. to evaluate it after ``.eval()``)."""
-    return nnx.merge(self.graphdef, state.params, state.model_state)
+    """A model holding copies of the train state's variables (e.g. to evaluate it after
+    ``.eval()``); copies, so the next (donating) step leaves the model intact."""
+    params, model_state = jax.tree.map(jnp.copy, (state.params, state.model_state))
+    return nnx.merge(self.graphdef, params, model_state)
 
   def update_model(self, model: nnx.Module, state: NnxTrainState) -> None:
-    """Writes the train state's variables into ``model`` in place."""
-    nnx.update(model, state.params, state.model_state)
+    """Writes copies of the train state's variables into ``model`` in place."""
+    nnx.update(model, *jax.tree.map(jnp.copy, (state.params, state.model_state)))
 
   def step_fn(self, state: NnxTrainState, batch, key=None):
     """The pure, un-jitted step: ``(state, batch) -> (state, metrics)``."""
