@@ -117,10 +117,17 @@ class DataParallel:
 
   def _spec_of(self, x, what: str, path) -> P:
     """The user's sharding of a parameter or model-state leaf over the non-data axes."""
-    spec = lay.leaf_spec(x)
     sharding = getattr(x, "sharding", None)
+    if (isinstance(sharding, NamedSharding) and sharding.mesh is self.mesh
+        and not isinstance(x, jax.core.Tracer)):
+      # Placed on this mesh already (every step after the first): its spec is the layout.
+      spec = lay.full_spec(sharding.spec, len(x.shape))
+      if self._explicit or all(e is None for e in spec):
+        lay.check_no_data_axes(what, path, spec, self.axes)
+        return spec
+    spec = lay.leaf_spec(x)
     if not isinstance(x, jax.core.Tracer) and isinstance(sharding, NamedSharding):
-      placed = P(*list(sharding.spec)[:len(jnp.shape(x))])
+      placed = lay.full_spec(sharding.spec, len(jnp.shape(x)))
       if any(e is not None for e in placed) and placed != spec:
         if sharding.mesh.shape_tuple != self.mesh.shape_tuple or any(
             t != AxisType.Explicit for t in self.mesh.axis_types):
@@ -133,6 +140,10 @@ class DataParallel:
         spec = placed
     lay.check_no_data_axes(what, path, spec, self.axes)
     return spec
+
+  @functools.cached_property
+  def _explicit(self) -> bool:
+    return all(t == AxisType.Explicit for t in self.mesh.axis_types)
 
   def _specs_of(self, tree, what: str):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -149,7 +160,7 @@ class DataParallel:
     param_specs = self._specs_of(params, "parameter")
     flat_specs = jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P))
     key = (jax.tree.structure(params),
-           tuple((tuple(jnp.shape(x)), str(jnp.result_type(x)), s)
+           tuple((tuple(jnp.shape(x)), str(getattr(x, "dtype", None) or jnp.result_type(x)), s)
                  for x, s in zip(jax.tree.leaves(params), flat_specs)))
     cached = self._layouts.get(key)
     if cached is not None:
@@ -219,8 +230,15 @@ class DataParallel:
   # -- placement -----------------------------------------------------------------
 
   def _put(self, tree, specs):
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), tree, specs,
-                        is_leaf=lambda s: isinstance(s, P))
+    """``tree`` placed by ``specs``; arrays already placed so pass through untouched."""
+    def put(x, spec):
+      target = NamedSharding(self.mesh, spec)
+      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        if x.sharding == target:
+          return x
+      return jax.device_put(x, target)
+
+    return jax.tree.map(put, tree, specs, is_leaf=lambda s: isinstance(s, P))
 
   def place_params(self, params):
     """Places ``params`` replicated over the data axes, keeping their other sharding."""

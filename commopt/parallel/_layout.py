@@ -66,15 +66,18 @@ def per_worker(leaf, axes) -> bool:
   return bool(coll.varying_axes(leaf) & set(axes))
 
 
+def full_spec(spec, ndim: int) -> P:
+  """``spec`` with one entry per dimension (missing trailing entries are None)."""
+  entries = list(spec)[:ndim]
+  return P(*(entries + [None] * (ndim - len(entries))))
+
+
 def leaf_spec(x) -> P:
   """The partition spec ``x``'s type carries over the mesh's explicit axes (P() if none)."""
   sharding = getattr(jax.typeof(x), "sharding", None) if not isinstance(
       x, jax.ShapeDtypeStruct) else x.sharding
   spec = getattr(sharding, "spec", None)
-  if spec is None:
-    return P()
-  entries = list(spec) + [None] * (len(x.shape) - len(spec))
-  return P(*entries[:len(x.shape)])
+  return full_spec(() if spec is None else spec, len(x.shape))
 
 
 def stacked_spec(spec: P, axes) -> P:
