@@ -295,6 +295,9 @@ def test_model_state_arguments(mesh):
     dp.step(copy(params), dp.init(params), make_batches(1)[0], model_state={"a": jnp.ones(2)})
   with pytest.raises(ValueError, match="model_state_sync"):
     commopt.data_parallel(loss_fn, sign_sgd(), mesh, model_state_sync="sum")
+  dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh, has_aux=True)
+  with pytest.raises(ValueError, match=r"has_aux=True, `loss_fn` must return \(loss, aux\)"):
+    dp.step(copy(params), dp.init(params), make_batches(1)[0])
   with pytest.raises(ValueError, match="`donate` must be True or False"):
     commopt.data_parallel(loss_fn, sign_sgd(), mesh, donate="yes")
 

@@ -351,6 +351,22 @@ class DataParallel:
       return new_params, new_state, self._put(new_ms, ms_specs), metrics
     return new_params, new_state, metrics
 
+  def _loss(self, *args, **kwargs):
+    """``loss_fn``, with its output checked against ``has_aux`` / ``has_state``."""
+    out = self.loss_fn(*args, **kwargs)
+    pair = isinstance(out, (tuple, list)) and len(out) == 2
+    if (self.has_aux or self.has_state) and not pair:
+      flags = " and ".join(f for f in ("has_aux=True", "has_state=True") if getattr(self, f[:-5]))
+      want = ("(loss, (new_model_state, aux))" if self.has_aux and self.has_state
+              else "(loss, new_model_state)" if self.has_state else "(loss, aux)")
+      raise ValueError(f"data_parallel: with {flags}, `loss_fn` must return {want}; it "
+                       f"returned {type(out).__name__}.")
+    if self.has_state and self.has_aux and not (isinstance(out[1], (tuple, list))
+                                                and len(out[1]) == 2):
+      raise ValueError("data_parallel: with has_aux=True and has_state=True, `loss_fn` must "
+                       "return (loss, (new_model_state, aux)).")
+    return out
+
   def _split_out(self, value):
     """``(loss, aux, new_model_state)`` from what the loss returned."""
     loss, out = value if (self.has_aux or self.has_state) else (value, None)
@@ -386,7 +402,7 @@ class DataParallel:
     axes, opt = self.axes, self.optimizer
     is_spec = lambda s: isinstance(s, P)
     manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs, is_leaf=is_spec)
-    grad_fn = local_value_and_grad(self.loss_fn, axes, has_aux=self.has_aux or self.has_state)
+    grad_fn = local_value_and_grad(self._loss, axes, has_aux=self.has_aux or self.has_state)
 
     def body(params, state, batch, model_state, key):
       state = lay.unstack_workers(state, layout.state_specs, axes)
@@ -451,7 +467,7 @@ class DataParallel:
     if key is not None:
       keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
       keys = jax.device_put(keys, NamedSharding(self.mesh, P(axis)))
-    grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux or self.has_state)
+    grad_fn = jax.value_and_grad(self._loss, has_aux=self.has_aux or self.has_state)
 
     def worker(b, k):
       args = (model_state, b) if self.has_state else (b,)
