@@ -125,7 +125,39 @@ def _element_bits(dtype: str) -> int:
   return int(re.match(r"[a-z]+(\d+)", dtype).group(1))
 
 
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\],?\s*"
+    r"(?:device_ids=\(\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?\),?\s*)?"
+    r"\{([^}]*)\}")
+
+
+def _iota(shape, source=None, perm=None) -> np.ndarray:
+  """Device ids of an iota list: ``arange`` over ``source`` (else ``shape``), transposed, reshaped."""
+  dims = [int(i) for i in (source or shape).split(",")]
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  if perm:
+    ids = ids.transpose([int(i) for i in perm.split(",")])
+  return ids.reshape([int(i) for i in shape.split(",")])
+
+
+def _mesh_groups(m) -> tuple:
+  """Groups of the mesh-axes form (newer XLA): ``mesh['a'=4,'b'=2] {'b'}`` groups along b."""
+  axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+  names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+  ids = (_iota(m.group(2), m.group(3), m.group(4)).reshape(-1) if m.group(2)
+         else np.arange(math.prod(sizes)))
+  chosen = re.findall(r"'([^']+)'", m.group(5))
+  keep = [i for i, n in enumerate(names) if n not in chosen]
+  group = [names.index(n) for n in chosen]
+  width = math.prod(sizes[i] for i in group)
+  ids = ids.reshape(sizes).transpose(keep + group).reshape(-1, width)
+  return tuple(tuple(int(i) for i in g) for g in ids)
+
+
 def _replica_groups(line: str, num_devices: int) -> tuple:
+  m = _MESH_GROUPS.search(line)
+  if m:
+    return _mesh_groups(m)
   m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})?\}", line)
   if m:
     groups = tuple(tuple(int(i) for i in g.split(",") if i)

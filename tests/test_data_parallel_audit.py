@@ -179,6 +179,20 @@ def test_hlo_parser_forms(line, kind, contributed, sent):
   assert (c.kind, c.contributed_bytes, c.sent_bytes) == (kind, contributed, sent)
 
 
+@pytest.mark.parametrize("groups, expected", [
+    ("mesh['data'=4,'model'=2] {'model'}", ((0, 1), (2, 3), (4, 5), (6, 7))),
+    ("mesh['data'=4,'model'=2] {'data'}", ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ("mesh['node'=2,'local'=4] {'node','local'}", ((0, 1, 2, 3, 4, 5, 6, 7),)),
+    ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}",
+     ((0, 1), (2, 3), (4, 5), (6, 7))),
+])
+def test_hlo_parser_mesh_axis_groups(groups, expected):
+  """Newer XLA names the mesh axes a collective runs over instead of listing groups."""
+  (c,) = wire.parse_hlo(f"%a = f32[8]{{0}} all-gather(%x), replica_groups={groups}, "
+                        "dimensions={0}", num_devices=8)
+  assert c.replica_groups == expected and c.group_size == len(expected[0])
+
+
 def test_hlo_parser_iota_groups():
   (c,) = wire.parse_hlo("%a = f32[4]{0} all-reduce(%x), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%r",
                         num_devices=8)
