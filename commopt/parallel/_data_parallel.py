@@ -257,9 +257,8 @@ class DataParallel:
             f"data_parallel: batch leaf {keystr(path)} has shape {tuple(shape)}; "
             f"its leading axis must be divisible by the {self.num_workers} "
             f"workers on axis {self.axis_name!r}.")
-    return jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(self.mesh, P(lay.data_spec(self.axes)))),
-        batch)
+    data = P(lay.data_spec(self.axes))
+    return self._put(batch, jax.tree.map(lambda x: lay.full_spec(data, jnp.ndim(x)), batch))
 
   # -- init ----------------------------------------------------------------------
 
@@ -583,12 +582,16 @@ class DataParallel:
   def _placed(self, params, opt_state, batch, model_state, key):
     """Outside tracing, the arguments placed as the step expects them.
 
-    Handing host arrays to the jitted step and placing them inside can leave
-    XLA:CPU's collectives waiting for a device that is still copying (a
-    rendezvous timeout), so concrete arguments are placed first; already placed
-    arrays pass through unchanged, so donation still aliases them.
+    A step whose collectives start while an input is still being copied to
+    one device can stall XLA:CPU: the device threads already waiting in the
+    collective hold the threads the copy needs, until the rendezvous times
+    out and aborts the process. So concrete arguments are placed here, and
+    when anything had to be copied, the copies finish before the step is
+    dispatched. Arrays already placed pass through untouched (no wait, and
+    donation still aliases them).
     """
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, opt_state, batch))):
+    before = jax.tree.leaves((params, opt_state, batch, model_state, key))
+    if any(isinstance(x, jax.core.Tracer) for x in before):
       return params, opt_state, batch, model_state, key
     layout = self._checked_layout(params, opt_state)
     params = self._put(params, layout.param_specs)
@@ -597,7 +600,11 @@ class DataParallel:
       model_state = self.place_model_state(model_state)
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
-    return params, opt_state, self.place_batch(batch), model_state, key
+    args = (params, opt_state, self.place_batch(batch), model_state, key)
+    copied = [y for x, y in zip(before, jax.tree.leaves(args)) if y is not x]
+    if copied:
+      jax.block_until_ready(copied)
+    return args
 
   def lower(self, params, opt_state, batch, model_state=None, key=None):
     """``jax.jit(...).lower`` of the step, for HLO audits (see :mod:`commopt.wire`)."""
