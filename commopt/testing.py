@@ -74,7 +74,10 @@ def shard_map_workers(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
 
   def update(u, s):
     with jax.set_mesh(mesh):
-      return mapped(place(u), place(s))
+      # Copies finish before the collectives start (XLA:CPU can otherwise abort
+      # on a rendezvous whose last device is still copying its input).
+      u, s = jax.block_until_ready((place(u), place(s)))
+      return mapped(u, s)
 
   update.lower = lambda u, s: _lower(mesh, mapped, place(u), place(s))
   return Workers(init, update)
