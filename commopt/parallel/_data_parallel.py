@@ -129,8 +129,12 @@ class DataParallel:
     if not isinstance(x, jax.core.Tracer) and isinstance(sharding, NamedSharding):
       placed = lay.full_spec(sharding.spec, len(jnp.shape(x)))
       if any(e is not None for e in placed) and placed != spec:
-        if sharding.mesh.shape_tuple != self.mesh.shape_tuple or any(
-            t != AxisType.Explicit for t in self.mesh.axis_types):
+        if sharding.mesh.shape_tuple != self.mesh.shape_tuple:
+          raise ValueError(
+              f"data_parallel: {what} {keystr(path)} is sharded ({placed}) on a mesh of shape "
+              f"{dict(sharding.mesh.shape)}, not on the step's mesh {dict(self.mesh.shape)}; "
+              "place it on the mesh given to data_parallel.")
+        if not self._explicit:
           raise ValueError(
               f"data_parallel: {what} {keystr(path)} is placed with {placed} on a mesh whose "
               f"axes are not all explicit ({dict(zip(self.mesh.axis_names, self.mesh.axis_types))}). "
