@@ -179,11 +179,15 @@ def nnx_loss(model, b):
   return jnp.mean((model(b["x"]) - b["y"]) ** 2), {"mask": mask}
 
 
+def nnx_trainer(mesh, seed, compressor):
+  """A ``BNNet`` and its trainer: ``compressor`` on every leaf, then SGD."""
+  model = BNNet(nnx.Rngs(seed))
+  tx = optax.chain(commopt.compressed_mean(compressor, "data", min_size=0), optax.sgd(0.05))
+  return model, commopt.nnx_data_parallel(model, nnx_loss, tx, mesh, has_aux=True)
+
+
 def test_nnx_batch_norm_and_dropout(mesh):
-  model = BNNet(nnx.Rngs(0))
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
-                   optax.sgd(0.05))
-  trainer = commopt.nnx_data_parallel(model, nnx_loss, tx, mesh, has_aux=True)
+  model, trainer = nnx_trainer(mesh, 0, commopt.scaled_sign())
   state = trainer.init(model)
   batches = make_batches(3, seed=4)
   masks = []
@@ -205,9 +209,7 @@ def test_nnx_batch_norm_and_dropout(mesh):
 
 
 def test_nnx_nan_step_keeps_model_state(mesh):
-  model = BNNet(nnx.Rngs(1))
-  tx = optax.chain(commopt.compressed_mean(commopt.identity(), "data"), optax.sgd(0.05))
-  trainer = commopt.nnx_data_parallel(model, nnx_loss, tx, mesh, has_aux=True)
+  model, trainer = nnx_trainer(mesh, 1, commopt.identity())
   state = trainer.init(model)
   b = make_batches(1)[0]
   state, _ = trainer.step(state, b)
@@ -220,18 +222,27 @@ def test_nnx_nan_step_keeps_model_state(mesh):
   assert int(state.opt_state.total_notfinite) == 1
 
 
-def test_tensor_parallel_layout_is_kept_and_equals_replicated():
+TP_SPECS = {"w1": P(None, "model"), "w2": P("model", None)}
+
+
+def tp_loss(p, b):
+  """``loss_fn`` written for tensor-parallel parameters (its contraction's output spec named)."""
+  h = jnp.tanh(b["x"] @ p["w1"])
+  return jnp.mean((jnp.matmul(h, p["w2"], out_sharding=P()) - b["y"]) ** 2)
+
+
+def tp_mesh_and_params():
+  """A 4 data x 2 model mesh and ``make_params()`` placed on it by ``TP_SPECS``."""
   mesh = jax.make_mesh((4, 2), ("data", "model"))
+  return mesh, {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k]))
+                for k, v in make_params().items()}
 
-  def tp_loss(p, b):
-    h = jnp.tanh(b["x"] @ p["w1"])
-    return jnp.mean((jnp.matmul(h, p["w2"], out_sharding=P()) - b["y"]) ** 2)
 
-  specs = {"w1": P(None, "model"), "w2": P("model", None)}
+def test_tensor_parallel_layout_is_kept_and_equals_replicated():
+  mesh, p = tp_mesh_and_params()
   params = make_params()
   tx = sign_sgd()
   dp = commopt.data_parallel(tp_loss, tx, mesh)
-  p = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
   s = dp.init(p)
   residual = s.inner_state[0].residual
   assert residual["w1"].sharding.spec == P("data", None, "model")
@@ -239,7 +250,7 @@ def test_tensor_parallel_layout_is_kept_and_equals_replicated():
   batches = make_batches(3)
   for b in batches:
     p, s, _ = dp.step(p, s, b)
-  assert {k: v.sharding.spec for k, v in p.items()} == specs
+  assert {k: v.sharding.spec for k, v in p.items()} == TP_SPECS
   assert s.inner_state[0].residual["w1"].sharding.spec == P("data", None, "model")
 
   flat = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
@@ -254,14 +265,7 @@ def test_tensor_parallel_layout_is_kept_and_equals_replicated():
 def test_tensor_parallel_data_axis_carries_only_payloads():
   """Across the data axis only packed payloads (and the skip flag) move; the dense
   gathers that give the optimizer whole leaves stay inside each model group."""
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-
-  def tp_loss(p, b):
-    h = jnp.tanh(b["x"] @ p["w1"])
-    return jnp.mean((jnp.matmul(h, p["w2"], out_sharding=P()) - b["y"]) ** 2)
-
-  specs = {"w1": P(None, "model"), "w2": P("model", None)}
-  params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in make_params().items()}
+  mesh, params = tp_mesh_and_params()
   compressor = commopt.scaled_sign()
   tx = optax.chain(commopt.compressed_mean(compressor, "data", min_size=0), optax.sgd(0.1))
   dp = commopt.data_parallel(tp_loss, tx, mesh)
@@ -302,21 +306,12 @@ def test_model_state_arguments(mesh):
     commopt.data_parallel(loss_fn, sign_sgd(), mesh, donate="yes")
 
 
-def tp_mesh_and_params():
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-  specs = {"w1": P(None, "model"), "w2": P("model", None)}
-  return mesh, {k: jax.device_put(v, NamedSharding(mesh, specs[k]))
-                for k, v in make_params().items()}
-
-
 def test_tensor_parallel_keys_and_nnx_state_match_the_flat_mesh():
   mesh, tp = tp_mesh_and_params()
   flat = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
 
   def loss_key(p, b, key):
-    h = jnp.tanh(b["x"] @ p["w1"])
-    loss = jnp.mean((jnp.matmul(h, p["w2"], out_sharding=P()) - b["y"]) ** 2)
-    return loss, jax.random.uniform(key, ())
+    return tp_loss(p, b), jax.random.uniform(key, ())
 
   noise = {}
   for name, m, p in (("tp", mesh, tp), ("flat", flat, make_params())):
@@ -326,10 +321,7 @@ def test_tensor_parallel_keys_and_nnx_state_match_the_flat_mesh():
   np.testing.assert_array_equal(np.asarray(noise["tp"]), np.asarray(noise["flat"]))
 
   # An nnx model (integer RNG counts, batch statistics) on the 2-D mesh.
-  model = BNNet(nnx.Rngs(0))
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
-                   optax.sgd(0.05))
-  trainer = commopt.nnx_data_parallel(model, nnx_loss, tx, mesh, has_aux=True)
+  model, trainer = nnx_trainer(mesh, 0, commopt.scaled_sign())
   state = trainer.init(model)
   b = make_batches(1, seed=4)[0]
   state, (losses, aux) = trainer.step(state, b)
@@ -357,9 +349,7 @@ def test_state_for_another_number_of_workers_is_refused(mesh):
 
 
 def test_nnx_merge_and_update_model_survive_the_next_step(mesh):
-  model = BNNet(nnx.Rngs(2))
-  tx = optax.chain(commopt.compressed_mean(commopt.identity(), "data"), optax.sgd(0.05))
-  trainer = commopt.nnx_data_parallel(model, nnx_loss, tx, mesh, has_aux=True)
+  model, trainer = nnx_trainer(mesh, 2, commopt.identity())
   state = trainer.init(model)
   b = make_batches(1)[0]
   state, _ = trainer.step(state, b)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +36,10 @@ class Layout(NamedTuple):
   state_treedef: Any
 
 
-def _manual(spec: P, axes) -> P:
-  """The part of ``spec`` that ``shard_map`` sees: only the data axes (manual)."""
-  return P(lay.data_spec(axes)) if lay._is_stacked(spec, axes) else P()
+def _manual_specs(layout: Layout, axes) -> Any:
+  """The state specs a ``shard_map`` manual over the data axes alone sees: those axes only."""
+  return jax.tree.map(lambda s: P(lay.data_spec(axes)) if lay.is_stacked(s, axes) else P(),
+                      layout.state_specs, is_leaf=lay.is_spec)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -162,7 +163,7 @@ class DataParallel:
     Nothing is computed; the result is cached per parameter shapes and specs.
     """
     param_specs = self._specs_of(params, "parameter")
-    flat_specs = jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P))
+    flat_specs = jax.tree.leaves(param_specs, is_leaf=lay.is_spec)
     key = (jax.tree.structure(params),
            tuple((tuple(jnp.shape(x)), str(getattr(x, "dtype", None) or jnp.result_type(x)), s)
                  for x, s in zip(jax.tree.leaves(params), flat_specs)))
@@ -242,7 +243,7 @@ class DataParallel:
           return x
       return jax.device_put(x, target)
 
-    return jax.tree.map(put, tree, specs, is_leaf=lambda s: isinstance(s, P))
+    return lay.map_specs(put, tree, specs)
 
   def place_params(self, params):
     """Places ``params`` replicated over the data axes, keeping their other sharding."""
@@ -276,16 +277,12 @@ class DataParallel:
     layout = self.layout(params)
     params = self._put(params, layout.param_specs)
     axes, opt = self.axes, self.optimizer
-    manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs,
-                          is_leaf=lambda s: isinstance(s, P))
-
-    is_spec = lambda s: isinstance(s, P)
     if not self._tensor_parallel(layout):
       def body(p):
         return lay.stack_workers(opt.init(p), layout.state_specs, axes)
 
-      state = jax.shard_map(body, mesh=self.mesh, in_specs=(P(),), out_specs=manual,
-                            axis_names=set(axes))(params)
+      state = jax.shard_map(body, mesh=self.mesh, in_specs=(P(),),
+                            out_specs=_manual_specs(layout, axes), axis_names=set(axes))(params)
       return self._put(state, layout.state_specs)
 
     # Tensor parallel: manual over every axis, whole leaves gathered over the
@@ -293,8 +290,7 @@ class DataParallel:
     state_specs = lay.unstacked_specs(layout.state_specs, axes)
 
     def body_tp(p):
-      whole = jax.tree.map(lay.gather_spec, p, layout.param_specs, is_leaf=is_spec)
-      state = jax.tree.map(lay.slice_spec, opt.init(whole), state_specs, is_leaf=is_spec)
+      state = lay.slice_tree(opt.init(lay.gather_tree(p, layout.param_specs)), state_specs)
       return lay.stack_workers(state, layout.state_specs, axes)
 
     state = jax.shard_map(body_tp, mesh=self.mesh, in_specs=(layout.param_specs,),
@@ -339,7 +335,7 @@ class DataParallel:
     ms_specs = None
     if self.has_state:
       ms_specs = self._specs_of(model_state, "model state leaf")
-      model_state = self.place_model_state(model_state)
+      model_state = self._put(model_state, ms_specs)
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
     if self._tensor_parallel(layout):
@@ -385,11 +381,20 @@ class DataParallel:
     skip (``skip_nonfinite``) also covers state that the gradients do not reach."""
     if not (self.skip_nonfinite and self.has_state):
       return grads
+    from commopt.transforms._control import all_finite
+    # Floating-point leaves only: model state may hold PRNG keys, which have no isfinite.
     floats = [x for x in jax.tree.leaves(new_model_state) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not floats:
       return grads
-    ok = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
+    ok = all_finite(floats)
     return jax.tree.map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), grads)
+
+  def _keep_on_skip(self, new_model_state, model_state, new_opt_state):
+    """The old model state where the agreed non-finite skip dropped the step."""
+    if not self.skip_nonfinite:
+      return new_model_state
+    ok = new_opt_state.last_finite
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_model_state, model_state)
 
   def _check_replicated(self, tree, what="the update of parameter"):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -403,8 +408,7 @@ class DataParallel:
   def _data_parallel_step(self, layout, params, opt_state, batch, model_state, key):
     """One ``shard_map`` over the data axes: local gradients, then the optimizer."""
     axes, opt = self.axes, self.optimizer
-    is_spec = lambda s: isinstance(s, P)
-    manual = jax.tree.map(lambda s: _manual(s, axes), layout.state_specs, is_leaf=is_spec)
+    manual = _manual_specs(layout, axes)
     grad_fn = local_value_and_grad(self._loss, axes, has_aux=self.has_aux or self.has_state)
 
     def body(params, state, batch, model_state, key):
@@ -418,10 +422,7 @@ class DataParallel:
       new_params = optax.apply_updates(params, updates)
       self._check_replicated(new_params)
       if self.has_state:
-        new_ms = self._sync_model_state(new_ms, model_state)
-        if self.skip_nonfinite:
-          ok = new_state.last_finite
-          new_ms = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_ms, model_state)
+        new_ms = self._keep_on_skip(self._sync_model_state(new_ms), model_state, new_state)
       metrics = loss[None] if not self.has_aux else (
           loss[None], jax.tree.map(lambda x: jnp.asarray(x)[None], aux))
       return (new_params, lay.stack_workers(new_state, layout.state_specs, axes), metrics,
@@ -458,7 +459,6 @@ class DataParallel:
           "data_parallel: with tensor-parallel parameters, model state is averaged across "
           f"workers (model_state_sync='mean'); got {self.model_state_sync!r}.")
     (axis,) = axes
-    is_spec = lambda s: isinstance(s, P)
 
     def split_workers(x):
       shape = (n, x.shape[0] // n) + tuple(x.shape[1:])
@@ -490,16 +490,14 @@ class DataParallel:
     def update(g, st, p):
       g = jax.tree.map(lambda x: x[0], g)
       st = lay.unstack_workers(st, layout.state_specs, axes)
-      whole = lambda tree, specs: jax.tree.map(lay.gather_spec, tree, specs, is_leaf=is_spec)
-      mine = lambda tree, specs: jax.tree.map(lay.slice_spec, tree, specs, is_leaf=is_spec)
-      u, new = opt.update(whole(g, layout.param_specs), whole(st, state_specs),
-                          whole(p, layout.param_specs))
+      u, new = opt.update(lay.gather_tree(g, layout.param_specs), lay.gather_tree(st, state_specs),
+                          lay.gather_tree(p, layout.param_specs))
       self._check_replicated(u)
-      new = lay.stack_workers(mine(new, state_specs), layout.state_specs, axes)
-      return mine(u, layout.param_specs), new
+      new = lay.stack_workers(lay.slice_tree(new, state_specs), layout.state_specs, axes)
+      return lay.slice_tree(u, layout.param_specs), new
 
     grad_specs = jax.tree.map(lambda s: lay.stacked_spec(s, axes), layout.param_specs,
-                              is_leaf=is_spec)
+                              is_leaf=lay.is_spec)
     updates, new_state = jax.shard_map(
         update, mesh=self.mesh, in_specs=(grad_specs, layout.state_specs, layout.param_specs),
         out_specs=(layout.param_specs, layout.state_specs))(grads, opt_state, params)
@@ -512,14 +510,12 @@ class DataParallel:
       new_ms = jax.tree.map(
           lambda x: jnp.mean(x.astype(jnp.float32), 0).astype(x.dtype)
           if jnp.issubdtype(x.dtype, jnp.inexact) else replicated(x)[0], new_ms)
-      if self.skip_nonfinite:
-        ok = new_state.last_finite
-        new_ms = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_ms, model_state)
+      new_ms = self._keep_on_skip(new_ms, model_state, new_state)
     return new_params, new_state, metrics, new_ms
 
   def _tensor_parallel(self, layout: Layout) -> bool:
     """Whether some parameter is sharded over a mesh axis other than the data axes."""
-    specs = jax.tree.leaves(layout.param_specs, is_leaf=lambda s: isinstance(s, P))
+    specs = jax.tree.leaves(layout.param_specs, is_leaf=lay.is_spec)
     return bool(self._other_axes) and any(e is not None for s in specs for e in s)
 
   @property
@@ -549,12 +545,12 @@ class DataParallel:
             "used as it is (its error residuals would be dropped or duplicated).")
     return layout
 
-  def _sync_model_state(self, new, old):
+  def _sync_model_state(self, new):
     """Averages model state that differs between workers (``model_state_sync='mean'``)."""
     axes = self.axes
     leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
     out = []
-    for (path, x), o in zip(leaves, jax.tree.leaves(old)):
+    for path, x in leaves:
       if not lay.per_worker(x, axes):
         out.append(x)
         continue

@@ -92,16 +92,26 @@ def stack_workers(tree, specs, axis_name) -> Any:
   ``axis_name`` is the data axis or tuple of axes.
   """
   axes = axes_tuple(axis_name)
-  return jax.tree.map(lambda x, s: x[None] if _is_stacked(s, axes) else x, tree, specs)
+  return jax.tree.map(lambda x, s: x[None] if is_stacked(s, axes) else x, tree, specs)
 
 
 def unstack_workers(tree, specs, axis_name) -> Any:
   """Inside ``shard_map``: drops each per-worker leaf's leading worker axis."""
   axes = axes_tuple(axis_name)
-  return jax.tree.map(lambda x, s: x[0] if _is_stacked(s, axes) else x, tree, specs)
+  return jax.tree.map(lambda x, s: x[0] if is_stacked(s, axes) else x, tree, specs)
 
 
-def _is_stacked(spec: P, axes) -> bool:
+def is_spec(x) -> bool:
+  """``is_leaf`` for pytrees of partition specs (a spec is a tuple, not a pytree node)."""
+  return isinstance(x, P)
+
+
+def map_specs(fn, tree, specs) -> Any:
+  """``jax.tree.map(fn, tree, specs)`` with each spec taken whole."""
+  return jax.tree.map(fn, tree, specs, is_leaf=is_spec)
+
+
+def is_stacked(spec: P, axes) -> bool:
   return len(spec) > 0 and spec[0] == data_spec(axes)
 
 
@@ -121,14 +131,13 @@ def abstract(x, sharding=None) -> jax.ShapeDtypeStruct:
 
 
 def to_shardings(mesh, specs) -> Any:
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda s: isinstance(s, P))
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
 
 def unstacked_specs(specs, axes) -> Any:
   """``specs`` with the leading worker dimension of per-worker leaves removed."""
-  return jax.tree.map(lambda s: P(*s[1:]) if _is_stacked(s, axes) else s, specs,
-                      is_leaf=lambda s: isinstance(s, P))
+  return jax.tree.map(lambda s: P(*s[1:]) if is_stacked(s, axes) else s, specs,
+                      is_leaf=is_spec)
 
 
 def specs_by_shape(params, param_specs) -> dict:
@@ -140,7 +149,7 @@ def specs_by_shape(params, param_specs) -> dict:
   replicated.
   """
   seen: dict = {}
-  flat_specs = jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P))
+  flat_specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
   for x, spec in zip(jax.tree.leaves(params), flat_specs):
     shape = tuple(jnp.shape(x))
     spec = P(*(list(spec) + [None] * (len(shape) - len(spec))))
@@ -171,3 +180,13 @@ def slice_spec(x, spec: P):
       size = x.shape[dim] // coll.axis_size(name)
       x = jax.lax.dynamic_slice_in_dim(x, coll.axis_index(name) * size, size, axis=dim)
   return x
+
+
+def gather_tree(tree, specs) -> Any:
+  """:func:`gather_spec` of every leaf: whole arrays from this rank's shards."""
+  return map_specs(gather_spec, tree, specs)
+
+
+def slice_tree(tree, specs) -> Any:
+  """:func:`slice_spec` of every leaf: this rank's shards of whole arrays."""
+  return map_specs(slice_spec, tree, specs)

@@ -92,7 +92,8 @@ def _select(pred, new, old):
   return out if out.dtype == old.dtype else out.astype(old.dtype)
 
 
-def _all_finite(tree) -> jax.Array:
+def all_finite(tree) -> jax.Array:
+  """Whether every value of every leaf of ``tree`` is finite (a scalar bool)."""
   leaves = jax.tree.leaves(tree)
   return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves], bool))
 
@@ -161,7 +162,7 @@ def apply_if_finite(inner: optax.GradientTransformation,
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    local_bad = jnp.logical_not(_all_finite(updates)).astype(jnp.int32)
+    local_bad = jnp.logical_not(all_finite(updates)).astype(jnp.int32)
     finite = coll.psum(local_bad, axis_name) == 0
     notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32),
                                 optax.safe_int32_increment(state.notfinite_count))
