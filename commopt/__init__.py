@@ -4,6 +4,25 @@ Compressors are pure encode/decode pairs; :func:`compressed_mean` turns one
 into an Optax transform that reduces over a named mesh axis with the packed
 payload on the wire; :func:`data_parallel` builds a ``shard_map`` training
 step around it; :mod:`commopt.wire` accounts for and audits the bytes.
+
+The package is built in layers; a module imports only from its own layer or
+the ones below it (``tests/test_layering.py`` walks the import graph):
+
+Layers, lowest first: _src < kernels < compressors < comm < transforms < aggregators < parallel < wire, testing
+
+- ``_src``: the compressor protocol, argument checks, bit and block helpers.
+- ``kernels``: bit packing and top-k selection, a jnp reference beside each
+  Pallas kernel.
+- ``compressors``: pure encode/decode pairs; they never communicate.
+- ``comm``: the only code that calls collectives (``jax.lax.psum``,
+  ``all_gather``, ...): ``None``-safe wrappers, the reduction strategies,
+  the channel a compressor's own protocol runs over.
+- ``transforms``: ``compressed_mean``, DGC, skip-on-non-finite and
+  accumulation wrappers.
+- ``aggregators``: majority vote, Byzantine-robust rules, attack models.
+- ``parallel``: the data-parallel training step around an optimizer.
+- ``wire`` and ``testing``: byte accounting and the HLO audit; simulated
+  workers.
 """
 
 from commopt import aggregators, compressors, parallel, testing, transforms, wire

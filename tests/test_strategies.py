@@ -8,7 +8,7 @@ import pytest
 
 import commopt
 from commopt import wire
-from commopt.parallel._strategies import to_words
+from commopt.comm._strategies import to_words
 
 N = 8
 AXES = ("node", "local")
@@ -362,3 +362,21 @@ def test_data_parallel_rejects_a_mesh_without_the_axes(mesh):
   with pytest.raises(ValueError, match=r"must name distinct axes of the mesh, whose axes are "
                                        r"\('data',\); \['node', 'local'\] are not among them"):
     commopt.data_parallel(loss, tx, mesh, AXES)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "psum", "gather", "two_phase"])
+def test_every_strategy_runs_on_one_device_without_an_axis(strategy):
+  """axis_name=None is one local worker: each strategy reduces over it (two_phase's
+  all-to-all and all-gather included) and returns that worker's reconstruction."""
+  c = commopt.cast(jnp.bfloat16) if strategy == "psum" else commopt.scaled_sign()
+  tx = commopt.compressed_mean(c, None, strategy=strategy, min_size=0)
+  x = {"w": jnp.linspace(-1.0, 2.0, 50)}
+  out, state = tx.update(x, tx.init(x))
+  payload, _ = c.encode(x["w"], c.init(x["w"]), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(out["w"], c.decode(payload, None, x["w"]), rtol=1e-6)
+  np.testing.assert_allclose(state.residual["w"], x["w"] - out["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_hierarchical_without_an_axis_is_refused_by_name():
+  with pytest.raises(ValueError, match="on one device .* use any other strategy"):
+    commopt.compressed_mean(commopt.scaled_sign(), None, strategy="hierarchical")

@@ -51,9 +51,12 @@ class Compressor:
       (shared-seed methods); then the key does not depend on the worker.
     accepts: ``accepts(shape, dtype) -> bool``; leaves it rejects are sent
       dense (e.g. vectors for PowerSGD).
-    reduce: optional ``reduce(x, state, key, axis_name) -> Reduced`` for
+    reduce: optional ``reduce(x, state, key, channel) -> Reduced`` for
       multi-round protocols that replace the generic reduction (PowerSGD).
-      ``axis_name=None`` must run the same protocol on one worker.
+      ``channel`` (a :class:`commopt.comm.Channel`) does the collectives:
+      ``channel.mean(x)`` all-reduces, ``channel.exchange(payload, decode,
+      linear)`` sends a payload, ``channel.size`` counts the workers; the
+      compressor itself never communicates.
   """
   name: str
   init: Callable[[Any], Any]

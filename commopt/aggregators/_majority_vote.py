@@ -11,7 +11,7 @@ import optax
 from commopt import kernels
 from commopt._src import base
 from commopt._src import bits as bitops
-from commopt.parallel import _collectives as coll
+from commopt.comm import _collectives as coll
 
 
 def _bitsliced_count(words: list[jax.Array]) -> list[jax.Array]:

@@ -29,8 +29,8 @@ import numpy as np
 import optax
 
 from commopt._src import base
-from commopt.parallel import _collectives as coll
-from commopt.transforms._compressed_mean import worker_key as worker_key_for
+from commopt.comm import _collectives as coll
+from commopt.comm._channel import worker_key as worker_key_for
 
 PayloadAttack = Callable[..., Any]
 """``payload_attack(payload, *, key, axis_name) -> payload``: corrupts what a worker sends."""

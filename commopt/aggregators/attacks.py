@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commopt.parallel import _collectives as coll
+from commopt.comm import _collectives as coll
 
 KINDS = ("sign_flip", "gaussian", "scaled", "alie", "ipm")
 """The update attacks of :func:`apply_attack`."""

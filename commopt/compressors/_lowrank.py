@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from commopt._src import base
-from commopt.parallel import _collectives as coll
 
 View = Union[str, Callable[[tuple[int, ...]], tuple[int, int]]]
 
@@ -111,17 +110,17 @@ def power_sgd(rank: int = 1, *, view: View = "last",
     q = jax.random.normal(jax.random.PRNGKey(seed), (m, r), jnp.float32)
     return PowerSGDLeafState(q=q)
 
-  def reduce(x, state, key, axis_name):
+  def reduce(x, state, key, channel):
     del key
     n, m, _ = dims(x.shape)
     wire = x.dtype
     mat = x.reshape(n, m).astype(jnp.float32)
-    p = coll.pmean((mat @ state.q).astype(wire), axis_name).astype(jnp.float32)
+    p = channel.mean((mat @ state.q).astype(wire)).astype(jnp.float32)
     p_hat = _orthogonalize(p)
     # What this worker sends, rounded to the wire dtype so that its own
     # reconstruction matches its share of the mean exactly.
     q_local = (mat.T @ p_hat).astype(wire)
-    q_mean = coll.pmean(q_local, axis_name).astype(jnp.float32)
+    q_mean = channel.mean(q_local).astype(jnp.float32)
     q_local = q_local.astype(jnp.float32)
     mean = (p_hat @ q_mean.T).reshape(x.shape).astype(x.dtype)
     local = (p_hat @ q_local.T).reshape(x.shape).astype(x.dtype)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from commopt import kernels
 from commopt._src import base
 from commopt._src import bits as bitops
-from commopt.parallel import _collectives as coll
+from commopt._src import vma
 
 _F32 = jnp.float32
 
@@ -602,7 +602,7 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
     def back(j, choice):
       return choice[j], choice[j]
 
-    last = coll.vary_like(jnp.int32(bins), choices)
+    last = vma.vary_like(jnp.int32(bins), choices)
     _, chosen = jax.lax.scan(back, last, choices, reverse=True)
     ends = jnp.array([0, bins], jnp.int32)
     index = jnp.concatenate([ends[:1], chosen, ends[1:]])

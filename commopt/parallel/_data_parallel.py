@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from commopt.parallel import _collectives as coll
+from commopt.comm import _collectives as coll
 from commopt.parallel import _layout as lay
 from commopt.parallel._layout import keystr, local_value_and_grad
 
@@ -561,7 +561,7 @@ class DataParallel:
             + ("keeps model state replicated without communicating; use "
                "model_state_sync='mean' to average it." if self.model_state_sync == "none"
                else "can only average floating-point state."))
-      out.append((jax.lax.psum(x.astype(jnp.float32), axes) / self.num_workers).astype(x.dtype))
+      out.append((coll.psum(x.astype(jnp.float32), axes) / self.num_workers).astype(x.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
   @functools.cached_property

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from commopt.parallel import _collectives as coll
+from commopt.comm import _collectives as coll
 
 
 def keystr(path) -> str:

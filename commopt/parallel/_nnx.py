@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from commopt.parallel import _collectives as coll
+from commopt.comm import _collectives as coll
 from commopt.parallel._data_parallel import DataParallel
 
 

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base
-from commopt.parallel import _collectives as coll
-from commopt.parallel import _strategies
+from commopt.comm import _collectives as coll
+from commopt.comm import _strategies
+from commopt.comm._channel import Channel, exchange, worker_key
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements than this are sent dense by default."""
@@ -74,43 +75,9 @@ def _check_leaf(path, leaf, what: str):
     base.check_float_leaf("compressed_mean", path, leaf, verb="compressed", what=what)
 
 
-def worker_key(key, count, compressor, axis_name):
-  """This worker's key for step ``count``: ``fold_in(fold_in(key, count), axis_index)``.
-
-  Compressors with shared randomness (or none, ``compressor=None`` counts as
-  not shared) use the step key alone; one local worker (``axis_name=None``)
-  draws as worker 0 of a mesh would.
-  """
-  step_key = jax.random.fold_in(key, count)
-  if compressor is not None and compressor.shared_randomness:
-    return step_key
-  return jax.random.fold_in(step_key, coll.axis_index(axis_name))
-
-
-def exchange(payload, decode, strategy: str, axis_name):
-  """Sends ``payload`` over ``axis_name``; returns ``(mean, local)`` reconstructions.
-
-  ``decode(payload)`` returns an array or a pytree of arrays; ``mean`` is the
-  float32 mean over the workers of their decoded payloads (``local`` itself
-  when ``axis_name`` is None). Linear payloads are all-reduced
-  (``strategy="psum"``), the others all-gathered and decoded one by one.
-  """
-  local = decode(payload)
-  if axis_name is None:
-    return local, local
-  n = coll.axis_size(axis_name)
-  f32 = lambda t: t.astype(jnp.float32)
-  if strategy == "psum":
-    mean = jax.tree.map(lambda t: f32(t) / n, decode(coll.psum(payload, axis_name)))
-  else:
-    decoded = jax.vmap(decode)(coll.all_gather(payload, axis_name))
-    mean = jax.tree.map(lambda t: jnp.mean(f32(t), axis=0), decoded)
-  return mean, local
-
-
 def _reduce_leaf(compressor, strategy, x, cstate, key, axis_name) -> base.Reduced:
   if compressor.reduce is not None:
-    return compressor.reduce(x, cstate, key, axis_name)
+    return compressor.reduce(x, cstate, key, Channel(axis_name))
   payload, cstate = compressor.encode(x, cstate, key)
   mean, local = exchange(payload, lambda pl: compressor.decode(pl, cstate, x),
                          strategy, axis_name)
@@ -267,7 +234,9 @@ def compressed_mean(
             and all(isinstance(a, str) for a in axis_name) and axis_name[0] != axis_name[1]):
       raise ValueError(
           "compressed_mean: strategy='hierarchical' needs `axis_name` = (slow, fast), two "
-          f"distinct mesh axis names such as ('node', 'local'), got {axis_name!r}.")
+          f"distinct mesh axis names such as ('node', 'local'), got {axis_name!r}"
+          + ("; on one device (axis_name=None) use any other strategy." if axis_name is None
+             else "."))
     if inner_strategy not in INNER_STRATEGIES:
       raise ValueError(
           f"compressed_mean: `inner_strategy` must be one of {INNER_STRATEGIES}, got "

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base
-from commopt.parallel import _collectives as coll
+from commopt.comm import _collectives as coll
 
 
 class ApplyIfFiniteState(NamedTuple):

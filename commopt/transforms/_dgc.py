@@ -12,7 +12,7 @@ import optax
 
 from commopt._src import base
 from commopt.compressors import _sparsify
-from commopt.parallel import _collectives as coll
+from commopt.comm import _collectives as coll
 from commopt.transforms import _compressed_mean as cm
 
 DGC_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004, 0.001)
@@ -133,17 +133,17 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
   def init(leaf):
     return DGCLeafState(count=jnp.zeros([], jnp.int32), sent=jnp.zeros(leaf.shape, bool))
 
-  def stage_reduce(compressor, key, axis_name):
+  def stage_reduce(compressor, key, channel):
     def run(x):
       payload, _ = compressor.encode(x, base.EmptyState(), key)
-      mean, local = cm.exchange(payload, lambda pl: compressor.decode(pl, None, x),
-                                "gather", axis_name)
+      mean, local = channel.exchange(payload, lambda pl: compressor.decode(pl, None, x),
+                                     linear=False)
       return mean.astype(x.dtype), local, _sparsify.support(payload["indices"], x)
     return run
 
-  def reduce(x, state, key, axis_name):
+  def reduce(x, state, key, channel):
     stage = jnp.sum(state.count >= jnp.asarray(boundaries, jnp.int32)) if boundaries else 0
-    branches = [stage_reduce(c, key, axis_name) for c in stages]
+    branches = [stage_reduce(c, key, channel) for c in stages]
     mean, local, sent = jax.lax.switch(stage, branches, x)
     return base.Reduced(mean=mean, local=local,
                         state=DGCLeafState(count=optax.safe_int32_increment(state.count),

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from commopt._src import base
-from commopt.parallel import _collectives as coll
+from commopt.comm import _collectives as coll
 
 
 # ---------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Ar
   local = jax.vmap(decode)(payloads).reshape(-1)[:n].astype(p.dtype)
 
   words, unpack = to_words(payloads, batch_dims=1)
-  received = jax.lax.all_to_all(words, axis_name, 0, 0, tiled=False)
+  received = coll.all_to_all(words, axis_name)
   me = coll.axis_index(axis_name)
   start = me * c
   valid = (start + jnp.arange(c)) < (n if size is None else size)
@@ -243,7 +243,7 @@ def hierarchical(p_reduce: Callable, u: jax.Array, residual: Optional[jax.Array]
   rank = coll.axis_index(fast)
 
   padded = jnp.pad(u.astype(jnp.float32), (0, ranks * c - n))
-  dense = jax.lax.psum_scatter(padded, fast, scatter_dimension=0, tiled=True) / ranks
+  dense = coll.psum_scatter(padded, fast) / ranks
   p = dense
   if residual is not None:
     p = p + own_part(residual, n, ranks, rank).astype(jnp.float32)

@@ -1,5 +1,9 @@
 """Collectives over a named axis that work under shard_map, vmap and locally.
 
+The only module of commopt that calls JAX's collectives (``jax.lax.psum``,
+``all_gather``, ``all_to_all``, ...); everything else goes through these
+wrappers (``tests/test_layering.py`` checks it).
+
 ``axis_name=None`` means one local worker: every collective is the identity.
 Inside ``jax.shard_map`` with ``check_vma=True`` the gathered payloads are
 typed invariant, so a reduced value can leave the map replicated.
@@ -12,28 +16,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-
-def varying_axes(x) -> frozenset:
-  """The mesh axes over which ``x`` is typed varying (empty outside shard_map).
-
-  ``x`` may be an array, a tracer or a ``jax.ShapeDtypeStruct`` from
-  ``jax.eval_shape`` inside ``shard_map``.
-  """
-  if isinstance(x, jax.ShapeDtypeStruct):
-    mat = getattr(x, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(x, "vma", None) or ())
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)
-  if vma is None:
-    mat = getattr(aval, "mat", None)
-    vma = getattr(mat, "varying", frozenset())
-  return frozenset(vma)
-
-
-def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
-  """``x`` typed varying over the axes ``like`` varies over (e.g. a scan's initial carry)."""
-  missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+from commopt._src.vma import vary, vary_like, varying_axes  # noqa: F401  (re-exported)
 
 
 def bound_axis_size(axis_name) -> Optional[int]:
@@ -78,13 +61,6 @@ def cond(pred, true_fn, false_fn, *operands):
   return jax.lax.cond(pred, joined(true_fn), joined(false_fn), *operands)
 
 
-def vary(x, axes):
-  """``x`` typed varying over ``axes`` (a name or tuple of names), casting only what is missing."""
-  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-  missing = tuple(a for a in axes if a not in varying_axes(x))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def axis_size(axis_name: Optional[str]) -> int:
   """Number of workers on ``axis_name`` (1 when it is None)."""
   if axis_name is None:
@@ -112,6 +88,26 @@ def pmean(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
   return (jax.lax.psum(x, axis_name) / axis_size(axis_name)).astype(x.dtype)
 
 
+def all_to_all(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
+  """Row ``j`` of ``x`` (``[N, ...]``) goes to worker ``j``; row ``w`` of the result came from worker ``w``.
+
+  Locally (``axis_name=None``) ``x`` must have one row and is returned as it is.
+  """
+  if axis_name is None:
+    return x
+  return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=False)
+
+
+def psum_scatter(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
+  """Sum over the axis of ``x`` (``[N·c]``), worker ``j`` keeping coordinates ``j·c`` to ``(j+1)·c``.
+
+  Locally it is ``x`` itself.
+  """
+  if axis_name is None:
+    return x
+  return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+
+
 def all_gather(tree: Any, axis_name: Optional[str]) -> Any:
   """Stacks every worker's leaves on a new leading axis.
 
@@ -132,6 +128,8 @@ def all_gather(tree: Any, axis_name: Optional[str]) -> Any:
 
 def all_gather_tiled(x, axis_name, axis: int):
   """Concatenates every worker's ``x`` along ``axis``; typed invariant when ``x`` varies."""
+  if axis_name is None:
+    return x
   if axis_name in varying_axes(x):
     try:
       return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")

@@ -1,0 +1,52 @@
+"""Communication: the one layer of commopt that moves data between workers.
+
+- :mod:`commopt.comm._collectives`: collectives over a named axis that also
+  run under ``jax.vmap`` and locally (``axis_name=None``); the only code that
+  calls ``jax.lax``'s collectives.
+- :mod:`commopt.comm._strategies`: how compressed payloads cross an axis
+  beyond a plain all-reduce or all-gather: ``two_phase`` (all-to-all of
+  compressed chunks, re-compression, all-gather) and ``hierarchical`` (dense
+  inside a fast axis, compressed across a slow one).
+
+- :mod:`commopt.comm._channel`: the :class:`Channel` a compressor's own
+  multi-round protocol (PowerSGD) is handed to do its collectives with, the
+  generic payload exchange, and the per-worker keys.
+
+Compressors never communicate; transforms and aggregators call this layer.
+"""
+
+from commopt.comm._channel import Channel, exchange, worker_key
+from commopt.comm._collectives import (
+    all_gather,
+    all_gather_tiled,
+    all_to_all,
+    axis_index,
+    axis_size,
+    bound_axis_size,
+    cond,
+    pmean,
+    psum,
+    psum_scatter,
+    vary,
+    vary_like,
+    varying_axes,
+)
+
+__all__ = [
+    "Channel",
+    "exchange",
+    "worker_key",
+    "all_gather",
+    "all_gather_tiled",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "bound_axis_size",
+    "cond",
+    "pmean",
+    "psum",
+    "psum_scatter",
+    "vary",
+    "vary_like",
+    "varying_axes",
+]
