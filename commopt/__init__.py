@@ -63,11 +63,8 @@ from commopt.compressors import (
 )
 from commopt.parallel import (
     DataParallel,
-    NnxDataParallel,
-    NnxTrainState,
     data_parallel,
     local_value_and_grad,
-    nnx_data_parallel,
 )
 from commopt.transforms import (
     DEFAULT_MIN_SIZE,
@@ -141,3 +138,10 @@ __all__ = [
     "variance_balanced",
     "wire",
 ]
+
+
+def __getattr__(name):
+  # The nnx entry points import flax on first use (see commopt.parallel).
+  if name in parallel._NNX:
+    return getattr(parallel, name)
+  raise AttributeError(f"module 'commopt' has no attribute {name!r}")

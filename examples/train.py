@@ -141,10 +141,13 @@ def main(argv=None):
       # Bytes are reported for the final (steady-state) density.
       return (f"dgc(density {densities[-1]})", tx, commopt.top_k(densities[-1]),
               commopt.DEFAULT_MIN_SIZE, (densities, boundaries))
+    flags = dict(ratio=args.ratio, rank=args.rank, dtype=args.dtype, levels=args.levels,
+                 bits=args.bits, block_size=args.block_size, bucket_size=args.bucket_size,
+                 clip=args.clip, tau=args.tau, drop_ratio=args.drop_ratio,
+                 bin_size=args.bin_size)
+    # Each compressor gets the flags it takes (the others are for other compressors).
     compressor = commopt.compressors.make(
-        name, ratio=args.ratio, rank=args.rank, dtype=args.dtype, levels=args.levels,
-        bits=args.bits, block_size=args.block_size, bucket_size=args.bucket_size,
-        clip=args.clip, tau=args.tau, drop_ratio=args.drop_ratio, bin_size=args.bin_size)
+        name, **{k: v for k, v in flags.items() if k in commopt.compressors.options(name)})
     ef = not args.no_error_feedback
     label = compressor.name if args.strategy == "auto" else f"{compressor.name} [{args.strategy}]"
     try:

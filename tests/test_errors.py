@@ -93,6 +93,16 @@ def test_unknown_registry_name():
     commopt.compressors.make("sgn")
 
 
+def test_make_refuses_an_option_the_compressor_does_not_take():
+  # A misspelt option used to fall back silently to the default ratio.
+  with pytest.raises(ValueError, match=r"'top_k' takes no option 'rato'; its options are \['ratio'"):
+    commopt.compressors.make("top_k", rato=0.5)
+  with pytest.raises(ValueError, match="takes no option 'rank'"):
+    commopt.compressors.make("scaled_sign", rank=None)
+  assert commopt.compressors.make("top_k", ratio=None).name == "top_k(ratio=0.01)"
+  assert "rank" in commopt.compressors.options("power_sgd")
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_residual_dtype_for_16_bit_leaves(dtype):
   # float32 by default; the user may still ask for the leaf's own dtype.

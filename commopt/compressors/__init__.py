@@ -14,7 +14,7 @@ from commopt.compressors._quantize import (
     sign,
     terngrad,
 )
-from commopt.compressors._registry import DEFAULTS, REGISTRY, make
+from commopt.compressors._registry import DEFAULTS, REGISTRY, make, options
 from commopt.compressors._sparsify import (
     AdaCompState,
     GlobalCompressor,
@@ -28,7 +28,7 @@ from commopt.compressors._sparsify import (
 )
 
 __all__ = ["DEFAULTS", "REGISTRY", "adaptive_levels", "cast", "identity", "int_quant",
-           "make", "natural", "onebit", "power_sgd", "PowerSGDLeafState", "qsgd",
+           "make", "natural", "options", "onebit", "power_sgd", "PowerSGDLeafState", "qsgd",
            "qsgd_coded_bits", "qsgd_elias_bits", "scaled_sign", "sign", "terngrad", "top_k",
            "AdaCompState", "GlobalCompressor", "RandomKState", "adacomp", "gradient_dropping",
            "random_k", "threshold", "variance_balanced"]

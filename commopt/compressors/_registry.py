@@ -74,27 +74,49 @@ _EXCLUSIVE = {"top_k": {"ratio", "k"}, "random_k": {"ratio", "k"},
               "variance_balanced": {"ratio", "k"}}
 
 
-def make(name: str, **options) -> base.Compressor:
-  """Builds a registered compressor, ignoring options its factory does not take.
-
-  Args:
-    name: a key of :data:`REGISTRY`.
-    **options: factory options (e.g. ``ratio=0.01``, ``rank=4``); ``None``
-      values and options the factory does not accept fall back to
-      :data:`DEFAULTS`.
+def options(name: str) -> tuple[str, ...]:
+  """The options the factory of compressor ``name`` takes.
 
   Example:
     >>> import commopt
-    >>> commopt.compressors.make("top_k", ratio=0.05, rank=4)
-    Compressor(top_k(ratio=0.05))
+    >>> commopt.compressors.options("power_sgd")
+    ('rank', 'view', 'min_compression_rate', 'seed')
   """
+  _check_name(name)
+  return tuple(inspect.signature(REGISTRY[name]).parameters)
+
+
+def _check_name(name: str) -> None:
   if name not in REGISTRY:
     raise ValueError(f"make: unknown compressor {name!r}; valid names are {sorted(REGISTRY)}.")
+
+
+def make(name: str, **options_) -> base.Compressor:
+  """Builds a registered compressor from :data:`DEFAULTS` and the options given.
+
+  Args:
+    name: a key of :data:`REGISTRY`.
+    **options_: factory options (e.g. ``ratio=0.01``, ``rank=4``); ``None``
+      values fall back to :data:`DEFAULTS`. An option the factory does not
+      take is refused (see :func:`options`), so a misspelt option cannot
+      silently fall back to its default.
+
+  Example:
+    >>> import commopt
+    >>> commopt.compressors.make("top_k", ratio=0.05)
+    Compressor(top_k(ratio=0.05))
+  """
+  _check_name(name)
   factory = REGISTRY[name]
-  accepted = inspect.signature(factory).parameters
-  given = {k for k, v in options.items() if k in accepted and v is not None}
+  accepted = options(name)
+  unknown = sorted(set(options_) - set(accepted))
+  if unknown:
+    raise ValueError(
+        f"make: compressor {name!r} takes no option {', '.join(map(repr, unknown))}; "
+        f"its options are {list(accepted)}.")
+  given = {k for k, v in options_.items() if v is not None}
   # Defaults that exclude a given option (top_k's ratio against k) are dropped.
   kwargs = {k: v for k, v in DEFAULTS[name].items()
             if not (given & _EXCLUSIVE.get(name, set()) - {k})}
-  kwargs.update({k: v for k, v in options.items() if k in accepted and v is not None})
+  kwargs.update({k: v for k, v in options_.items() if v is not None})
   return factory(**kwargs)

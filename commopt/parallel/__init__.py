@@ -11,7 +11,21 @@
 
 from commopt.parallel._data_parallel import DataParallel, Layout, data_parallel
 from commopt.parallel._layout import local_value_and_grad, stack_workers, unstack_workers
-from commopt.parallel._nnx import NnxDataParallel, NnxTrainState, nnx_data_parallel
+
+_NNX = ("NnxDataParallel", "NnxTrainState", "nnx_data_parallel")
+
+
+def __getattr__(name):
+  # Flax is needed only for nnx models: it is imported on first use.
+  if name in _NNX:
+    try:
+      from commopt.parallel import _nnx
+    except ImportError as e:
+      raise ImportError(
+          f"commopt.{name} needs flax (`pip install flax`, or commopt's `nnx` extra: "
+          f"`pip install commopt[nnx]`): {e}") from e
+    return getattr(_nnx, name)
+  raise AttributeError(f"module 'commopt.parallel' has no attribute {name!r}")
 
 __all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "data_parallel",
            "local_value_and_grad", "nnx_data_parallel", "stack_workers", "unstack_workers"]
