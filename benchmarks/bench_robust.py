@@ -31,6 +31,12 @@ attackers) beside its stated factor (``FACTORS``), writes
 run keeps what it measured) and a heat map ``robust_<problem>.png`` beside it.
 ``--check`` exits 1 unless every rule meets its stated factor.
 
+The rules' configurations, the attacked chain and the convex problem are
+``commopt.aggregators._study``; the stated factors and their check are
+``commopt.aggregators._tolerance`` (``tests/test_robust.py`` holds the convex
+problem to them). This script adds the demo CNN, the sorting speed, the
+tables and the plots.
+
     python benchmarks/bench_robust.py --problems convex --check     # seconds
     python benchmarks/bench_robust.py --problems digits --check     # ~30 min on 2 CPU cores
     python benchmarks/bench_robust.py --problems digits --rules mean,krum --attacks none,alie --fs 2
@@ -55,195 +61,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
-import commopt  # noqa: E402
-from commopt.aggregators import _robust as robust  # noqa: E402
-from commopt.aggregators import attacks  # noqa: E402
+from commopt.aggregators import _sorting  # noqa: E402
+from commopt.aggregators._study import (  # noqa: E402
+    ATTACKS,
+    AXIS,
+    CC_ITERS,
+    DESIGN_F,
+    MEDIAN_F,
+    NUM_WORKERS,
+    RULES,
+    attacked_chain,
+    configs,
+    masks,
+    run_convex,
+)
+from commopt.aggregators._tolerance import FACTORS, check_factors, loss_ratios  # noqa: E402
 
-AXIS = "workers"
-NUM_WORKERS = 8
-DESIGN_F = 2
-ATTACKS = ("none",) + attacks.KINDS + ("bit_flip",)
 DIGITS_TAU = 10.0
 """centered_clip's radius on the CNN: about the honest momenta's distance to the last aggregate."""
-CC_ITERS = 3
-"""centered_clip iterations per step (the paper uses 1; 3 trains faster here at tau = 10)."""
-RULES = ("mean", "krum", "multi_krum", "coordinate_median", "trimmed_mean",
-         "centered_clip", "geometric_median")
-
-
-MEDIAN_FAMILY = ("coordinate_median", "geometric_median")
-"""Rules that tolerate any ``f < n/2``: configured for, and run up to, ``f = MEDIAN_F``."""
-MEDIAN_F = (NUM_WORKERS - 1) // 2
-
-
-def tolerated(rule: str, f: int) -> bool:
-  """Whether ``rule`` is run with ``f`` attackers: ``f <= MEDIAN_F`` for the median
-  family and the plain mean (the baseline), ``f <= DESIGN_F`` for the others."""
-  return f <= (MEDIAN_F if rule in MEDIAN_FAMILY + ("mean",) else DESIGN_F)
-
-
-def make_rule(name: str, *, tau: float, compressor=None, payload_attack=None):
-  """The aggregator ``name`` over ``AXIS``, configured for the largest ``f`` it is run with."""
-  wire = dict(compressor=compressor, payload_attack=payload_attack)
-  if name == "mean":
-    # The plain mean through the same all-gather path: a trimmed mean with beta = 0.
-    return robust.trimmed_mean(AXIS, 0.0, **wire)
-  if name == "krum":
-    return robust.krum(AXIS, DESIGN_F, **wire)
-  if name == "multi_krum":
-    return robust.multi_krum(AXIS, DESIGN_F, **wire)
-  if name == "coordinate_median":
-    return robust.coordinate_median(AXIS, MEDIAN_F, **wire)
-  if name == "trimmed_mean":
-    # beta = f/n with f = DESIGN_F (at f = MEDIAN_F it would equal the median).
-    return robust.trimmed_mean(AXIS, DESIGN_F / NUM_WORKERS, DESIGN_F, **wire)
-  if name == "centered_clip":
-    return robust.centered_clip(AXIS, tau, iters=CC_ITERS, f=DESIGN_F, **wire)
-  if name == "geometric_median":
-    return robust.geometric_median(AXIS, iters=8, f=MEDIAN_F, **wire)
-  raise ValueError(f"make_rule: unknown rule {name!r}; valid: {RULES}.")
-
-
-def attacked_chain(rule: str, kind_index, mask, *, tau: float, compressed: bool,
-                   optimizer: optax.GradientTransformation,
-                   momentum: float = 0.0) -> optax.GradientTransformation:
-  """[worker momentum ->] attack (kind chosen by the traced ``kind_index`` into
-  ``ATTACKS[:-1]``) -> rule -> optimizer.
-
-  ``momentum > 0`` puts each worker's heavy-ball momentum (``optax.trace``) before
-  the attack and the rule, as Karimireddy et al. (2021) do: the rule then sees
-  momenta, whose spread across honest workers is much smaller than the
-  gradients'. The attackers see the honest momenta (ALIE and IPM use their mean
-  and spread).
-
-  ``compressed=True`` sends updates as ``int_quant`` payloads and flips bits of the
-  masked workers' payloads (the ``bit_flip`` attack); the update attack is then skipped.
-  """
-  before = (optax.trace(momentum),) if momentum > 0 else ()
-  if compressed:
-    agg = make_rule(rule, tau=tau, compressor=commopt.int_quant(),
-                    payload_attack=attacks.bit_flip(mask, rate=0.05))
-    return optax.chain(*before, agg, optimizer)
-
-  def corrupt(updates, state, params=None):
-    del params
-    key = jax.random.fold_in(jax.random.PRNGKey(0), state)
-    branches = [lambda u: u] + [
-        (lambda u, k=k: attacks.apply_attack(u, k, axis_name=AXIS, byzantine=mask, key=key))
-        for k in attacks.KINDS]
-    return jax.lax.switch(kind_index, branches, updates), state + 1
-
-  tx_attack = optax.GradientTransformation(lambda p: jnp.zeros([], jnp.uint32), corrupt)
-  return optax.chain(*before, tx_attack, make_rule(rule, tau=tau), optimizer)
-
-
-def configs(fs=(1, 2, 3), names=ATTACKS, rule=None):
-  """(attack, f) pairs, the honest run first; only those ``rule`` tolerates if given."""
-  out = [("none", 0)] if "none" in names else []
-  out += [(a, f) for a in names if a != "none" for f in fs]
-  return [c for c in out if rule is None or tolerated(rule, c[1])]
-
-
-FACTORS = {
-    "convex": {rule: 1.5 for rule in RULES if rule != "mean"},
-    # Measured on 2 CPU cores, jax 0.10.2 (the closing table of the digits run), rounded
-    # up. Krum keeps one worker's update, and the two ALIE attackers send the same
-    # vector, so Krum picks it every step (alie/2: 21.8x; 4.1x its own honest run).
-    # centered_clip's worst is the scaled attack at f = 2 (6.5x): each attacker
-    # still moves the centre by tau/n a step. The median family at f = 3 is 5.6x at
-    # worst, against 8.4x for the plain mean under the same sign flips.
-    "digits": {"krum": 25.0, "multi_krum": 4.0, "coordinate_median": {2: 4.0, 3: 6.0},
-               "trimmed_mean": 3.5, "centered_clip": 7.0, "geometric_median": {2: 4.0, 3: 6.0}},
-}
-"""The stated factor per problem and rule: its final loss under every attack it
-tolerates stays within ``factor ×`` the honest plain-mean run's. A ``{f_max: factor}``
-dict states one factor per attacker count (the smallest ``f_max >= f`` applies).
-``--check`` holds a run to them; tests/test_robust.py holds the convex problem to
-them in CI."""
-
-
-def stated_factor(spec, f: int) -> float:
-  """The factor of ``spec`` (a number or ``{f_max: factor}``) for ``f`` attackers."""
-  if not isinstance(spec, dict):
-    return float(spec)
-  fits = [k for k in spec if k >= f]
-  return float(spec[min(fits)]) if fits else float("nan")
-
-
-def masks(f: int) -> np.ndarray:
-  m = np.zeros(NUM_WORKERS, bool)
-  m[:f] = True
-  return m
-
-
-# ---------------------------------------------------------------------------
-# The convex problem.
-
-
-def least_squares(seed: int = 0, samples: int = 64, dim: int = 10, noise: float = 0.5):
-  """Per-worker data ``(A [n, m, d], b [n, m])`` and the global loss ``loss(x)``."""
-  rng = np.random.default_rng(seed)
-  a = rng.normal(size=(NUM_WORKERS, samples, dim)).astype(np.float32)
-  x_star = rng.normal(size=(dim,)).astype(np.float32)
-  b = (a @ x_star + noise * rng.normal(size=(NUM_WORKERS, samples))).astype(np.float32)
-  a, b = jnp.asarray(a), jnp.asarray(b)
-
-  def loss(x):
-    return 0.5 * jnp.mean(jnp.square(jnp.einsum("nmd,d->nm", a, x) - b))
-
-  return a, b, loss
-
-
-def convex_runner(rules: tuple[str, ...], compressed: bool, *, steps: int = 150,
-                  lr: float = 0.1, tau: float = 0.5, seed: int = 0):
-  """A jitted ``run(kind_indices [C], masks [C, n]) -> final losses [R, C]``.
-
-  One program for all ``rules`` (compiling once is much faster than once per
-  rule); the configurations are vmapped.
-  """
-  a, b, loss = least_squares(seed)
-  dim = a.shape[-1]
-
-  def one(rule, kind_index, mask):
-    tx = attacked_chain(rule, kind_index, mask, tau=tau, compressed=compressed,
-                        optimizer=optax.sgd(lr))
-
-    def worker(a_w, b_w):
-      grad = jax.grad(lambda x: 0.5 * jnp.mean(jnp.square(a_w @ x - b_w)))
-
-      def step(carry, _):
-        x, state = carry
-        u, state = tx.update(grad(x), state, x)
-        return (optax.apply_updates(x, u), state), None
-
-      x0 = jnp.zeros((dim,), jnp.float32)
-      (x, _), _ = jax.lax.scan(step, (x0, tx.init(x0)), None, length=steps)
-      return x
-
-    xs = jax.vmap(worker, axis_name=AXIS)(a, b)
-    return loss(xs[0])
-
-  return jax.jit(lambda ks, ms: jnp.stack(
-      [jax.vmap(lambda k, m, r=r: one(r, k, m))(ks, ms) for r in rules]))
-
-
-def run_convex(rules=RULES, names=ATTACKS, fs=(1, 2, 3), **kw) -> dict:
-  """``{rule: {"attack/f": final loss}}`` on the least-squares problem."""
-  dense = [c for c in configs(fs, names) if c[0] != "bit_flip"]
-  flips = [c for c in configs(fs, names) if c[0] == "bit_flip"]
-  kinds = list(ATTACKS[:-1])
-  results = {rule: {} for rule in rules}
-  for group, compressed in ((dense, False), (flips, True)):
-    if not group:
-      continue
-    ks = jnp.array([kinds.index(k) if k in kinds else 0 for k, _ in group], jnp.int32)
-    ms = jnp.asarray(np.stack([masks(f) for _, f in group]))
-    losses = np.asarray(convex_runner(tuple(rules), compressed, **kw)(ks, ms))
-    for rule, row in zip(rules, losses):
-      # One program runs every configuration; keep those the rule is meant for.
-      results[rule].update({f"{k}/{f}": float(v) for (k, f), v in zip(group, row)
-                            if tolerated(rule, f)})
-  return results
 
 
 # ---------------------------------------------------------------------------
@@ -348,8 +183,8 @@ def run_speed(ns=(8, 16), d: int = 1 << 20, repeats: int = 5) -> dict:
   out = {}
   for n in ns:
     x = jnp.asarray(np.random.default_rng(n).normal(size=(n, d)).astype(np.float32))
-    pairs = {"sort": (lambda v: jnp.sort(v, axis=0), robust.sort_workers),
-             "median": (lambda v: jnp.median(v, axis=0), robust.median_workers)}
+    pairs = {"sort": (lambda v: jnp.sort(v, axis=0), _sorting.sort_workers),
+             "median": (lambda v: jnp.median(v, axis=0), _sorting.median_workers)}
     for what, (xla, net) in pairs.items():
       times = []
       for fn in (xla, net):
@@ -366,16 +201,6 @@ def run_speed(ns=(8, 16), d: int = 1 << 20, repeats: int = 5) -> dict:
 
 # ---------------------------------------------------------------------------
 # Reporting.
-
-
-def _ratios(results: dict, rule: str, own: bool = False) -> dict:
-  """``{"attack/f": loss / reference}`` for ``rule``, against the honest mean run
-  (or, ``own=True``, against the rule's own run without attackers)."""
-  ref = results.get(rule if own else "mean", {}).get("none/0")
-  if ref is None:        # the reference run was not asked for
-    return {}
-  return {c: (v / ref if np.isfinite(v) else float("inf"))
-          for c, v in results.get(rule, {}).items()}
 
 
 def _order(cols):
@@ -414,7 +239,7 @@ def summary(results: dict, factors: dict) -> str:
       continue
     cells = []
     for own in (False, True):
-      r = {c: v for c, v in _ratios(results, rule, own).items() if c != "none/0"}
+      r = {c: v for c, v in loss_ratios(results, rule, own).items() if c != "none/0"}
       if not r:
         cells.append(f"{'-':>28}")
         continue
@@ -427,17 +252,6 @@ def summary(results: dict, factors: dict) -> str:
       stated = f"{stated:g}x"
     lines.append(f"{rule:<18}" + "".join(cells) + f"{stated or '-':>10}")
   return "\n".join(lines)
-
-
-def check(results: dict, factors: dict) -> list[str]:
-  """The runs whose loss exceeds the stated factor × the honest mean run's (empty: all met)."""
-  bad = []
-  for rule, spec in factors.items():
-    for cfg, ratio in _ratios(results, rule).items():
-      factor = stated_factor(spec, int(cfg.split("/")[1]))
-      if not ratio <= factor:
-        bad.append(f"{rule} {cfg}: {ratio:.2f}x > {factor:g}x")
-  return bad
 
 
 def plot(results: dict, problem: str, path: pathlib.Path) -> None:
@@ -454,7 +268,7 @@ def plot(results: dict, problem: str, path: pathlib.Path) -> None:
   grid = np.full((len(rules), len(cols)), np.nan)
   for i, rule in enumerate(rules):
     for j, c in enumerate(cols):
-      v = _ratios(results, rule).get(c)
+      v = loss_ratios(results, rule).get(c)
       if v is not None:
         grid[i, j] = np.log2(min(v, 2.0**10))
   fig, ax = plt.subplots(figsize=(1.0 + 0.5 * len(cols), 1.2 + 0.45 * len(rules)))
@@ -481,7 +295,7 @@ def parse_args(argv=None):
   p.add_argument("--rules", default=",".join(RULES))
   p.add_argument("--attacks", default=",".join(ATTACKS))
   p.add_argument("--fs", default="1,2,3",
-                 help="attacker counts (each rule runs those it tolerates, see `tolerated`)")
+                 help="attacker counts (each rule runs those it tolerates, see _study.tolerated)")
   p.add_argument("--epochs", type=int, default=5, help="digits: epochs")
   p.add_argument("--max-steps", type=int, default=None, help="digits: stop each run early")
   p.add_argument("--momentum", type=float, default=0.9, help="digits: heavy-ball momentum")
@@ -513,7 +327,7 @@ def present(res: dict, problem: str, path: pathlib.Path) -> list[str]:
   print(table(res, problem))
   print(summary(res, FACTORS[problem]))
   plot(res, problem, path.with_name(f"robust_{problem}.png"))
-  return [f"{problem}: {line}" for line in check(res, FACTORS[problem])]
+  return [f"{problem}: {line}" for line in check_factors(res, FACTORS[problem])]
 
 
 def finish(failures: list[str], do_check: bool) -> None:

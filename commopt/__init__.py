@@ -35,9 +35,10 @@ from commopt.aggregators import (
     krum,
     majority_vote,
     multi_krum,
+    robust_aggregate,
     trimmed_mean,
 )
-from commopt._src.base import Compressor, EmptyState, Reduced
+from commopt._src.base import Compressor, Reduced
 from commopt.compressors import (
     AdaCompState,
     GlobalCompressor,
@@ -47,7 +48,6 @@ from commopt.compressors import (
     adaptive_levels,
     cast,
     gradient_dropping,
-    identity,
     int_quant,
     natural,
     onebit,
@@ -101,11 +101,9 @@ __all__ = [
     "DEFAULT_MIN_SIZE",
     "dgc",
     "DGCState",
-    "EmptyState",
     "geometric_median",
     "GlobalCompressor",
     "gradient_dropping",
-    "identity",
     "int_quant",
     "krum",
     "local_value_and_grad",
@@ -113,6 +111,7 @@ __all__ = [
     "MultiStepsState",
     "majority_vote",
     "multi_krum",
+    "robust_aggregate",
     "natural",
     "nnx_data_parallel",
     "NnxDataParallel",

@@ -16,11 +16,16 @@ import jax
 import numpy as np
 
 from commopt._src import base
-from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE, compresses
+from commopt.comm import _strategies
+from commopt.comm._plan import Planned, axis_sizes, planner_of, ring_sent_bytes
+from commopt._src.tree import DEFAULT_MIN_SIZE, compresses
 
 __all__ = [
+    "CommPlan",
     "Collective",
     "PayloadReport",
+    "Planned",
+    "comm_plan",
     "hlo_collectives",
     "payload_bytes",
     "total_bytes",
@@ -84,6 +89,87 @@ def payload_bytes(compressor: base.Compressor, params,
               for l in jax.tree.leaves(params))
   return PayloadReport(per_leaf=per_leaf, compressed=flags,
                        total=int(sum(jax.tree.leaves(per_leaf))), dense=int(dense))
+
+
+class CommPlan(NamedTuple):
+  """The collectives ``compressed_mean`` runs per step, as :func:`comm_plan` predicts them.
+
+  Attributes:
+    collectives: one :class:`Planned` per collective and leaf, in leaf order.
+    dense_sent: what a dense all-reduce of every leaf would send per worker
+      (ring model), in bytes.
+  """
+  collectives: list
+  dense_sent: float
+
+  @property
+  def contributed_bytes(self) -> int:
+    """Bytes one worker puts into the collectives (compare :func:`total_bytes` of an audit)."""
+    return int(sum(c.contributed_bytes for c in self.collectives))
+
+  @property
+  def sent_bytes(self) -> float:
+    """Bytes one worker sends under the ring model."""
+    return float(sum(c.sent_bytes for c in self.collectives))
+
+  @property
+  def ratio(self) -> float:
+    """Dense bytes sent over these bytes sent (≥ 1 is a saving)."""
+    return self.dense_sent / self.sent_bytes if self.sent_bytes else math.inf
+
+
+def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
+              inner_strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE) -> CommPlan:
+  """The collectives a reducing transform runs per step, predicted before anything compiles.
+
+  Each reduction predicts its own collectives (kind, axis, bytes in, bytes
+  sent under the ring model), so a run's traffic can be read before it is
+  compiled and compared with :func:`hlo_collectives` after.
+
+  Args:
+    tx: a reducing transform made by commopt (``compressed_mean``, ``dgc``,
+      ``majority_vote``, the robust rules), or a compressor, which stands for
+      ``compressed_mean(tx, axis_name, strategy=..., inner_strategy=...,
+      min_size=...)``.
+    params: a pytree of arrays or ``jax.ShapeDtypeStruct``\\ s.
+    workers: workers on the axis (an int), or one count per axis for a tuple
+      of axes (``(slow, fast)`` for ``strategy="hierarchical"``).
+    axis_name: with a compressor, the axis name(s) it would reduce over; a
+      transform knows its own.
+    strategy, inner_strategy, min_size: with a compressor, as given to
+      ``compressed_mean``.
+
+  Returns:
+    A :class:`CommPlan`.
+
+  Example:
+    >>> import jax.numpy as jnp, commopt
+    >>> params = {"w": jnp.zeros((256, 256))}
+    >>> gather = commopt.wire.comm_plan(commopt.scaled_sign(), params, 64)
+    >>> two_phase = commopt.wire.comm_plan(
+    ...     commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="two_phase"),
+    ...     params, 64)
+    >>> [c.kind for c in two_phase.collectives]
+    ['all-to-all', 'all-gather']
+    >>> round(gather.ratio, 1), round(two_phase.ratio, 1)
+    (1.0, 31.0)
+  """
+  if isinstance(tx, base.Compressor):
+    reduction = _strategies.resolve(strategy, tx, "comm_plan", inner_strategy)
+    entries = _strategies.plan_reduction(tx, reduction, params, axis_sizes(axis_name, workers),
+                                         axis_name, min_size)
+  else:
+    planner = planner_of(tx)
+    if planner is None:
+      raise ValueError(
+          "comm_plan: `tx` must be a commopt Compressor or a reducing transform made by "
+          f"commopt (compressed_mean, dgc, majority_vote, a robust rule), got {tx!r}; a "
+          "chain's plan is the plan of the reducing transform inside it.")
+    entries = planner(params, workers)
+  total = math.prod(workers) if isinstance(workers, tuple) else workers
+  dense = sum(base.leaf_size(l.shape) * np.dtype(l.dtype).itemsize
+              for l in jax.tree.leaves(params))
+  return CommPlan(collectives=entries, dense_sent=ring_sent_bytes("all-reduce", dense, total))
 
 
 class Collective(NamedTuple):
@@ -203,12 +289,7 @@ def parse_hlo(text: str, num_devices: Optional[int] = None) -> list[Collective]:
     contributed = {"all-reduce": nbytes, "all-gather": nbytes // max(n, 1), "all-to-all": nbytes,
                    "reduce-scatter": nbytes * n, "collective-permute": nbytes,
                    "collective-broadcast": nbytes}[kind]
-    sent = {"all-reduce": 2 * (n - 1) * nbytes / n if n else 0,
-            "all-gather": (n - 1) * contributed,
-            "all-to-all": (n - 1) * nbytes / n if n else 0,
-            "reduce-scatter": (n - 1) * nbytes,
-            "collective-permute": nbytes,
-            "collective-broadcast": (n - 1) * nbytes / n if n else 0}[kind]
+    sent = ring_sent_bytes(kind, contributed, n)
     out.append(Collective(kind=kind, dtypes=dtypes, shapes=shapes, group_size=n,
                           replica_groups=groups, contributed_bytes=int(contributed),
                           sent_bytes=int(round(sent)), line=line.strip()))

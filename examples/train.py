@@ -116,12 +116,6 @@ def main(argv=None):
   print(f"{len(x_train)} training images, {len(x_test)} test; {args.workers} workers, "
         f"global batch {batch}, {steps_per_epoch} steps/epoch, {args.epochs} epochs")
 
-  def ring_sent(compressor, params, min_size):
-    """Ring-model bytes one worker sends per step: gathered payloads, all-reduced dense leaves."""
-    r = wire.payload_bytes(compressor, params, min_size=min_size)
-    packed = sum(b for b, c in zip(jax.tree.leaves(r.per_leaf), jax.tree.leaves(r.compressed)) if c)
-    return (args.workers - 1) * packed + 2 * (args.workers - 1) / args.workers * (r.total - packed)
-
   def optimizer(name):
     """(label, optax transform, compressor whose payload crosses the wire, min_size, schedule)."""
     if name == "signum":
@@ -186,7 +180,8 @@ def main(argv=None):
     if schedule:
       # The compiled step holds every warm-up stage's collectives (one switch
       # branch each) but runs one per step: count the stage that runs.
-      stage_sent = {d: ring_sent(commopt.top_k(d), params, min_size) for d in schedule[0]}
+      stage_sent = {d: wire.comm_plan(commopt.top_k(d), params, args.workers,
+                                      min_size=min_size).sent_bytes for d in schedule[0]}
       sent_at = lambda step: stage_sent[commopt.transforms.warmup_density(step, *schedule)]
       print("   dgc: the audit above sums all warm-up stages; per step, the stage that runs sends "
             + ", ".join(f"{d:g}: {b / 1e3:,.1f} kB" for d, b in stage_sent.items()))

@@ -289,7 +289,7 @@ def test_multi_steps_communicates_every_kth_call():
 
 def test_multi_steps_equals_one_step_on_the_big_batch():
   mesh = jax.make_mesh((N,), ("data",))
-  inner = optax.chain(commopt.compressed_mean(commopt.identity(), "data", min_size=0),
+  inner = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), "data", min_size=0),
                       optax.sgd(0.1))
   dp_acc = commopt.data_parallel(_regression_loss, multi_steps(inner, 4), mesh)
   dp_big = commopt.data_parallel(_regression_loss, inner, mesh)

@@ -1,5 +1,7 @@
 """The 8-device data-parallel step of an MLP, audited from its compiled HLO."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,36 +33,29 @@ def make_batch(seed=0, size=64):
   return {"x": x, "y": (x[:, :10].argmax(1)).astype(np.int32)}
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return jax.make_mesh((N,), ("data",))
-
-
-@pytest.fixture(scope="module")
-def audits(mesh):
-  """Per compressor: the step's collectives and the analytic payload."""
-  out = {}
+@functools.cache
+def audit(name):
+  """The step's collectives and the analytic payload of one compressor, compiled once
+  per process and only for the compressors the tests that run here ask for."""
   params = mlp_params()
-  for name in sorted(REGISTRY):
-    tx = optax.chain(commopt.compressed_mean(make(name), "data"), optax.sgd(0.1))
-    # The compressor's collectives alone (the non-finite skip adds one int32 flag).
-    dp = commopt.data_parallel(loss_fn, tx, mesh, skip_nonfinite=False)
-    state = dp.init(params)
-    out[name] = (wire.hlo_collectives(dp, params, state, make_batch()),
-                 wire.payload_bytes(make(name), params))
-  return out
+  tx = optax.chain(commopt.compressed_mean(make(name), "data"), optax.sgd(0.1))
+  # The compressor's collectives alone (the non-finite skip adds one int32 flag).
+  dp = commopt.data_parallel(loss_fn, tx, jax.make_mesh((N,), ("data",)), skip_nonfinite=False)
+  state = dp.init(params)
+  return (wire.hlo_collectives(dp, params, state, make_batch()),
+          wire.payload_bytes(make(name), params))
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
-def test_audited_bytes_equal_payload_bytes(audits, name):
-  collectives, report = audits[name]
+def test_audited_bytes_equal_payload_bytes(name):
+  collectives, report = audit(name)
   assert wire.total_bytes(collectives) == report.total
   assert all(c.group_size == N for c in collectives)
 
 
 @pytest.mark.parametrize("name", ["scaled_sign", "top_k", "power_sgd"])
-def test_no_dense_gradient_all_reduce(audits, name):
-  collectives, _ = audits[name]
+def test_no_dense_gradient_all_reduce(name):
+  collectives, _ = audit(name)
   weight_sizes = {1024 * 512, 512 * 10}
   for c in collectives:
     if c.kind != "all-reduce":
@@ -81,17 +76,17 @@ def test_nonfinite_skip_adds_one_int32_flag(mesh):
   assert flags and all(c.group_size == N for c in flags)
 
 
-def test_identity_is_the_dense_baseline(audits):
-  collectives, report = audits["identity"]
+def test_identity_is_the_dense_baseline():
+  collectives, report = audit("identity")
   assert report.ratio == 1.0
   assert any(c.kind == "all-reduce" and (1024, 512) in c.shapes for c in collectives)
 
 
-def test_compression_ratios(audits):
-  assert audits["scaled_sign"][1].ratio >= 30
-  assert audits["top_k"][1].ratio >= 45
+def test_compression_ratios():
+  assert audit("scaled_sign")[1].ratio >= 30
+  assert audit("top_k")[1].ratio >= 45
   # PowerSGD on the 1024x512 weight alone: two all-reduces, [1024, 2] and [512, 2].
-  collectives, report = audits["power_sgd"]
+  collectives, report = audit("power_sgd")
   assert report.per_leaf["w1"] * 150 <= 1024 * 512 * 4
   shapes = [s for c in collectives for s in c.shapes]
   assert (1024, 2) in shapes and (512, 2) in shapes

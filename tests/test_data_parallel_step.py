@@ -36,11 +36,6 @@ def sign_sgd():
                      optax.sgd(0.05, momentum=0.9))
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return jax.make_mesh((N,), ("data",))
-
-
 def padded(spec, ndim):
   return tuple(spec) + (None,) * (ndim - len(spec))
 
@@ -209,7 +204,7 @@ def test_nnx_batch_norm_and_dropout(mesh):
 
 
 def test_nnx_nan_step_keeps_model_state(mesh):
-  model, trainer = nnx_trainer(mesh, 1, commopt.identity())
+  model, trainer = nnx_trainer(mesh, 1, commopt.compressors.identity())
   state = trainer.init(model)
   b = make_batches(1)[0]
   state, _ = trainer.step(state, b)
@@ -349,7 +344,7 @@ def test_state_for_another_number_of_workers_is_refused(mesh):
 
 
 def test_nnx_merge_and_update_model_survive_the_next_step(mesh):
-  model, trainer = nnx_trainer(mesh, 2, commopt.identity())
+  model, trainer = nnx_trainer(mesh, 2, commopt.compressors.identity())
   state = trainer.init(model)
   b = make_batches(1)[0]
   state, _ = trainer.step(state, b)

@@ -242,3 +242,87 @@ def test_select_top_k_nan_is_the_largest_magnitude():
     values, indices = jax.jit(lambda v: kernels.select_top_k(v, 2, **options))(x)
     assert indices.tolist() == [1, 2] and np.isnan(values[0]) and values[1] == -np.inf
 
+
+
+# --- one summation order, one index order -----------------------------------------
+
+
+def test_pairwise_sum_is_the_aligned_binary_tree():
+  """Neighbours are added level by level; the last axis is zero-padded to a power of two."""
+  v = np.random.default_rng(0).standard_normal((3, 13)).astype(np.float32) * 1e4
+  tree = np.pad(v, ((0, 0), (0, 3)))
+  while tree.shape[1] > 1:
+    tree = tree[:, 0::2] + tree[:, 1::2]
+  np.testing.assert_array_equal(kernels.pairwise_sum(jnp.asarray(v)), tree[:, 0])
+  np.testing.assert_array_equal(jax.jit(kernels.pairwise_sum)(jnp.asarray(v)), tree[:, 0])
+  assert kernels.pairwise_sum(jnp.zeros((2, 0))).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("n, block_size", [(100, None), (257, 48), (257, 7), (5000, 300),
+                                           (20000, None), (20000, 1024)])
+def test_sign_pack_scales_are_bit_identical_whatever_the_implementation_and_block(n, block_size):
+  """Every block's magnitudes are added in one order, that of pairwise_sum over the block."""
+  x = mixed(n, n, specials=False) * 100.0
+  want_scales, want_words = jax.jit(
+      lambda v: kernels.sign_pack(v, block_size, implementation="xla"))(x)
+  blocks = np.pad(np.abs(np.asarray(x)), (0, -n % (block_size or n)))
+  sums = kernels.pairwise_sum(jnp.asarray(blocks.reshape(-1, block_size or n)))
+  np.testing.assert_array_equal(
+      want_scales, jax.jit(lambda s: s / commopt._src.base.block_counts(n, block_size))(sums))
+  for block in (32, 256, 8192):
+    scales, words = jax.jit(lambda v: kernels.sign_pack(v, block_size, block=block, **PALLAS))(x)
+    np.testing.assert_array_equal(scales, want_scales)
+    np.testing.assert_array_equal(words, want_words)
+    xla = jax.jit(lambda v: kernels.sign_pack(v, block_size, block=block, implementation="xla"))
+    np.testing.assert_array_equal(xla(x)[0], want_scales)
+
+
+def test_select_top_k_approx_is_exact_off_tpu_and_checks_its_arguments():
+  x = mixed(300, 9)
+  for options in (PALLAS, {"implementation": "xla"}):
+    _, indices = kernels.select_top_k(x, 20, approx=True, recall_target=0.5, **options)
+    np.testing.assert_array_equal(indices, brute_top_k(x, 20))
+  with pytest.raises(ValueError, match=r"`recall_target` must be a number in \(0, 1\], got 0"):
+    kernels.select_top_k(x, 2, recall_target=0)
+  with pytest.raises(ValueError, match=r"`approx` must be True or False, got 'yes'"):
+    kernels.select_top_k(x, 2, approx="yes")
+
+
+# --- the implementation scope ------------------------------------------------------
+
+
+def test_a_scope_picks_the_implementation_of_every_op_called_without_one():
+  x = mixed(100, 1, specials=False)
+  codes = jnp.arange(100, dtype=jnp.uint32) % 4
+  ops = [lambda: kernels.pack_bits(codes, 2), lambda: kernels.unpack_bits(codes, 2, 100),
+         lambda: kernels.sign_pack(x), lambda: kernels.select_top_k(x, 5),
+         lambda: kernels.quantize_pack(x, codes, 1, jnp.ones(1))]
+
+  def pallas(op):
+    # A new function each time: the scope is read when the op is traced, and
+    # make_jaxpr (as jit) reuses the trace of a function it has seen.
+    return "pallas_call" in str(jax.make_jaxpr(lambda: op())())
+
+  for op in ops:
+    assert not pallas(op)
+    with kernels.implementation("pallas", interpret=True):
+      assert pallas(op)
+      with kernels.implementation("xla"):
+        assert not pallas(op)
+      assert pallas(op)
+    with kernels.implementation("auto", interpret=True):
+      assert pallas(op)
+    assert not pallas(op)
+
+
+def test_explicit_arguments_win_over_the_scope():
+  codes = jnp.arange(64, dtype=jnp.uint32) % 16
+  with kernels.implementation("pallas", interpret=True):
+    jaxpr = str(jax.make_jaxpr(lambda: kernels.pack_bits(codes, 4, implementation="xla"))())
+    assert "pallas_call" not in jaxpr
+    # interpret=False with a scope's "pallas" off a GPU: the kernel cannot run.
+    with pytest.raises(ValueError, match=r"needs a GPU backend"):
+      kernels.pack_bits(codes, 4, interpret=False)
+  with kernels.implementation("xla"):
+    jaxpr = str(jax.make_jaxpr(lambda: kernels.pack_bits(codes, 4, **PALLAS))())
+    assert "pallas_call" in jaxpr

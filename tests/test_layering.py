@@ -90,3 +90,13 @@ def test_the_collectives_check_would_catch_a_direct_call():
   assert list(collective_calls("from jax import lax\ny = lax.all_to_all(x, 'd', 0, 0)")) == [2]
   assert list(collective_calls("from jax.lax import all_gather")) == [1]
   assert not list(collective_calls("y = jax.lax.pcast(x, 'data', to='varying')  # not psum"))
+
+
+def test_no_top_level_name_shadows_optax_with_another_meaning():
+  import optax
+  # Same meaning, made to agree across workers (an axis_name argument), and the
+  # subpackage of that name.
+  same_meaning = {"apply_if_finite", "ApplyIfFiniteState", "MultiStepsState", "transforms"}
+  clash = {n for n in commopt.__all__ if hasattr(optax, n)
+           and getattr(optax, n) is not getattr(commopt, n)}
+  assert clash == same_meaning, clash ^ same_meaning

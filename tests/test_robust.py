@@ -1,7 +1,6 @@
 """Byzantine-robust aggregators and attack models."""
 
-import importlib.util
-import pathlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,18 +12,14 @@ from hypothesis import strategies as st
 
 import commopt
 from commopt.aggregators import _robust as robust
-from commopt.aggregators import attacks
+from commopt.aggregators import _sorting as sorting
+from commopt.aggregators import _study as study
+from commopt.aggregators import _tolerance as tolerance
+from commopt.aggregators import attacks, robust_aggregate, rules
 from commopt.testing import shard_map_workers, vmap_workers
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 8
-
-
-def _bench():
-  spec = importlib.util.spec_from_file_location("bench_robust", ROOT / "benchmarks" / "bench_robust.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+AXES = ("node", "local")
 
 
 # ---------------------------------------------------------------------------
@@ -100,18 +95,18 @@ def test_sort_workers_equals_numpy_sort(n, d, seed, ties):
     x = np.round(x)
     x[rng.random(size=x.shape) < 0.1] = np.inf
     x[rng.random(size=x.shape) < 0.1] = -np.inf
-  np.testing.assert_array_equal(np.asarray(robust.sort_workers(jnp.asarray(x))), np.sort(x, 0))
+  np.testing.assert_array_equal(np.asarray(sorting.sort_workers(jnp.asarray(x))), np.sort(x, 0))
   if np.isfinite(x).all():
-    np.testing.assert_allclose(np.asarray(robust.median_workers(jnp.asarray(x))),
+    np.testing.assert_allclose(np.asarray(sorting.median_workers(jnp.asarray(x))),
                                np.median(x, 0), rtol=1e-6, atol=1e-6)
 
 
 def test_sorting_network_sizes():
   # Batcher's odd-even merge sort: 19 comparators for 8 inputs, 63 for 16.
-  assert len(robust.sorting_network(8)) == 19
-  assert len(robust.sorting_network(16)) == 63
-  assert all(i < j < 5 for i, j in robust.sorting_network(5))
-  assert robust.sorting_network(1) == ()
+  assert len(sorting.sorting_network(8)) == 19
+  assert len(sorting.sorting_network(16)) == 63
+  assert all(i < j < 5 for i, j in sorting.sorting_network(5))
+  assert sorting.sorting_network(1) == ()
 
 
 @pytest.mark.parametrize("name", sorted(RULES))
@@ -163,6 +158,177 @@ def test_rules_under_shard_map_match_vmap():
       np.testing.assert_allclose(np.asarray(state_s.center["w"])[3], out_v["w"][0], rtol=1e-6)
 
 
+# ---------------------------------------------------------------------------
+# robust_aggregate: the pure rules under one transform.
+
+BY_AXIS = {
+    "krum": lambda axis, **k: robust.krum(axis, 2, **k),
+    "multi_krum": lambda axis, **k: robust.multi_krum(axis, 2, 3, **k),
+    "coordinate_median": lambda axis, **k: robust.coordinate_median(axis, **k),
+    "trimmed_mean": lambda axis, **k: robust.trimmed_mean(axis, 0.25, **k),
+    "geometric_median": lambda axis, **k: robust.geometric_median(axis, 6, **k),
+    "centered_clip": lambda axis, **k: robust.centered_clip(axis, 1.5, 3, **k),
+}
+"""Each named rule as in RULES, over any axis (or tuple of axes)."""
+
+PURE = {
+    "krum": (functools.partial(rules.krum, f=2), False),
+    "multi_krum": (functools.partial(rules.multi_krum, f=2, m=3), False),
+    "coordinate_median": (rules.coordinate_median, True),
+    "trimmed_mean": (functools.partial(rules.trimmed_mean, beta=0.25), True),
+    "geometric_median": (functools.partial(rules.geometric_median, iters=6), False),
+    "centered_clip": (functools.partial(rules.centered_clip, tau=1.5, iters=3), False),
+}
+"""Each named rule as a pure rule and whether it is coordinate-wise."""
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_pure_rules_match_numpy_reference(name):
+  _, ref = RULES[name]
+  rule, _ = PURE[name]
+  x = flat(tree_updates(2))
+  args = (jnp.zeros(x.shape[1]),) if name == "centered_clip" else ()
+  np.testing.assert_allclose(np.asarray(rule(jnp.asarray(x), *args)), ref(x), rtol=2e-5,
+                             atol=2e-5)
+
+
+@pytest.mark.parametrize("name, coordinatewise", [(name, False) for name in sorted(RULES)] + [
+    (name, True) for name in sorted(RULES) if PURE[name][1]])
+def test_robust_aggregate_equals_the_named_rule(name, coordinatewise):
+  """Coordinate-wise rules give the same on the whole matrix as leaf by leaf."""
+  rule, _ = PURE[name]
+  u = tree_updates(7)
+  params = jax.tree.map(lambda x: x if x is None else x[0], u)
+  named = vmap_workers(BY_AXIS[name]("workers"), N)
+  tx = robust_aggregate(rule, axis_name="workers", coordinatewise=coordinatewise,
+                        with_previous=name == "centered_clip")
+  general = vmap_workers(tx, N)
+  s_named, s_general = named.init(params), general.init(params)
+  assert type(s_named) is type(s_general)
+  for _ in range(2):     # centered_clip starts the second step from the first's output
+    out_n, s_named = named.update(u, s_named)
+    out_g, s_general = general.update(u, s_general)
+    for k in ("w", "b"):
+      np.testing.assert_allclose(out_g[k], out_n[k], rtol=1e-6, atol=1e-6, err_msg=name)
+    assert out_g["none"] is None
+
+
+def test_robust_aggregate_takes_any_rule_and_checks_it():
+  g = jnp.asarray(np.random.default_rng(1).normal(size=(N, 3, 2)), jnp.float32)
+  tx = robust_aggregate(lambda x: jnp.max(x, axis=0), axis_name="workers")
+  out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")(g)
+  np.testing.assert_array_equal(out[5], np.max(np.asarray(g), 0))
+  with pytest.raises(TypeError, match="positional argument"):
+    robust_aggregate(rules.coordinate_median, "workers")     # axis_name is keyword-only
+  with pytest.raises(TypeError, match="`rule` must be a callable"):
+    robust_aggregate("median", axis_name="workers")
+  with pytest.raises(TypeError, match="`coordinatewise` must be True or False"):
+    robust_aggregate(rules.coordinate_median, axis_name="workers", coordinatewise=1)
+  bad = robust_aggregate(lambda x: x, axis_name="workers")
+  with pytest.raises(ValueError, match=r"must return the \[d\] = \(6,\) aggregate"):
+    jax.vmap(lambda u: bad.update(u, bad.init(u))[0], axis_name="workers")(g)
+  with pytest.raises(ValueError, match="`x` must be the \\[n, d\\] matrix"):
+    rules.krum(jnp.ones(3), 0)
+
+
+def test_tolerance_is_checked_without_array_leaves():
+  tx = robust.krum("w", 2)
+  with pytest.raises(ValueError, match="n > 2f"):
+    jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="w", axis_size=6)(
+        {"none": None})
+
+
+# ---------------------------------------------------------------------------
+# Two mesh axes: all the workers of ("node", "local") are the workers of the rule.
+
+
+def _meshes():
+  return jax.make_mesh((N,), ("workers",)), jax.make_mesh((2, 4), AXES)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_rules_on_a_2d_mesh_equal_the_1d_mesh(name):
+  mesh1, mesh2 = _meshes()
+  u = tree_updates(11)
+  u = {"w": u["w"], "b": u["b"]}
+  params = jax.tree.map(lambda x: x[0], u)
+  one = shard_map_workers(BY_AXIS[name]("workers"), mesh1, "workers")
+  two = shard_map_workers(BY_AXIS[name](AXES), mesh2, AXES)
+  s1, s2 = one.init(params), two.init(params)
+  for _ in range(2):
+    out1, s1 = one.update(u, s1)
+    out2, s2 = two.update(u, s2)
+    for k in u:
+      got = np.asarray(out2[k])
+      np.testing.assert_array_equal(got, np.asarray(out1[k]), err_msg=name)
+      np.testing.assert_array_equal(got[0], got[7], err_msg=name)   # the same on every worker
+  jax.tree.map(np.testing.assert_array_equal, s2, s1)
+
+
+def test_compressed_rules_with_error_feedback_on_a_2d_mesh_equal_the_1d_mesh():
+  """Per-worker keys and error memories follow the worker's index over both axes."""
+  mesh1, mesh2 = _meshes()
+  u = {"w": jnp.asarray(np.random.default_rng(12).normal(size=(N, 96)), jnp.float32),
+       "tiny": jnp.ones((N, 2))}
+  params = jax.tree.map(lambda x: x[0], u)
+  for make, c in ((BY_AXIS["coordinate_median"], commopt.qsgd()),
+                  (BY_AXIS["multi_krum"], commopt.scaled_sign())):
+    kw = dict(compressor=c, error_feedback=True, min_size=8)
+    one = shard_map_workers(make("workers", **kw), mesh1, "workers")
+    two = shard_map_workers(make(AXES, **kw), mesh2, AXES)
+    s1, s2 = one.init(params), two.init(params)
+    for _ in range(3):
+      out1, s1 = one.update(u, s1)
+      out2, s2 = two.update(u, s2)
+      jax.tree.map(np.testing.assert_array_equal, out2, out1)
+    jax.tree.map(np.testing.assert_array_equal, s2, s1)
+    assert np.abs(np.asarray(s2.residual["w"])).max() > 0
+
+
+def test_majority_vote_on_a_2d_mesh_equals_the_1d_mesh():
+  mesh1, mesh2 = _meshes()
+  g = {"w": jnp.asarray(np.random.default_rng(13).normal(size=(N, 70)), jnp.float32)}
+  g["w"] = g["w"].at[:, :5].set(jnp.tile(jnp.array([1.0, -1.0]), (N // 2,))[:, None])  # ties
+  one = shard_map_workers(commopt.majority_vote("workers"), mesh1, "workers")
+  two = shard_map_workers(commopt.majority_vote(AXES), mesh2, AXES)
+  out1, _ = one.update(g, one.init({"w": g["w"][0]}))
+  out2, _ = two.update(g, two.init({"w": g["w"][0]}))
+  np.testing.assert_array_equal(np.asarray(out2["w"]), np.asarray(out1["w"]))
+  assert np.all(np.asarray(out2["w"])[:, :5] == 0)     # 4 against 4: no move
+  want = np.sign(np.sum(np.where(np.asarray(g["w"]) >= 0, 1, -1), 0))   # sign(0) = 0
+  np.testing.assert_array_equal(np.asarray(out2["w"])[3], want)
+
+
+def test_attack_and_rule_on_a_2d_mesh_equal_the_1d_mesh():
+  mesh1, mesh2 = _meshes()
+  g = {"x": jnp.asarray(np.random.default_rng(14).normal(size=(N, 9)), jnp.float32)}
+  chain = lambda axis: optax.chain(attacks.attack("alie", axis, (1, 6)),
+                                   robust.multi_krum(axis, 2))
+  one = shard_map_workers(chain("workers"), mesh1, "workers")
+  two = shard_map_workers(chain(AXES), mesh2, AXES)
+  out1, _ = one.update(g, one.init({"x": g["x"][0]}))
+  out2, _ = two.update(g, two.init({"x": g["x"][0]}))
+  np.testing.assert_allclose(np.asarray(out2["x"]), np.asarray(out1["x"]), rtol=1e-6, atol=1e-6)
+
+
+def test_robust_rule_in_data_parallel_over_two_axes_keeps_params_replicated():
+  _, mesh2 = _meshes()
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+  rng = np.random.default_rng(15)
+  x = rng.normal(size=(64, 4)).astype(np.float32)
+  batch = {"x": x, "y": x @ np.ones((4, 1), np.float32)}
+  tx = optax.chain(attacks.attack("scaled", AXES, (0,)),
+                   robust.coordinate_median(AXES, f=1, compressor=commopt.int_quant(),
+                                            error_feedback=True, min_size=0), optax.sgd(0.1))
+  dp = commopt.data_parallel(loss, tx, mesh2, AXES)
+  params = {"w": jnp.zeros((4, 1))}
+  state = dp.init(params)
+  for _ in range(20):
+    params, state, losses = dp.step(params, state, batch)
+  assert float(losses.mean()) < 0.5
+  assert params["w"].sharding.is_fully_replicated
+
+
 def test_centered_clip_starts_from_previous_aggregate():
   tx = robust.centered_clip("workers", 0.5, 2)
   u = tree_updates(2)
@@ -179,7 +345,7 @@ def test_centered_clip_starts_from_previous_aggregate():
 def test_compressed_wire_gathers_packed_payloads():
   c = commopt.int_quant(bits=8, block_size=None, rounding="nearest")
   u = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(N, 256)), jnp.float32)}
-  tx = robust.coordinate_median("workers", compressor=c)
+  tx = robust.coordinate_median("workers", compressor=c, min_size=0)
   w = vmap_workers(tx, N)
   out, _ = w.update(u, w.init({"w": u["w"][0]}))
   decoded = jax.vmap(lambda x: c.decode(c.encode(x, None, None)[0], None, x))(u["w"])
@@ -204,7 +370,7 @@ def test_error_feedback_conserves_each_workers_updates(name):
           "trimmed_mean": lambda **k: robust.trimmed_mean("workers", 0.25, **k),
           "geometric_median": lambda **k: robust.geometric_median("workers", 4, **k),
           "centered_clip": lambda **k: robust.centered_clip("workers", 1e6, 1, **k)}[name]
-  tx = make(compressor=commopt.scaled_sign(), error_feedback=True)
+  tx = make(compressor=commopt.scaled_sign(), error_feedback=True, min_size=0)
   rng = np.random.default_rng(4)
   w = vmap_workers(tx, N)
   params = {"w": jnp.zeros((64,)), "tiny": jnp.zeros((2,))}
@@ -234,7 +400,7 @@ def test_error_feedback_trains_with_a_biased_compressor_under_data_parallel():
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
   final = {}
   for ef in (True, False):
-    tx = optax.chain(robust.coordinate_median("data", compressor=commopt.top_k(k=1),
+    tx = optax.chain(robust.coordinate_median("data", compressor=commopt.top_k(k=1), min_size=0,
                                               error_feedback=ef), optax.sgd(0.05))
     dp = commopt.data_parallel(loss, tx, mesh)
     params = {"w": jnp.zeros((4, 1))}
@@ -252,7 +418,8 @@ def test_error_feedback_arguments():
     robust.krum("w", 1, error_feedback=True)
   with pytest.raises(ValueError, match="error_feedback` must be True or False"):
     robust.coordinate_median("w", compressor=commopt.scaled_sign(), error_feedback=1)
-  tx = robust.trimmed_mean("workers", 0.25, compressor=commopt.scaled_sign(), error_feedback=True)
+  tx = robust.trimmed_mean("workers", 0.25, compressor=commopt.scaled_sign(), error_feedback=True,
+                           min_size=0)
   w = vmap_workers(tx, N)
   state = w.init({"w": jnp.zeros((64,))})
   with pytest.raises(ValueError, match="error memory does not match"):
@@ -321,7 +488,12 @@ def test_local_krum_is_too_few_workers():
     (lambda: robust.multi_krum("w", 1, m=0), "`m` must be an integer >= 1"),
     (lambda: robust.centered_clip("w", 0.0), "`tau`"),
     (lambda: robust.geometric_median("w", iters=0), "`iters`"),
-    (lambda: robust.krum(("a", "b"), 1), "`axis_name`"),
+    (lambda: robust.krum(("a", "a"), 1), "`axis_name` must be None, a mesh axis name"),
+    (lambda: robust.krum(["a", "b"], 1), "`axis_name`"),
+    (lambda: robust.coordinate_median((), 1), "`axis_name`"),
+    (lambda: commopt.majority_vote(("a", 3)), "`axis_name`"),
+    (lambda: attacks.apply_attack(jnp.ones(2), "ipm", axis_name=("a", "a"), byzantine=(0,)),
+     "`axis_name`"),
     (lambda: robust.krum("w", 1, compressor="int8"), "`compressor`"),
     (lambda: robust.krum("w", 1, compressor=commopt.power_sgd(2)), "stateless per-leaf"),
     (lambda: attacks.attack("nope", "w", (0,)), "`kind` must be one of"),
@@ -403,22 +575,23 @@ def test_bit_flip_corrupts_only_byzantine_payload_words():
 # Robustness on least squares: 8 workers, f = 1 and 2 attackers, every attack.
 
 # Each robust rule's final loss stays within the stated factor of the honest mean
-# run: benchmarks/bench_robust.FACTORS["convex"] (1.5x).
+# run: commopt.aggregators._tolerance.FACTORS["convex"] (1.5x), on the problem of
+# commopt.aggregators._study (which benchmarks/bench_robust.py prints and plots).
 
 
 @pytest.fixture(scope="module")
 def convex_results():
-  return _bench().run_convex()
+  return study.run_convex()
 
 
+@pytest.mark.slow
 def test_robust_rules_keep_loss_near_honest_run(convex_results):
-  bench = _bench()
   honest = convex_results["mean"]["none/0"]
   assert 0.05 < honest < 0.2     # the noise floor of the problem
-  factors = bench.FACTORS["convex"]
-  assert set(factors) == set(bench.RULES) - {"mean"}
+  factors = tolerance.FACTORS["convex"]
+  assert set(factors) == set(study.RULES) - {"mean"}
   assert all(v <= 1.5 for v in factors.values())
-  assert not bench.check(convex_results, factors)
+  assert not tolerance.check_factors(convex_results, factors)
   # Every attack at f = 1 and 2 for every rule, and up to f < n/2 = 4 for the median family.
   every = attacks.KINDS + ("bit_flip",)
   for rule in factors:
@@ -426,18 +599,20 @@ def test_robust_rules_keep_loss_near_honest_run(convex_results):
     assert set(convex_results[rule]) == {"none/0"} | {f"{a}/{f}" for a in every for f in fs}
 
 
+@pytest.mark.slow
 def test_robustness_check_flags_a_rule_beyond_its_factor(convex_results):
-  bench = _bench()
   worse = {**convex_results, "krum": {**convex_results["krum"],
                                       "ipm/2": 1.6 * convex_results["mean"]["none/0"]}}
-  assert bench.check(worse, {"krum": 1.5}) == ["krum ipm/2: 1.60x > 1.5x"]
-  assert bench.check({**worse, "krum": {**worse["krum"], "ipm/2": float("nan")}},
-                     {"krum": 1.5}) == ["krum ipm/2: infx > 1.5x"]
-  assert not bench.check(worse, {"krum": {1: 1.5, 2: 1.7}})     # one factor per f
-  assert [bench.stated_factor({2: 4, 3: 6}, f) for f in (1, 2, 3)] == [4.0, 4.0, 6.0]
-  assert np.isnan(bench.stated_factor({2: 4}, 3))
+  check = tolerance.check_factors
+  assert check(worse, {"krum": 1.5}) == ["krum ipm/2: 1.60x > 1.5x"]
+  assert check({**worse, "krum": {**worse["krum"], "ipm/2": float("nan")}},
+               {"krum": 1.5}) == ["krum ipm/2: infx > 1.5x"]
+  assert not check(worse, {"krum": {1: 1.5, 2: 1.7}})     # one factor per f
+  assert [tolerance.stated_factor({2: 4, 3: 6}, f) for f in (1, 2, 3)] == [4.0, 4.0, 6.0]
+  assert np.isnan(tolerance.stated_factor({2: 4}, 3))
 
 
+@pytest.mark.slow
 def test_plain_mean_diverges_under_scaled_attack(convex_results):
   for f in (1, 2, 3):
     loss = convex_results["mean"][f"scaled/{f}"]
@@ -459,3 +634,16 @@ def test_robust_rule_in_data_parallel_keeps_params_replicated():
     params, state, losses = dp.step(params, state, batch)
   assert float(losses.mean()) < 0.5
   assert not any(jax.tree.leaves(dp.per_worker(params)))      # every state leaf is replicated
+
+
+def test_robust_rules_compress_the_same_leaves_as_compressed_mean():
+  """One rule for which leaves compress: below DEFAULT_MIN_SIZE a leaf goes dense (its
+  median is the exact one), at or above it the compressor's payloads are gathered."""
+  rng = np.random.default_rng(12)
+  u = {"small": jnp.asarray(rng.normal(size=(N, 16)), jnp.float32),
+       "big": jnp.asarray(rng.normal(size=(N, commopt.DEFAULT_MIN_SIZE)), jnp.float32)}
+  w = vmap_workers(robust.coordinate_median("workers", compressor=commopt.sign()), N)
+  out, _ = w.update(u, w.init(jax.tree.map(lambda x: x[0], u)))
+  np.testing.assert_allclose(out["small"][0], np.median(np.asarray(u["small"]), 0), rtol=1e-6)
+  signs = np.where(np.asarray(u["big"]) >= 0, 1.0, -1.0)
+  np.testing.assert_allclose(out["big"][0], np.median(signs, 0))

@@ -97,6 +97,31 @@ def test_top_k_variants_select_exactly_top_k(shape, k, seed, variant):
   assert float(jnp.sum((x - y) ** 2)) <= (1 - k / x.size) * float(jnp.sum(x**2)) * (1 + 1e-2)
 
 
+@pytest.mark.parametrize("options", [{}, {"approx": True}, {"value_dtype": "bfloat16"},
+                                     {"method": "sample"}], ids=str)
+def test_top_k_sends_its_indices_in_ascending_order(options):
+  """One canonical order, whichever kernel selected: ascending indices, empty slots last."""
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(64, 48)), jnp.float32)
+  c = top_k(0.02, **options)
+  payload, _ = c.encode(x, c.init(x), jax.random.PRNGKey(1))
+  idx = np.asarray(payload["indices"])
+  assert np.all(np.diff(idx) >= 0) and np.all(np.diff(idx[idx < x.size]) > 0)
+  if "method" not in options:
+    want = np.argsort(-np.abs(np.asarray(x)).reshape(-1), kind="stable")[:idx.size]
+    np.testing.assert_array_equal(idx, np.sort(want))
+    np.testing.assert_array_equal(
+        np.asarray(payload["values"], np.float32),
+        np.asarray(x.reshape(-1)[idx].astype(payload["values"].dtype), np.float32))
+
+
+def test_top_k_ranks_nan_above_inf_and_ties_to_the_lower_index():
+  x = jnp.array([1.0, jnp.nan, -jnp.inf, 3.0, -3.0, 0.0])
+  payload, _ = top_k(k=4).encode(x, None, None)
+  assert payload["indices"].tolist() == [1, 2, 3, 4]
+  payload, _ = top_k(k=3).encode(x, None, None)
+  assert payload["indices"].tolist() == [1, 2, 3]
+
+
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**31), ratio=st.floats(0.005, 1.0),
        options=st.sampled_from([{}, {"method": "sample"}, {"value_dtype": "bfloat16"}]))

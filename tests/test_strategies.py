@@ -14,16 +14,6 @@ N = 8
 AXES = ("node", "local")
 
 
-@pytest.fixture(scope="module")
-def mesh():
-  return jax.make_mesh((N,), ("data",))
-
-
-@pytest.fixture(scope="module")
-def mesh2d():
-  return jax.make_mesh((2, 4), AXES)
-
-
 def params_like():
   # 1001 and 13 are not multiples of 8: chunks are padded.
   return {"w": jnp.zeros((64, 48)), "v": jnp.zeros((1001,)), "s": jnp.zeros((13,)),
@@ -242,8 +232,8 @@ def hierarchical(c, inner="auto", **kw):
 @pytest.mark.parametrize("inner", ["gather", "two_phase"])
 def test_hierarchical_identity_equals_flat(mesh, mesh2d, inner):
   flat = commopt.testing.shard_map_workers(
-      commopt.compressed_mean(commopt.identity(), "data", min_size=0), mesh, "data")
-  hier = commopt.testing.shard_map_workers(hierarchical(commopt.identity(), inner), mesh2d, AXES)
+      commopt.compressed_mean(commopt.compressors.identity(), "data", min_size=0), mesh, "data")
+  hier = commopt.testing.shard_map_workers(hierarchical(commopt.compressors.identity(), inner), mesh2d, AXES)
   u = updates(30)
   o_f, _ = flat.update(u, flat.init(params_like()))
   o_h, _ = hier.update(u, hier.init(params_like()))
@@ -308,10 +298,10 @@ def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
   batch = {"x": x, "y": x @ jnp.asarray(rng.normal(size=(32, 4)), jnp.float32)}
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
   flat = commopt.data_parallel(
-      loss, optax.chain(commopt.compressed_mean(commopt.identity(), "data"), optax.sgd(0.05)),
+      loss, optax.chain(commopt.compressed_mean(commopt.compressors.identity(), "data"), optax.sgd(0.05)),
       mesh)
   hier = commopt.data_parallel(
-      loss, optax.chain(hierarchical(commopt.identity()), optax.sgd(0.05)), mesh2d, AXES)
+      loss, optax.chain(hierarchical(commopt.compressors.identity()), optax.sgd(0.05)), mesh2d, AXES)
   assert hier.num_workers == 8
   # Each trainer gets its own copy: the step donates what it is given.
   fresh = lambda: jax.tree.map(jnp.copy, params)
@@ -380,3 +370,53 @@ def test_every_strategy_runs_on_one_device_without_an_axis(strategy):
 def test_hierarchical_without_an_axis_is_refused_by_name():
   with pytest.raises(ValueError, match="on one device .* use any other strategy"):
     commopt.compressed_mean(commopt.scaled_sign(), None, strategy="hierarchical")
+
+
+def _bytes_by_kind(entries):
+  out = {}
+  for e in entries:
+    out[e.kind] = out.get(e.kind, 0) + e.contributed_bytes
+  return out
+
+
+@pytest.mark.parametrize("strategy,inner", [
+    ("gather", "auto"), ("two_phase", "auto"), ("psum", "auto"),
+    ("hierarchical", "gather"), ("hierarchical", "two_phase")])
+def test_comm_plan_predicts_the_compiled_collectives(mesh, mesh2d, strategy, inner):
+  """wire.comm_plan's collectives, kind by kind, carry the bytes the compiled program moves."""
+  c = commopt.cast(jnp.bfloat16) if strategy == "psum" else commopt.scaled_sign()
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((10,))}
+  flat = strategy != "hierarchical"
+  axes, m, workers = ("data", mesh, N) if flat else (AXES, mesh2d, (2, 4))
+  tx = commopt.compressed_mean(c, axes, strategy=strategy, inner_strategy=inner, min_size=100)
+  sm = commopt.testing.shard_map_workers(tx, m, axes)
+  u = {"w": updates(32)["w"], "b": jnp.ones((N, 10))}
+  audit = wire.hlo_collectives(sm.update, u, sm.init(params), stage="lowered")
+  plan = wire.comm_plan(c, params, workers, axis_name=axes, strategy=strategy,
+                        inner_strategy=inner, min_size=100)
+  assert _bytes_by_kind(plan.collectives) == _bytes_by_kind(audit)
+  assert plan.contributed_bytes == wire.total_bytes(audit)
+  assert plan.sent_bytes == pytest.approx(wire.total_bytes(audit, "sent_bytes"), abs=len(audit))
+
+
+@pytest.mark.parametrize("axes", ["data", AXES])
+def test_every_reducing_transform_reports_a_plan_that_the_compiled_step_follows(
+    mesh, mesh2d, axes):
+  """majority_vote, a robust rule (dense and compressed), dgc and compressed_mean: their
+  comm_plan carries the bytes, kind by kind, that their compiled collectives move."""
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((10,))}
+  m, workers = (mesh, N) if axes == "data" else (mesh2d, (2, 4))
+  u = {"w": updates(33)["w"], "b": jnp.ones((N, 10))}
+  txs = [commopt.majority_vote(axes),
+         commopt.coordinate_median(axes),
+         commopt.coordinate_median(axes, compressor=commopt.int_quant(), min_size=100)]
+  if axes == "data":
+    txs += [commopt.dgc(axes, densities=0.05, min_size=100),
+            commopt.compressed_mean(commopt.scaled_sign(), axes, min_size=100)]
+  for tx in txs:
+    sm = commopt.testing.shard_map_workers(tx, m, axes)
+    audit = wire.hlo_collectives(sm.update, u, sm.init(params), stage="lowered")
+    plan = wire.comm_plan(tx, params, workers)
+    assert _bytes_by_kind(plan.collectives) == _bytes_by_kind(audit), tx
+  with pytest.raises(ValueError, match="reducing transform made by commopt"):
+    wire.comm_plan(optax.sgd(0.1), params, N)

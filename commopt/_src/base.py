@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,8 @@ class Compressor:
       ``channel.mean(x)`` all-reduces, ``channel.exchange(payload, decode,
       linear)`` sends a payload, ``channel.size`` counts the workers; the
       compressor itself never communicates.
+    reduce_collective: the collective ``reduce`` runs (``"all-reduce"`` or
+      ``"all-gather"``), for communication plans (:func:`commopt.wire.comm_plan`).
   """
   name: str
   init: Callable[[Any], Any]
@@ -67,6 +69,7 @@ class Compressor:
   shared_randomness: bool = False
   accepts: Callable[[tuple[int, ...], Any], bool] = lambda shape, dtype: True
   reduce: Optional[Callable[..., Reduced]] = None
+  reduce_collective: str = "all-reduce"
 
   def __repr__(self) -> str:
     return f"Compressor({self.name})"
@@ -116,6 +119,41 @@ def block_counts(n: int, block_size: Optional[int]) -> np.ndarray:
   return counts
 
 
+def blocks(flat: jax.Array, block_size: Optional[int]) -> jax.Array:
+  """``flat`` (1-D) zero-padded to whole blocks, shaped ``[blocks, block length]``.
+
+  Args:
+    flat: a 1-D array of ``n`` coordinates.
+    block_size: coordinates per block; ``None`` gives one block.
+
+  Returns:
+    ``[⌈n/size⌉, size]`` with ``size = block_len(n, block_size)``.
+  """
+  n = flat.shape[0]
+  size = block_len(n, block_size)
+  nb = -(-n // size)
+  return jnp.pad(flat, (0, nb * size - n)).reshape(nb, size)
+
+
+def per_element(per_block: jax.Array, n: int, block_size: Optional[int]) -> jax.Array:
+  """Broadcasts one value per block back to the ``n`` coordinates.
+
+  A broadcast and a reshape, which XLA compiles in constant time whatever
+  ``n`` (``jnp.repeat`` with ``total_repeat_length`` builds an index cumsum
+  that XLA constant-folds, which took seconds for large leaves).
+
+  Args:
+    per_block: ``[⌈n/size⌉]`` values, one per block.
+    n: the number of coordinates.
+    block_size: coordinates per block; ``None`` gives one block.
+
+  Returns:
+    ``[n]``: coordinate ``i`` holds ``per_block[i // size]``.
+  """
+  size = block_len(n, block_size)
+  return jnp.broadcast_to(per_block[:, None], (per_block.shape[0], size)).reshape(-1)[:n]
+
+
 def check_int(name: str, value, *, fn: str, minimum: int) -> int:
   """``value`` as an int, or a ValueError unless it is an integer >= ``minimum``."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
@@ -155,11 +193,26 @@ def need_key(key, fn: str):
   return key
 
 
-def check_axis_name(axis_name, fn: str) -> None:
-  """A ValueError unless ``axis_name`` is None or a mesh axis name."""
-  if axis_name is not None and not isinstance(axis_name, str):
-    raise ValueError(
-        f"{fn}: `axis_name` must be None or a mesh axis name (str), got {axis_name!r}.")
+AxisName = Optional[Union[str, tuple[str, ...]]]
+"""``None`` (one local worker), a mesh axis name, or a tuple of distinct axis names."""
+
+
+def check_axis_name(axis_name, fn: str) -> AxisName:
+  """``axis_name``, or a ValueError unless it is None, a name or a tuple of distinct names.
+
+  Example:
+    >>> from commopt._src.base import check_axis_name
+    >>> check_axis_name(("node", "local"), "krum")
+    ('node', 'local')
+  """
+  if axis_name is None or isinstance(axis_name, str):
+    return axis_name
+  if (isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name)
+      and len(set(axis_name)) == len(axis_name)):
+    return axis_name
+  raise ValueError(
+      f"{fn}: `axis_name` must be None, a mesh axis name (str) or a non-empty tuple of "
+      f"distinct axis names such as ('node', 'local'), got {axis_name!r}.")
 
 
 def check_float_leaf(fn: str, path, leaf, *, verb: str, what: str = "an update") -> None:

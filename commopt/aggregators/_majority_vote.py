@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from commopt import kernels
-from commopt._src import base
+from commopt._src import base, tree
 from commopt._src import bits as bitops
+from commopt._src.base import AxisName, check_axis_name
 from commopt.comm import _collectives as coll
+from commopt.comm import _plan
 
 
 def _bitsliced_count(words: list[jax.Array]) -> list[jax.Array]:
@@ -56,7 +56,7 @@ def vote_words(gathered: jax.Array) -> tuple[jax.Array, jax.Array]:
   return greater, tie
 
 
-def majority_vote(axis_name: Optional[str] = None) -> optax.GradientTransformationExtraArgs:
+def majority_vote(axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
   """signSGD with majority vote: the sign of the sum of the workers' signs.
 
   Each worker packs the signs of its update into bits (``⌈d/32⌉`` uint32
@@ -79,8 +79,10 @@ def majority_vote(axis_name: Optional[str] = None) -> optax.GradientTransformati
   the axis) and only sign bits cross the wire.
 
   Args:
-    axis_name: the named axis to vote over, or ``None`` for one local worker
-      (the output is then the sign of the input).
+    axis_name: the named axis to vote over, a tuple of axes whose workers
+      all vote (``("node", "local")``: every device of a 2-D mesh), or
+      ``None`` for one local worker (the output is then the sign of the
+      input).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with no state
@@ -100,10 +102,10 @@ def majority_vote(axis_name: Optional[str] = None) -> optax.GradientTransformati
     Bernstein et al., signSGD with Majority Vote is Communication Efficient
     and Fault Tolerant, ICLR 2019.
   """
-  base.check_axis_name(axis_name, "majority_vote")
+  axis_name = check_axis_name(axis_name, "majority_vote")
 
   def vote(path, u):
-    if u is None or isinstance(u, optax.MaskedNode):
+    if tree.is_node(u):
       return u
     base.check_float_leaf("majority_vote", path, u, verb="voted")
     n = base.leaf_size(u.shape)
@@ -115,7 +117,13 @@ def majority_vote(axis_name: Optional[str] = None) -> optax.GradientTransformati
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    is_node = lambda x: x is None or isinstance(x, optax.MaskedNode)
-    return jax.tree_util.tree_map_with_path(vote, updates, is_leaf=is_node), state
+    return jax.tree_util.tree_map_with_path(vote, updates, is_leaf=tree.is_node), state
 
-  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+  def plan(params, workers):
+    sizes = _plan.axis_sizes(axis_name, workers)
+    return [entry for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+            for entry in _plan.gather_plan(jax.tree_util.keystr(path), axis_name, sizes,
+                                           4 * -(-base.leaf_size(leaf.shape) // 32), True)]
+
+  return _plan.with_planner(
+      optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn), plan)

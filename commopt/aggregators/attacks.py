@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from commopt._src import tree
+from commopt._src.base import AxisName, check_axis_name
 from commopt.comm import _collectives as coll
 
 KINDS = ("sign_flip", "gaussian", "scaled", "alie", "ipm")
@@ -46,10 +48,6 @@ class AttackState(NamedTuple):
   """
   count: jax.Array
   key: jax.Array
-
-
-def _is_node(x) -> bool:
-  return x is None or isinstance(x, optax.MaskedNode)
 
 
 def byzantine_mask(byzantine, n: int, fn: str = "attack") -> jax.Array:
@@ -106,7 +104,7 @@ def _honest_stats(u, honest, n_honest, axis_name, need_std: bool):
   return mean, jnp.sqrt(var)
 
 
-def apply_attack(updates: Any, kind: str, *, axis_name: Optional[str],
+def apply_attack(updates: Any, kind: str, *, axis_name: AxisName,
                  byzantine: Sequence[int] | jax.Array, key: Optional[jax.Array] = None,
                  scale: float = DEFAULTS["scale"], sigma: float = DEFAULTS["sigma"],
                  z: float = DEFAULTS["z"], epsilon: float = DEFAULTS["epsilon"]) -> Any:
@@ -129,7 +127,8 @@ def apply_attack(updates: Any, kind: str, *, axis_name: Optional[str],
     updates: this worker's update pytree (``None`` / ``optax.MaskedNode``
       leaves pass through).
     kind: one of :data:`KINDS`.
-    axis_name: the named axis of the workers (``None``: one worker, index 0).
+    axis_name: the named axis of the workers, or a tuple of axes (``None``: one
+      worker, index 0).
     byzantine: the attackers' indices, or a boolean mask of shape ``[n]``.
     key: a PRNG key, the same on every worker (``"gaussian"`` folds in the
       worker index and the leaf number).
@@ -160,9 +159,7 @@ def apply_attack(updates: Any, kind: str, *, axis_name: Optional[str],
     raise ValueError(f"{fn}: `kind` must be one of {KINDS}, got {kind!r}.")
   if kind == "gaussian" and key is None:
     raise ValueError(f"{fn}: kind='gaussian' needs a PRNG `key`, got None.")
-  if axis_name is not None and not isinstance(axis_name, str):
-    raise ValueError(
-        f"{fn}: `axis_name` must be None or a mesh axis name (str), got {axis_name!r}.")
+  axis_name = check_axis_name(axis_name, fn)
   n = coll.axis_size(axis_name)
   mask = byzantine_mask(byzantine, n, fn)
   index = coll.axis_index(axis_name)
@@ -183,18 +180,18 @@ def apply_attack(updates: Any, kind: str, *, axis_name: Optional[str],
       bad = mean - z * std if kind == "alie" else -epsilon * mean
     return jnp.where(is_byz, bad.astype(u.dtype), u)
 
-  leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=_is_node)
-  out = [u if _is_node(u) else corrupt(i, u) for i, u in enumerate(leaves)]
+  leaves, treedef = jax.tree_util.tree_flatten(updates, is_leaf=tree.is_node)
+  out = [u if tree.is_node(u) else corrupt(i, u) for i, u in enumerate(leaves)]
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def attack(kind: str, axis_name: Optional[str], byzantine: Sequence[int] | jax.Array, *,
+def attack(kind: str, axis_name: AxisName, byzantine: Sequence[int] | jax.Array, *,
            seed: int = 0, **params) -> optax.GradientTransformationExtraArgs:
   """:func:`apply_attack` as an Optax transform, to chain before an aggregator.
 
   Args:
     kind: one of :data:`KINDS`.
-    axis_name: the named axis of the workers.
+    axis_name: the named axis of the workers, or a tuple of axes.
     byzantine: the attackers' indices, or a boolean mask of shape ``[n]``.
     seed: seed of the base key (the step key is ``fold_in(key, count)``).
     **params: ``scale``, ``sigma``, ``z`` or ``epsilon`` (see :func:`apply_attack`).
@@ -205,7 +202,7 @@ def attack(kind: str, axis_name: Optional[str], byzantine: Sequence[int] | jax.A
   Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from commopt.aggregators.attacks import attack
-    >>> from commopt.aggregators._robust import coordinate_median
+    >>> from commopt.aggregators import coordinate_median
     >>> tx = optax.chain(attack("scaled", "w", (0,)), coordinate_median("w"))
     >>> g = jnp.array([[1.0], [2.0], [3.0]])
     >>> jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="w")(g)[0].tolist()
@@ -270,7 +267,7 @@ def bit_flip(byzantine: Sequence[int] | jax.Array, *, rate: float = 0.05,
   Example:
     >>> import jax, jax.numpy as jnp, commopt
     >>> from commopt.aggregators.attacks import bit_flip
-    >>> from commopt.aggregators._robust import coordinate_median
+    >>> from commopt.aggregators import coordinate_median
     >>> tx = coordinate_median("w", compressor=commopt.int_quant(block_size=None),
     ...                        payload_attack=bit_flip((2,), rate=0.5))
     >>> g = jnp.ones((3, 64))

@@ -108,15 +108,33 @@ def psum_scatter(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
   return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
 
 
-def all_gather(tree: Any, axis_name: Optional[str]) -> Any:
+def all_gather(tree: Any, axis_name) -> Any:
   """Stacks every worker's leaves on a new leading axis.
 
   Locally the leading axis has size 1. Under ``shard_map`` the result is typed
   invariant when the input varies over the axis, so a value computed from it
-  may be returned replicated.
+  may be returned replicated. Over a tuple of axes (every device of a 2-D
+  mesh) the leaves are gathered one axis at a time, the last first, and the
+  leading axes merged: worker ``i`` of the result is the one whose
+  ``jax.lax.axis_index(axis_name)`` is ``i``, and the result is invariant over
+  all of them (one gather over the tuple would leave it varying).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from commopt.comm import all_gather
+    >>> x = jnp.arange(6.0).reshape(2, 3)
+    >>> g = jax.vmap(jax.vmap(lambda v: all_gather(v, ("a", "b")), axis_name="b"),
+    ...              axis_name="a")(x)
+    >>> g[1, 2].tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
   """
   if axis_name is None:
     return jax.tree.map(lambda x: x[None], tree)
+  if isinstance(axis_name, (tuple, list)):
+    for name in reversed(axis_name):
+      tree = all_gather(tree, name)
+    k = len(axis_name)
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[k:]), tree)
 
   def gather(x):
     if axis_name in varying_axes(x):

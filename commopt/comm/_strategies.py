@@ -27,14 +27,16 @@ the two give the same results.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commopt._src import base
+from commopt._src import base, tree
 from commopt.comm import _collectives as coll
+from commopt.comm import _plan
+from commopt.comm._channel import Channel, exchange
 
 
 # ---------------------------------------------------------------------------
@@ -259,3 +261,243 @@ def hierarchical(p_reduce: Callable, u: jax.Array, residual: Optional[jax.Array]
   if whole:
     new_memory = store_part(new_memory, memory, n, ranks, rank)
   return full, new_residual, new_memory
+
+
+# ---------------------------------------------------------------------------
+# Error feedback: the one implementation every reduction uses.
+
+
+def compensate(u: jax.Array, residual: Optional[jax.Array]) -> jax.Array:
+  """``p = u + e``: the update with the error memory added (in the memory's dtype)."""
+  return u if residual is None else u.astype(residual.dtype) + residual
+
+
+def remember(p: jax.Array, local: jax.Array) -> jax.Array:
+  """``e' = p - decode(payload)``: what this worker's reconstruction missed."""
+  return p - local.astype(p.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Strategies as objects: what each keeps, how it reduces, what it sends.
+
+
+class LeafResult(NamedTuple):
+  """One compressed leaf after a strategy's reduction.
+
+  Attributes:
+    out: the mean over the workers, in the update's shape and dtype.
+    residual: the new worker-side error memory (None without error feedback).
+    memory: the new server memory (None where the strategy keeps none).
+    state: the new per-leaf compressor state.
+  """
+  out: jax.Array
+  residual: Optional[jax.Array]
+  memory: Optional[jax.Array]
+  state: Any
+
+
+def _payload_bytes(compressor: base.Compressor, shape, dtype) -> int:
+  return -(-compressor.payload_bits(tuple(shape), dtype) // 8)
+
+
+class Strategy:
+  """How a compressed leaf crosses the axis (see :data:`STRATEGIES`).
+
+  Each strategy states what it keeps (:meth:`memory_shapes`), reduces one
+  error-compensated leaf (:meth:`reduce`) and predicts its collectives
+  (:meth:`plan`).
+  """
+  name: str = ""
+  keeps_server_memory: bool = False
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}()"
+
+  def __eq__(self, other) -> bool:
+    return type(self) is type(other) and vars(self) == vars(other)
+
+  def __hash__(self) -> int:
+    return hash((type(self), tuple(sorted(vars(self).items()))))
+
+  def check(self, compressor: base.Compressor, fn: str) -> None:
+    """Refuses a compressor this strategy cannot carry."""
+
+  def memory_shapes(self, shape, axis_name, workers) -> tuple[tuple, tuple]:
+    """``(residual shape, server memory shape)`` of a leaf of ``shape``.
+
+    ``workers(axis)`` is the number of workers on ``axis``, or None where it
+    is unknown: then a per-worker memory is kept whole.
+    """
+    return tuple(shape), (base.leaf_size(shape),)
+
+  def exchange(self, compressor, x, memory, cstate, key, axis_name):
+    """``(mean, local, memory, state)`` of the error-compensated ``x``."""
+    raise NotImplementedError
+
+  def reduce(self, compressor: base.Compressor, u: jax.Array, residual, memory, cstate, key,
+             axis_name) -> LeafResult:
+    """The mean of every worker's compressed ``u``, with error feedback when ``residual`` is given."""
+    p = compensate(u, residual)
+    mean, local, memory, cstate = self.exchange(compressor, p.astype(u.dtype), memory, cstate,
+                                                key, axis_name)
+    return LeafResult(out=mean.astype(u.dtype),
+                      residual=None if residual is None else remember(p, local),
+                      memory=memory, state=cstate)
+
+  def plan(self, compressor, leaf: str, shape, dtype, axis_name, sizes) -> list[_plan.Planned]:
+    """The collectives one worker runs for a compressed leaf; ``sizes[axis]`` counts workers."""
+    raise NotImplementedError
+
+
+def _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear: bool):
+  if compressor.reduce is not None:
+    reduced = compressor.reduce(x, cstate, key, Channel(axis_name))
+    return reduced.mean, reduced.local, None, reduced.state
+  payload, cstate = compressor.encode(x, cstate, key)
+  mean, local = exchange(payload, lambda pl: compressor.decode(pl, cstate, x),
+                         "psum" if linear else "gather", axis_name)
+  return mean, local, None, cstate
+
+
+def _single_plan(kind, compressor, leaf, shape, dtype, axis_name, sizes):
+  return [_plan.planned(leaf, kind, axis_name, sizes[axis_name],
+                        _payload_bytes(compressor, shape, dtype), packed=True)]
+
+
+class Psum(Strategy):
+  """All-reduce of the payloads, decoded once: linear compressors (casts, shared-seed random-k)."""
+  name = "psum"
+
+  def check(self, compressor, fn):
+    if not compressor.linear:
+      raise ValueError(
+          f"{fn}: strategy='psum' needs a linear compressor, and {compressor.name} is not "
+          "(its payloads cannot be summed before decoding). Use strategy='gather' or 'auto'.")
+
+  def exchange(self, compressor, x, memory, cstate, key, axis_name):
+    return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=True)
+
+  def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
+    return _single_plan("all-reduce", compressor, leaf, shape, dtype, axis_name, sizes)
+
+
+class Gather(Strategy):
+  """All-gather of the payloads, each decoded: any compressor; traffic grows with the workers.
+
+  A compressor with its own protocol (``compressor.reduce``: PowerSGD's two
+  all-reduces, a staged top-k's gathers) runs that instead.
+  """
+  name = "gather"
+
+  def exchange(self, compressor, x, memory, cstate, key, axis_name):
+    return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=False)
+
+  def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
+    kind = compressor.reduce_collective if compressor.reduce is not None else "all-gather"
+    return _single_plan(kind, compressor, leaf, shape, dtype, axis_name, sizes)
+
+
+class TwoPhase(Strategy):
+  """All-to-all of compressed chunks, re-compression with a server memory, all-gather."""
+  name = "two_phase"
+  keeps_server_memory = True
+
+  def check(self, compressor, fn):
+    check_stateless(compressor, fn, self.name)
+
+  def memory_shapes(self, shape, axis_name, workers):
+    n, count = base.leaf_size(shape), workers(axis_name)
+    return tuple(shape), (n if count is None else chunk_size(n, count),)
+
+  def exchange(self, compressor, x, memory, cstate, key, axis_name, size=None):
+    mean, local, memory = two_phase(compressor, x.reshape(-1), memory, key, axis_name, size)
+    return mean.reshape(x.shape), local.reshape(x.shape), memory, cstate
+
+  def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
+    n, workers = base.leaf_size(shape), sizes[axis_name]
+    word_bytes = 4 * payload_words(compressor, chunk_size(n, workers), dtype)
+    return [_plan.planned(leaf, "all-to-all", axis_name, workers, workers * word_bytes, True),
+            _plan.planned(leaf, "all-gather", axis_name, workers, word_bytes, True)]
+
+
+class Hierarchical(Strategy):
+  """Dense reduce-scatter inside the fast axis, ``inner`` across the slow one, dense all-gather."""
+  name = "hierarchical"
+
+  def __init__(self, inner: Strategy):
+    if isinstance(inner, Hierarchical):
+      raise ValueError("Hierarchical: `inner` cannot itself be hierarchical.")
+    self.inner = inner
+
+  def __repr__(self) -> str:
+    return f"Hierarchical({self.inner!r})"
+
+  @property
+  def keeps_server_memory(self) -> bool:
+    return self.inner.keeps_server_memory
+
+  def check(self, compressor, fn):
+    check_stateless(compressor, fn, self.name)
+    self.inner.check(compressor, fn)
+
+  def memory_shapes(self, shape, axis_name, workers):
+    n = base.leaf_size(shape)
+    nodes, ranks = (workers(a) for a in axis_name)
+    if ranks is None:
+      return tuple(shape), (n,)
+    shard = chunk_size(n, ranks)
+    return (shard,), (n if nodes is None else chunk_size(shard, nodes),)
+
+  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
+    slow, fast = axis_name
+    inner = self.inner
+
+    def slow_reduce(p, memory, size):
+      if isinstance(inner, TwoPhase):
+        mean, local, memory, _ = inner.exchange(compressor, p, memory, None, key, slow, size)
+        return mean, local, memory
+      mean, local, _, _ = inner.exchange(compressor, p, None, compressor.init(p), key, slow)
+      return mean.astype(p.dtype), local, None
+
+    mean, new_residual, memory = hierarchical(
+        slow_reduce, u.reshape(-1), None if residual is None else residual.reshape(-1),
+        memory, slow, fast)
+    return LeafResult(out=mean.reshape(u.shape).astype(u.dtype),
+                      residual=None if residual is None else new_residual.reshape(residual.shape),
+                      memory=memory, state=cstate)
+
+  def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
+    slow, fast = axis_name
+    ranks = sizes[fast]
+    shard = chunk_size(base.leaf_size(shape), ranks)
+    return ([_plan.planned(leaf, "reduce-scatter", fast, ranks, ranks * shard * 4, False)]
+            + self.inner.plan(compressor, leaf, (shard,), dtype, slow, sizes)
+            + [_plan.planned(leaf, "all-gather", fast, ranks, shard * 4, False)])
+
+
+STRATEGIES = {s.name: s for s in (Psum, Gather, TwoPhase, Hierarchical)}
+"""The strategy classes by name."""
+
+
+def resolve(name: str, compressor: base.Compressor, fn: str,
+            inner: str = "auto") -> Strategy:
+  """The strategy object for ``name`` (``"auto"``: psum for linear compressors, else gather)."""
+  if name == "auto":
+    return Psum() if compressor.linear else Gather()
+  if name == "hierarchical":
+    strategy = Hierarchical(resolve(inner, compressor, fn))
+  else:
+    strategy = STRATEGIES[name]()
+  strategy.check(compressor, fn)
+  return strategy
+
+
+def plan_reduction(compressor: base.Compressor, reduction: Strategy, params, sizes: dict,
+                   axis_name, min_size: int) -> list:
+  """The collectives ``compressed_mean`` runs for ``params`` (see :mod:`commopt.comm._plan`)."""
+  def compressed(where, leaf):
+    if not tree.compresses(compressor, leaf.shape, leaf.dtype, min_size):
+      return None
+    return reduction.plan(compressor, where, leaf.shape, leaf.dtype, axis_name, sizes)
+
+  return _plan.leaf_plans(params, sizes, axis_name, compressed)

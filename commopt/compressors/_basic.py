@@ -19,7 +19,7 @@ def identity() -> base.Compressor:
 
   Example:
     >>> import jax.numpy as jnp, commopt
-    >>> c = commopt.identity()
+    >>> c = commopt.compressors.identity()
     >>> payload, _ = c.encode(jnp.ones(3), c.init(jnp.ones(3)), None)
     >>> c.decode(payload, None, jnp.ones(3)).tolist()
     [1.0, 1.0, 1.0]

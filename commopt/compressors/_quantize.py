@@ -1,9 +1,12 @@
 """Quantisation compressors: every coordinate in a few bits.
 
 Every payload here is packed: codes of ``b`` bits are laid into uint32 words
-by :mod:`commopt._src.bits` (``⌈d·b/32⌉`` words for ``d`` coordinates), and
-scales or norms travel as float32. The stochastic compressors draw their
-random bits from the key that :func:`~commopt.compressed_mean` passes in.
+in the layout of :mod:`commopt._src.bits` (``⌈d·b/32⌉`` words for ``d``
+coordinates), and scales or norms travel as float32. Packing and unpacking go
+through :mod:`commopt.kernels` (its Pallas kernels where they handle the
+width, its references elsewhere), which give the same bits on every
+implementation. The stochastic compressors draw their random bits from the
+key that :func:`~commopt.compressed_mean` passes in.
 """
 
 from __future__ import annotations
@@ -34,20 +37,6 @@ def _check_block_size(block_size, fn: str, name: str = "block_size") -> Optional
 
 def _num_blocks(n: int, block_size: Optional[int]) -> int:
   return 1 if block_size is None else -(-n // block_size)
-
-
-def _blocks(flat: jax.Array, block_size: Optional[int]) -> jax.Array:
-  """``flat`` zero-padded to whole blocks, shaped ``[blocks, block]``."""
-  n = flat.shape[0]
-  size = base.block_len(n, block_size)
-  nb = -(-n // size)
-  return jnp.pad(flat, (0, nb * size - n)).reshape(nb, size)
-
-
-def _per_element(per_block: jax.Array, n: int, block_size: Optional[int]) -> jax.Array:
-  """Broadcasts one value per block back to the ``n`` coordinates."""
-  size = base.block_len(n, block_size)
-  return jnp.broadcast_to(per_block[:, None], (per_block.shape[0], size)).reshape(-1)[:n]
 
 
 def _uniform(key, n: int, fn: str) -> jax.Array:
@@ -85,7 +74,7 @@ def _sign_words(flat: jax.Array) -> jax.Array:
 
 def _signs_from_words(words: jax.Array, n: int) -> jax.Array:
   """±1.0 per coordinate from :func:`_sign_words` (zeros were sent as +1)."""
-  return 1.0 - 2.0 * bitops.unpack(words, n, bits=1).astype(_F32)
+  return 1.0 - 2.0 * kernels.unpack_bits(words, 1, n).astype(_F32)
 
 
 def _words_bits(n: int, bits: int) -> int:
@@ -175,7 +164,7 @@ def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
 
   def decode(payload, state, like):
     n = base.leaf_size(like.shape)
-    scale = _per_element(payload["scale"], n, block_size)
+    scale = base.per_element(payload["scale"], n, block_size)
     return _out(scale * _signs_from_words(payload["signs"], n), like)
 
   def payload_bits(shape, dtype):
@@ -222,7 +211,7 @@ def onebit() -> base.Compressor:
 
   def decode(payload, state, like):
     n = base.leaf_size(like.shape)
-    neg = bitops.unpack(payload["signs"], n, bits=1)
+    neg = kernels.unpack_bits(payload["signs"], 1, n)
     return _out(payload["means"][neg], like)
 
   return base.Compressor(
@@ -276,7 +265,7 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
     return {"scale": s.reshape(1), "codes": codes}, state
 
   def decode(payload, state, like):
-    codes = bitops.unpack(payload["codes"], base.leaf_size(like.shape), 2)
+    codes = kernels.unpack_bits(payload["codes"], 2, base.leaf_size(like.shape))
     level = jnp.where(codes == 2, -1.0, codes.astype(_F32))
     return _out(payload["scale"][0] * level, like)
 
@@ -294,8 +283,8 @@ def _signed_levels(block_size, width: int, top: int, scale_key: str):
 
   def decode(payload, state, like):
     n = base.leaf_size(like.shape)
-    level = bitops.unpack(payload["codes"], n, width).astype(_F32) - top
-    return _out(_per_element(payload[scale_key], n, block_size) * level / top, like)
+    level = kernels.unpack_bits(payload["codes"], width, n).astype(_F32) - top
+    return _out(base.per_element(payload[scale_key], n, block_size) * level / top, like)
 
   def payload_bits(shape, dtype):
     n = base.leaf_size(shape)
@@ -343,7 +332,7 @@ def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
   def encode(x, state, key):
     flat = _flat32(x)
     n = flat.shape[0]
-    norms = jnp.linalg.norm(_blocks(flat, bucket_size), axis=1)
+    norms = jnp.linalg.norm(base.blocks(flat, bucket_size), axis=1)
     codes = kernels.quantize_pack(flat, _random_bits(key, n, "qsgd"), levels, norms,
                                   block_size=bucket_size)
     return {"norms": norms, "codes": codes}, state
@@ -419,8 +408,8 @@ def qsgd_coded_bits(payload, shape, levels: int, bucket_size: Optional[int] = 51
   """
   levels = _check_levels(levels, "qsgd_coded_bits")
   n = base.leaf_size(shape)
-  level = bitops.unpack(payload["codes"], n, bitops.code_bits(2 * levels + 1)).astype(jnp.int32)
-  level = _blocks(level - levels, bucket_size)
+  level = kernels.unpack_bits(payload["codes"], bitops.code_bits(2 * levels + 1), n)
+  level = base.blocks(level.astype(jnp.int32) - levels, bucket_size)
   nb, size = level.shape
   valid = (jnp.arange(nb * size) < n).reshape(nb, size)
   nonzero = (level != 0) & valid
@@ -470,10 +459,10 @@ def natural() -> base.Compressor:
     up = (_uniform(key, flat.shape[0], "natural") < p).astype(jnp.uint32)
     field = jnp.where(finite, field + up, field)
     codes = ((raw >> 31) << 8) | field
-    return {"codes": bitops.pack(codes, 9)}, state
+    return {"codes": kernels.pack_bits(codes, 9)}, state
 
   def decode(payload, state, like):
-    codes = bitops.unpack(payload["codes"], base.leaf_size(like.shape), 9)
+    codes = kernels.unpack_bits(payload["codes"], 9, base.leaf_size(like.shape))
     raw = ((codes >> 8) << 31) | ((codes & 0xFF) << 23)
     return _out(jax.lax.bitcast_convert_type(raw, _F32), like)
 
@@ -524,14 +513,14 @@ def int_quant(bits: int = 8, block_size: Optional[int] = 256,
   def encode(x, state, key):
     flat = _flat32(x)
     n = flat.shape[0]
-    scales = jnp.max(jnp.abs(_blocks(flat, block_size)), axis=1)
-    y = flat * _per_element(_inverse(scales, q), n, block_size)
+    scales = jnp.max(jnp.abs(base.blocks(flat, block_size)), axis=1)
+    y = flat * base.per_element(_inverse(scales, q), n, block_size)
     if rounding == "stochastic":
       level = _stochastic_round(y, _uniform(key, n, "int_quant"))
     else:
       level = jnp.round(y)
     codes = (jnp.clip(level, -q, q) + q).astype(jnp.uint32)
-    return {"scales": scales, "codes": bitops.pack(codes, bits)}, state
+    return {"scales": scales, "codes": kernels.pack_bits(codes, bits)}, state
 
   decode, payload_bits = _signed_levels(block_size, bits, q, "scales")
 
@@ -617,10 +606,10 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
     p = jnp.where(b > a, (flat - a) / jnp.where(b > a, b - a, 1.0), 0.0)
     up = _uniform(key, flat.shape[0], "adaptive_levels") < jnp.clip(p, 0.0, 1.0)
     codes = (k + up).astype(jnp.uint32)
-    return {"levels": pts, "codes": bitops.pack(codes, width)}, state
+    return {"levels": pts, "codes": kernels.pack_bits(codes, width)}, state
 
   def decode(payload, state, like):
-    codes = bitops.unpack(payload["codes"], base.leaf_size(like.shape), width)
+    codes = kernels.unpack_bits(payload["codes"], width, base.leaf_size(like.shape))
     return _out(payload["levels"][codes], like)
 
   def payload_bits(shape, dtype):

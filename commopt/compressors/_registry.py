@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Callable, Optional
 
 from commopt._src import base
 from commopt.compressors._basic import cast, identity
@@ -72,6 +72,51 @@ DEFAULTS: dict[str, dict] = {
 
 _EXCLUSIVE = {"top_k": {"ratio", "k"}, "random_k": {"ratio", "k"},
               "variance_balanced": {"ratio", "k"}}
+
+
+def register(name: str, factory: Callable[..., base.Compressor],
+             defaults: Optional[dict] = None, *, replace: bool = False) -> None:
+  """Adds a compressor factory to :data:`REGISTRY` under ``name``.
+
+  Registered compressors are built by :func:`make`, take part in the demo's
+  ``--compressors`` and in :mod:`commopt.testing.checks` suites that run over
+  the registry.
+
+  Args:
+    name: the registry key.
+    factory: a function returning a :class:`~commopt.Compressor`.
+    defaults: the options :func:`make` uses when none are given (default none).
+    replace: allow replacing an existing entry (else a taken name is refused).
+
+  Example:
+    >>> import commopt
+    >>> commopt.compressors.register("half", lambda: commopt.compressors.cast("bfloat16"))
+    >>> commopt.compressors.make("half")
+    Compressor(cast(bfloat16))
+    >>> commopt.compressors.unregister("half")
+  """
+  if not isinstance(name, str) or not name:
+    raise TypeError(f"register: `name` must be a non-empty str, got {name!r}.")
+  if not callable(factory):
+    raise TypeError(f"register: `factory` must be callable, got {factory!r}.")
+  if name in REGISTRY and not replace:
+    raise ValueError(
+        f"register: a compressor named {name!r} is already registered; pass replace=True "
+        "to replace it.")
+  defaults = dict(defaults or {})
+  unknown = sorted(set(defaults) - set(inspect.signature(factory).parameters))
+  if unknown:
+    raise ValueError(f"register: `defaults` names options {unknown} that {name!r}'s factory "
+                     "does not take.")
+  REGISTRY[name] = factory
+  DEFAULTS[name] = defaults
+
+
+def unregister(name: str) -> None:
+  """Removes ``name`` from :data:`REGISTRY` (see :func:`register`)."""
+  _check_name(name)
+  del REGISTRY[name]
+  DEFAULTS.pop(name, None)
 
 
 def options(name: str) -> tuple[str, ...]:

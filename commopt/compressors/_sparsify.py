@@ -235,19 +235,22 @@ def _with_values(select):
 
 def _magnitude_selector(approx: bool, method: str, sample_ratio: float,
                         recall_target: float):
-  """``select(flat, k, key) -> indices`` of (about) the k largest magnitudes."""
+  """``select(flat, k, key) -> indices`` of (about) the k largest magnitudes, ascending.
+
+  Every selection hands back its indices in ascending order (empty slots,
+  which hold ``size``, last), so the payload is the same whichever kernel
+  implementation selected: ``method="exact"`` is
+  :func:`commopt.kernels.select_top_k`, whose every implementation returns the
+  same coordinates in index order; ``method="sample"`` fills its slots in
+  index order.
+  """
   def select(flat, k, key):
-    magnitude = jnp.abs(flat)
     if method == "sample":
+      magnitude = jnp.abs(flat)
       threshold = sampled_threshold(magnitude, k / flat.size, base.need_key(key, "top_k"),
                                     sample_ratio)
       return first_true((magnitude >= threshold) & (magnitude > 0), k)
-    if approx:
-      return jax.lax.approx_max_k(magnitude, k, recall_target=recall_target)[1]
-    if kernels.use_pallas("auto", False, "top_k"):
-      # The radix-select kernel (GPUs): no sort; the same set, in index order.
-      return kernels.select_top_k(flat, k)[1]
-    return jax.lax.top_k(magnitude, k)[1]
+    return kernels.select_top_k(flat, k, approx=approx, recall_target=recall_target)[1]
   return select
 
 
@@ -287,9 +290,12 @@ def top_k(ratio: float | None = None, *, k: int | None = None, approx: bool = Fa
   ``k · (value bits + 32)`` bits. Top-k is a contraction:
   ``‖x − C(x)‖² ≤ (1 − k/d)‖x‖²``; use it with error feedback.
 
-  Selection: ``method="exact"`` uses ``jax.lax.top_k`` (``approx=True``:
+  Selection: ``method="exact"`` uses :func:`commopt.kernels.select_top_k`
+  (a radix-select Pallas kernel on GPUs, ``jax.lax.top_k`` elsewhere; ties go
+  to the lower index, NaN ranks above ``inf``); ``approx=True`` lets it use
   ``jax.lax.approx_max_k``, which on TPU trades recall for speed and on other
-  backends is exact). ``method="sample"`` estimates the threshold as DGC does,
+  backends is exact. The indices are sent in ascending order, whatever the
+  backend. ``method="sample"`` estimates the threshold as DGC does,
   from the top of a random sample of ``sample_ratio`` of the leaf, and sends
   the coordinates above it in index order into the ``k`` slots: an
   underestimate leaves slots empty, an overestimate leaves the excess in the

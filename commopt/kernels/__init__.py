@@ -3,18 +3,44 @@
 Every op takes ``implementation="auto" | "xla" | "pallas"`` (``"auto"``: the
 Pallas kernel on a GPU, the reference elsewhere) and ``interpret`` (run the
 Pallas kernel through the Pallas interpreter, on any backend, for tests).
-On GPU the kernels lower through Triton.
+Left out (``None``), both come from the innermost :func:`implementation`
+scope, which is how a whole compressor is run on one implementation:
 
-- :func:`pack_bits` / :func:`unpack_bits`: codes of 1, 2, 4 or 8 bits in uint32 words.
-- :func:`sign_pack` / :func:`sign_bits`: fused sign + scale + pack in one pass.
+    with commopt.kernels.implementation("pallas", interpret=True):
+      payload, state = compressor.encode(x, state, key)
+
+A reference and its kernel run the same element-wise code and add in the same
+order, so an op gives the same bits on every implementation and a payload
+does not depend on which one encoded it. On GPU the kernels lower through
+Triton.
+
+One folder per op family, each with a ``reference.py`` (pure jnp), a
+``pallas.py`` (the kernels) and an ``api.py`` (argument checks and dispatch);
+the public names are re-exported here:
+
+- :func:`pack_bits` / :func:`unpack_bits`: codes of 1, 2, 4 or 8 bits in uint32
+  words (``pack/``).
+- :func:`sign_pack` / :func:`sign_bits`: fused sign + scale + pack in one pass
+  (``pack/``).
 - :func:`quantize_pack`: stochastic rounding + pack (QSGD, TernGrad) from
-  random bits drawn outside.
-- :func:`select_top_k`: magnitude top-k by a radix select, in index order.
+  random bits drawn outside (``pack/``).
+- :func:`select_top_k`: magnitude top-k by a radix select, in index order
+  (``select/``).
+- :func:`implementation`: the scope that picks the implementation of the ops
+  called without one (``_dispatch.py``, shared by all).
 """
 
-from commopt.kernels._dispatch import IMPLEMENTATIONS, PALLAS_BITS, use_pallas
-from commopt.kernels._pack import (
+from commopt.kernels._dispatch import (
+    IMPLEMENTATIONS,
+    PALLAS_BITS,
+    Choice,
+    current,
+    implementation,
+    use_pallas,
+)
+from commopt.kernels.pack import (
     pack_bits,
+    pairwise_sum,
     quantize_codes,
     quantize_pack,
     sign_bits,
@@ -22,13 +48,17 @@ from commopt.kernels._pack import (
     uniform_from_bits,
     unpack_bits,
 )
-from commopt.kernels._select import magnitude_key, select_top_k
+from commopt.kernels.select import magnitude_key, select_top_k
 
 __all__ = [
+    "Choice",
     "IMPLEMENTATIONS",
     "PALLAS_BITS",
+    "current",
+    "implementation",
     "magnitude_key",
     "pack_bits",
+    "pairwise_sum",
     "quantize_codes",
     "quantize_pack",
     "select_top_k",

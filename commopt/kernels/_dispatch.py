@@ -6,8 +6,17 @@ Every op in :mod:`commopt.kernels` takes ``implementation`` and ``interpret``:
 - ``"pallas"``: the Pallas kernel. On a GPU it is lowered through Triton; with
   ``interpret=True`` it runs on any backend through the Pallas interpreter
   (slow: for tests). Elsewhere it raises.
-- ``"auto"`` (the default): the Pallas kernel on a GPU (or when
-  ``interpret=True``) if it supports the arguments, the reference otherwise.
+- ``"auto"``: the Pallas kernel on a GPU (or when ``interpret=True``) if it
+  supports the arguments, the reference otherwise.
+- ``None`` (the default): whatever the innermost :func:`implementation` scope
+  says, ``"auto"`` outside any scope.
+
+The compressors call the ops without these arguments, so a scope chooses the
+implementation of a whole compressor: ``with implementation("xla"): ...``
+runs every op inside on its reference, ``with implementation("pallas",
+interpret=True): ...`` every op whose Pallas kernel supports the arguments on
+that kernel (and the others on their references). Both give the same payload
+bits: the references and the kernels compute the same codes, in the same order.
 
 The kernels are written for the Triton lowering of ``pl.pallas_call``: the
 arrays stay in global memory (no ``BlockSpec``), each program loads a
@@ -16,6 +25,10 @@ so sizes that are not a multiple of the chunk need no padding pass.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +43,16 @@ PALLAS_BITS = (1, 2, 4, 8)
 _NUM_WARPS = 4
 
 
+class Choice(NamedTuple):
+  """The implementation an op uses when it is called without one."""
+  implementation: str
+  interpret: bool
+
+
+_CHOICE: contextvars.ContextVar[Choice] = contextvars.ContextVar(
+    "commopt_kernels_implementation", default=Choice("auto", False))
+
+
 def check_implementation(implementation, interpret, fn: str) -> None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -38,22 +61,96 @@ def check_implementation(implementation, interpret, fn: str) -> None:
     raise ValueError(f"{fn}: `interpret` must be True or False, got {interpret!r}.")
 
 
-def use_pallas(implementation: str, interpret: bool, fn: str, unsupported: str = "") -> bool:
-  """Whether to run the Pallas kernel; ``unsupported`` says why it cannot ('' if it can)."""
+@contextlib.contextmanager
+def implementation(name: str, *, interpret: bool = False) -> Iterator[Choice]:
+  """A scope in which every kernel op called without ``implementation`` uses ``name``.
+
+  The compressors call the ops of :mod:`commopt.kernels` without choosing an
+  implementation, so this picks it for whole compressors (and anything built
+  on them). Inside ``implementation("pallas")`` an op whose Pallas kernel does
+  not handle its arguments (e.g. 9-bit codes) runs its reference, as under
+  ``"auto"``; an op called with ``implementation="pallas"`` itself raises
+  instead. Explicit ``implementation`` and ``interpret`` arguments win over
+  the scope; scopes nest, the innermost wins.
+
+  The choice is read when an op is traced: a function that ``jax.jit`` traced
+  outside the scope keeps its first trace inside it. Trace (or jit) the
+  function inside the scope.
+
+  Args:
+    name: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    interpret: run the Pallas kernels through the Pallas interpreter (any
+      backend; ``"pallas"`` off a GPU needs it).
+
+  Yields:
+    The :class:`Choice` in force inside the scope.
+
+  Raises:
+    ValueError: ``name`` is not one of the implementations, or ``interpret``
+      is not a bool.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, commopt
+    >>> from commopt import kernels
+    >>> c = commopt.scaled_sign()
+    >>> x = jnp.array([1.0, -3.0, 2.0])
+    >>> with kernels.implementation("pallas", interpret=True):
+    ...   fused = c.encode(x, None, None)[0]
+    >>> with kernels.implementation("xla"):
+    ...   reference = c.encode(x, None, None)[0]
+    >>> fused["signs"].tolist() == reference["signs"].tolist()
+    True
+  """
+  check_implementation(name, interpret, "implementation")
+  choice = Choice(name, interpret)
+  token = _CHOICE.set(choice)
+  try:
+    yield choice
+  finally:
+    _CHOICE.reset(token)
+
+
+def current() -> Choice:
+  """The implementation (and interpret flag) of the innermost :func:`implementation` scope."""
+  return _CHOICE.get()
+
+
+def resolve(implementation: Optional[str], interpret: Optional[bool], fn: str,
+            unsupported: str = "") -> tuple[bool, bool]:
+  """``(run the Pallas kernel?, interpret?)`` for one call of an op.
+
+  ``None`` for ``implementation`` or ``interpret`` takes the value of the
+  innermost :func:`implementation` scope. ``unsupported`` says why the Pallas
+  kernel cannot take the arguments ('' if it can): a scope's ``"pallas"``
+  then falls back to the reference, an explicit ``"pallas"`` raises.
+  """
+  scope = _CHOICE.get()
+  from_scope = implementation is None
+  if from_scope:
+    implementation = scope.implementation
+  if interpret is None:
+    interpret = scope.interpret
   check_implementation(implementation, interpret, fn)
   if implementation == "xla":
-    return False
+    return False, interpret
   on_gpu = jax.default_backend() == "gpu"
-  if implementation == "auto":
-    return not unsupported and (on_gpu or interpret)
+  if implementation == "auto" or (from_scope and unsupported):
+    return not unsupported and (on_gpu or interpret), interpret
   if unsupported:
     raise ValueError(
         f"{fn}: implementation='pallas' {unsupported}; use implementation='xla' or 'auto'.")
   if not (on_gpu or interpret):
     raise ValueError(
         f"{fn}: implementation='pallas' needs a GPU backend, got "
-        f"{jax.default_backend()!r}; pass interpret=True to run the kernel on CPU.")
-  return True
+        f"{jax.default_backend()!r}; pass interpret=True (or use "
+        f"kernels.implementation('pallas', interpret=True)) to run the kernel on CPU.")
+  return True, interpret
+
+
+def use_pallas(implementation: Optional[str], interpret: Optional[bool], fn: str,
+               unsupported: str = "") -> bool:
+  """Whether to run the Pallas kernel (see :func:`resolve`)."""
+  return resolve(implementation, interpret, fn, unsupported)[0]
 
 
 def check_pallas_bits(bits: int) -> str:

@@ -8,16 +8,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base
+from commopt._src import base, tree
+from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
-from commopt.comm import _strategies
-from commopt.comm._channel import Channel, exchange, worker_key
-
-DEFAULT_MIN_SIZE = 1024
-"""Leaves with fewer elements than this are sent dense by default."""
+from commopt.comm import _plan, _strategies
+from commopt.comm._channel import exchange, worker_key
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
 INNER_STRATEGIES = ("auto", "psum", "gather", "two_phase")
+"""The names ``compressed_mean`` takes; :mod:`commopt.comm._strategies` holds the objects."""
 
 
 class CompressedMeanState(NamedTuple):
@@ -56,32 +55,9 @@ class CompressedMeanState(NamedTuple):
   server_residual: Any = None
 
 
-def compresses(compressor: base.Compressor, shape, dtype, min_size: int) -> bool:
-  """Whether a leaf goes through ``compressor`` (else it is sent dense)."""
-  return (base.leaf_size(shape) >= max(min_size, 1)
-          and bool(compressor.accepts(tuple(shape), dtype)))
-
-
-def _is_node(x) -> bool:
-  return x is None or isinstance(x, optax.MaskedNode)
-
-
-def _flatten(tree):
-  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)
-
-
 def _check_leaf(path, leaf, what: str):
-  if not _is_node(leaf):
+  if not tree.is_node(leaf):
     base.check_float_leaf("compressed_mean", path, leaf, verb="compressed", what=what)
-
-
-def _reduce_leaf(compressor, strategy, x, cstate, key, axis_name) -> base.Reduced:
-  if compressor.reduce is not None:
-    return compressor.reduce(x, cstate, key, Channel(axis_name))
-  payload, cstate = compressor.encode(x, cstate, key)
-  mean, local = exchange(payload, lambda pl: compressor.decode(pl, cstate, x),
-                         strategy, axis_name)
-  return base.Reduced(mean=mean.astype(x.dtype), local=local, state=cstate)
 
 
 def _reduce_global(compressor, strategy, xs, key, axis_name):
@@ -90,20 +66,6 @@ def _reduce_global(compressor, strategy, xs, key, axis_name):
   means, locals_ = exchange(payload, lambda pl: compressor.decode_tree(pl, xs),
                             strategy, axis_name)
   return [m.astype(x.dtype) for m, x in zip(means, xs)], locals_
-
-
-def _slow_reduce(compressor, strategy, key, axis_name):
-  """The compressed reduction of a hierarchical shard across the slow axis."""
-  if strategy == "two_phase":
-    return lambda p, memory, size: _strategies.two_phase(compressor, p, memory, key, axis_name,
-                                                         size)
-
-  def reduce(p, memory, size):
-    del size
-    reduced = _reduce_leaf(compressor, strategy, p, compressor.init(p), key, axis_name)
-    return reduced.mean, reduced.local, None
-
-  return reduce
 
 
 def _server_memories(state: CompressedMeanState, treedef) -> list:
@@ -246,22 +208,12 @@ def compressed_mean(
         f"compressed_mean: `axis_name` must be None or a mesh axis name (str), "
         f"got {axis_name!r}; a (slow, fast) pair needs strategy='hierarchical'.")
 
-  def resolve(strategy):
-    if strategy == "psum" and not compressor.linear:
-      raise ValueError(
-          f"compressed_mean: strategy='psum' needs a linear compressor, and "
-          f"{compressor.name} is not (its payloads cannot be summed before "
-          "decoding). Use strategy='gather' or 'auto'.")
-    if strategy == "auto":
-      return "psum" if compressor.linear else "gather"
-    if strategy in ("two_phase", "hierarchical"):
-      _strategies.check_stateless(compressor, "compressed_mean", strategy)
-    return strategy
-
-  strategy = resolve(strategy)
-  inner = resolve(inner_strategy) if strategy == "hierarchical" else None
+  if strategy != "hierarchical":
+    inner_strategy = "auto"
+  reduction = _strategies.resolve(strategy, compressor, "compressed_mean", inner_strategy)
+  strategy = reduction.name
   # Two-phase reductions keep a second error memory.
-  server_memory = error_feedback and "two_phase" in (strategy, inner)
+  server_memory = error_feedback and reduction.keeps_server_memory
   if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
     raise ValueError(
         f"compressed_mean: `min_size` must be an integer >= 0, got {min_size!r}.")
@@ -271,7 +223,7 @@ def compressed_mean(
         f"None, got {residual_dtype!r}.")
 
   def plan(leaf) -> bool:
-    return not _is_node(leaf) and compresses(compressor, leaf.shape, leaf.dtype, min_size)
+    return not tree.is_node(leaf) and compresses(compressor, leaf.shape, leaf.dtype, min_size)
 
   def memory_dtype(dtype):
     # 16-bit floats cannot hold a small update next to a large residual.
@@ -280,26 +232,11 @@ def compressed_mean(
     return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
 
   def memory_shapes(shape, workers):
-    """(residual shape, server memory shape) of a compressed leaf.
-
-    ``workers(axis)`` is the number of workers on ``axis``, or None where it
-    is unknown: then that memory is kept whole.
-    """
-    n = base.leaf_size(shape)
-    shape = tuple(shape)
-    if strategy == "two_phase":
-      count = workers(axis_name)
-      return shape, (n if count is None else _strategies.chunk_size(n, count),)
-    if strategy == "hierarchical":
-      nodes, ranks = (workers(a) for a in axis_name)
-      if ranks is None:
-        return shape, (n,)
-      shard = _strategies.chunk_size(n, ranks)
-      return (shard,), (n if nodes is None else _strategies.chunk_size(shard, nodes),)
-    return shape, (n,)
+    """(residual shape, server memory shape) of a compressed leaf (see Strategy.memory_shapes)."""
+    return reduction.memory_shapes(shape, axis_name, workers)
 
   def init_fn(params):
-    leaves, treedef = _flatten(params)
+    leaves, treedef = tree.flatten(params)
     residual, cstate, server = [], [], []
     for path, leaf in leaves:
       _check_leaf(path, leaf, "a parameter")
@@ -327,7 +264,7 @@ def compressed_mean(
           f"compressed_mean: the state does not match `updates`: {detail}. Call "
           "init with the pytree whose updates you pass.")
 
-    r_leaves, r_treedef = _flatten(state.residual)
+    r_leaves, r_treedef = tree.flatten(state.residual)
     if r_treedef != treedef:
       raise mismatch(f"it was initialised for the structure {r_treedef}, but the "
                      f"updates have {treedef}")
@@ -339,13 +276,13 @@ def compressed_mean(
       where = jax.tree_util.keystr(path)
       if error_feedback and isinstance(r, optax.MaskedNode):
         raise mismatch(f"leaf {where} has no residual, but its update {u.shape} is compressed")
-      if server_memory and _is_node(m):
+      if server_memory and tree.is_node(m):
         raise mismatch(f"leaf {where} has no server memory, but strategy={strategy!r} "
                        "keeps one")
       # Whole memories, or the parts of this many workers (see CompressedMeanState).
       shapes = {memory_shapes(u.shape, lambda a: None), memory_shapes(u.shape, coll.axis_size)}
       for memory, i, what in ((r, 0, "a residual"), (m, 1, "a server memory")):
-        if not _is_node(memory) and tuple(memory.shape) not in {sh[i] for sh in shapes}:
+        if not tree.is_node(memory) and tuple(memory.shape) not in {sh[i] for sh in shapes}:
           raise mismatch(
               f"leaf {where} has {what} of shape {tuple(memory.shape)}, but an update of "
               f"shape {tuple(u.shape)} needs one of {sorted({sh[i] for sh in shapes})}; "
@@ -359,7 +296,7 @@ def compressed_mean(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    leaves, treedef = _flatten(updates)
+    leaves, treedef = tree.flatten(updates)
     for path, u in leaves:
       _check_leaf(path, u, "an update")
     check_state(state, leaves, treedef)
@@ -369,65 +306,43 @@ def compressed_mean(
     wkey = worker_key(state.key, state.count, compressor, axis_name)
 
     out, new_res, new_cs = [], [], []
-    inputs, compressed = [], []
+    compressed = []
     for (_, u), e, cs in zip(leaves, residuals, cstates):
-      if _is_node(u) or not plan(u):
-        out.append(u if _is_node(u) else coll.pmean(u, axis_name))
-        new_res.append(e)
-        new_cs.append(cs)
-        inputs.append(None)
-        continue
-      # The hierarchical strategy adds the residual to its own shard.
-      adds = error_feedback and strategy != "hierarchical"
-      inputs.append(u.astype(e.dtype) + e if adds else u)
-      compressed.append(len(out))
-      out.append(None)
-      new_res.append(None)
+      if tree.is_node(u) or not plan(u):
+        out.append(u if tree.is_node(u) else coll.pmean(u, axis_name))
+      else:
+        compressed.append(len(out))
+        out.append(None)
+      new_res.append(e)
       new_cs.append(cs)
 
     servers = _server_memories(state, treedef)
     new_servers = list(servers)
-    memories = [None if _is_node(m) else m for m in servers]
+    memories = [None if tree.is_node(m) else m for m in servers]
 
-    def _update_residuals(indices, means, locals_):
-      for i, mean, local in zip(indices, means, locals_):
-        p = inputs[i]
+    if _is_global(compressor) and compressed and strategy != "hierarchical":
+      # One selection over every compressed leaf; the state is per leaf and unused.
+      ps = [_strategies.compensate(leaves[i][1], residuals[i] if error_feedback else None)
+            for i in compressed]
+      means, locals_ = _reduce_global(
+          compressor, strategy, [p.astype(leaves[i][1].dtype) for p, i in zip(ps, compressed)],
+          wkey, axis_name)
+      for i, p, mean, local in zip(compressed, ps, means, locals_):
         out[i] = mean.astype(leaves[i][1].dtype)
-        new_res[i] = p - local.astype(p.dtype) if error_feedback else residuals[i]
-
-    xs = [inputs[i].astype(leaves[i][1].dtype) for i in compressed]
-    if strategy == "hierarchical":
-      # Worker-side memory lives on the compressed shard: the strategy keeps it.
+        if error_feedback:
+          new_res[i] = _strategies.remember(p, local)
+    else:
       for i in compressed:
         u, e = leaves[i][1], residuals[i]
-        mean, residual, memory = _strategies.hierarchical(
-            _slow_reduce(compressor, inner, jax.random.fold_in(wkey, i), axis_name[0]),
-            u.reshape(-1), e.reshape(-1) if error_feedback else None, memories[i], *axis_name)
-        out[i] = mean.reshape(u.shape).astype(u.dtype)
-        new_res[i] = residual.reshape(e.shape) if error_feedback else e
-        if memory is not None:
-          new_servers[i] = memory
-    elif _is_global(compressor) and compressed:
-      # One selection over every compressed leaf; the state is per leaf and unused.
-      means, locals_ = _reduce_global(compressor, strategy, xs, wkey, axis_name)
-      _update_residuals(compressed, means, locals_)
-    else:
-      means, locals_ = [], []
-      for i, x in zip(compressed, xs):
-        key = jax.random.fold_in(wkey, i)
-        if strategy == "two_phase":
-          mean, local, memory = _strategies.two_phase(
-              compressor, x.reshape(-1), memories[i], key, axis_name)
-          mean, local = mean.reshape(x.shape), local.reshape(x.shape)
-          if memory is not None:
-            new_servers[i] = memory
-        else:
-          reduced = _reduce_leaf(compressor, strategy, x, cstates[i], key, axis_name)
-          mean, local = reduced.mean, reduced.local
-          new_cs[i] = reduced.state
-        means.append(mean)
-        locals_.append(local)
-      _update_residuals(compressed, means, locals_)
+        result = reduction.reduce(compressor, u, e if error_feedback else None,
+                                      memories[i], cstates[i], jax.random.fold_in(wkey, i),
+                                      axis_name)
+        out[i] = result.out
+        if error_feedback:
+          new_res[i] = result.residual
+        new_cs[i] = result.state
+        if result.memory is not None:
+          new_servers[i] = result.memory
 
     unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
     new_state = CompressedMeanState(
@@ -439,4 +354,8 @@ def compressed_mean(
     )
     return unflat(out), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _plan.with_planner(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn),
+      lambda params, workers: _strategies.plan_reduction(
+          compressor, reduction, params, _plan.axis_sizes(axis_name, workers), axis_name,
+          min_size))

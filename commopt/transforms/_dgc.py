@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commopt._src import base
+from commopt._src import base, tree
 from commopt.compressors import _sparsify
 from commopt.comm import _collectives as coll
+from commopt.comm import _plan
 from commopt.transforms import _compressed_mean as cm
 
 DGC_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004, 0.001)
@@ -157,7 +158,8 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
   name = "scheduled_top_k(" + ", ".join(f"{d:g}" for d in densities) + ")"
   return base.Compressor(name=name, init=init, encode=encode,
                          decode=lambda payload, state, like: last.decode(payload, None, like),
-                         payload_bits=last.payload_bits, reduce=reduce)
+                         payload_bits=last.payload_bits, reduce=reduce,
+                         reduce_collective="all-gather")
 
 
 def dgc(axis_name: Optional[str] = None, *,
@@ -248,11 +250,13 @@ def dgc(axis_name: Optional[str] = None, *,
             if nesterov else velocity)
     out, inner_state = inner.update(sent, state.inner)
 
-    leaves, treedef = cm._flatten(velocity)
+    leaves, treedef = tree.flatten(velocity)
     masked = [u if not isinstance(cs, DGCLeafState) else jnp.where(cs.sent, 0, u)
               for (_, u), cs in zip(leaves, treedef.flatten_up_to(inner_state.compressor_state))]
     return out, DGCState(count=optax.safe_int32_increment(state.count),
                          velocity=jax.tree_util.tree_unflatten(treedef, masked),
                          inner=inner_state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # The plan is the inner reduction's: the steady-state (last) density's payload.
+  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                            _plan.planner_of(inner))

@@ -12,9 +12,6 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["Workers", "shard_map_workers", "vmap_workers"]
-
-
 class Workers(NamedTuple):
   """``init(params) -> stacked state`` and jitted ``update(stacked updates, stacked state)``."""
   init: Callable[[Any], Any]
@@ -31,7 +28,7 @@ def vmap_workers(tx: optax.GradientTransformation, num_workers: int,
 
   Example:
     >>> import jax.numpy as jnp, commopt
-    >>> w = commopt.testing.vmap_workers(commopt.compressed_mean(commopt.identity(), "workers"), 4)
+    >>> w = commopt.testing.vmap_workers(commopt.compressed_mean(commopt.compressors.identity(), "workers"), 4)
     >>> state = w.init({"x": jnp.zeros(2)})
     >>> out, state = w.update({"x": jnp.arange(8.0).reshape(4, 2)}, state)
     >>> out["x"][0].tolist()

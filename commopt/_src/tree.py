@@ -1,0 +1,31 @@
+"""Parameter trees: which leaves are placeholders, and which leaves are compressed."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from commopt._src import base
+
+DEFAULT_MIN_SIZE = 1024
+"""Leaves with fewer elements than this are sent dense by default."""
+
+
+def is_node(x) -> bool:
+  """A placeholder leaf: ``None`` (a frozen or absent parameter) or ``optax.MaskedNode``."""
+  return x is None or isinstance(x, optax.MaskedNode)
+
+
+def flatten(tree):
+  """``tree_flatten_with_path`` that keeps placeholders (:func:`is_node`) as leaves."""
+  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)
+
+
+def compresses(compressor: base.Compressor, shape, dtype, min_size: int) -> bool:
+  """Whether a leaf goes through ``compressor`` (else it is sent dense).
+
+  The one rule for every reduction: at least ``max(min_size, 1)`` elements,
+  and a shape and dtype the compressor accepts.
+  """
+  return (base.leaf_size(shape) >= max(min_size, 1)
+          and bool(compressor.accepts(tuple(shape), dtype)))

@@ -1,0 +1,13 @@
+"""Testing helpers for commopt and for code built on it.
+
+- Simulated workers: :func:`vmap_workers` (N workers on one device) and
+  :func:`shard_map_workers` (one worker per device of a mesh) run a transform
+  on per-worker inputs stacked on a leading axis, so the two can be compared.
+- The shared compressor checks (:mod:`commopt.testing.checks`): the suite
+  every registered compressor passes, reusable on your own compressor.
+"""
+
+from commopt.testing import checks
+from commopt.testing._workers import Workers, shard_map_workers, vmap_workers
+
+__all__ = ["Workers", "checks", "shard_map_workers", "vmap_workers"]

@@ -1,0 +1,312 @@
+"""The checks every compressor passes, as functions you can run on your own.
+
+Each check builds :func:`~commopt.compressed_mean` (or a wrapper around it)
+on a small parameter tree (a ``64×48`` matrix, a 16-element vector and a
+``None`` leaf), runs it, and raises ``AssertionError`` saying what failed.
+:func:`run_all` runs every check that applies to a compressor; the
+registered compressors pass it in ``tests/test_compressor_suite.py``, and a
+compressor of your own can be held to the same bar::
+
+    from commopt.testing import checks
+    mesh = jax.make_mesh((8,), ("data",))
+    checks.run_all(my_compressor(), mesh)
+
+What is checked:
+
+- :func:`jit_without_retrace`: ``update`` jits once and returns finite values,
+  ``None`` leaves stay ``None``.
+- :func:`dtypes_and_none_leaves`: f32 and bf16 leaves keep their dtype and
+  shape, and the reconstruction points the way of the input.
+- :func:`vmap_equals_shard_map`: simulated workers on one device equal one
+  worker per device, over three steps, states included.
+- :func:`one_device_equals_local`: a one-device mesh equals ``axis_name=None``.
+- :func:`error_feedback_conservation`: over six steps, the outputs plus the
+  mean residual equal the mean inputs.
+- :func:`payload_bytes_equal_hlo_audit`: :func:`commopt.wire.payload_bytes`
+  equals the bytes of the compiled program's collectives.
+- :func:`cond_state_stability`: the state keeps its types through
+  ``lax.cond`` (what optax's wrappers, ``apply_if_finite`` among them, need).
+- :func:`multi_steps_accumulates`: inside :func:`commopt.multi_steps`, the
+  emitted update is the transform applied to the mean of the accumulated inputs.
+- :func:`chunked_strategies`: ``two_phase`` and ``hierarchical`` run and
+  conserve (stateless per-leaf compressors only).
+- :func:`robust_rule_compatible`: a robust rule decodes each worker's payload
+  (stateless per-leaf compressors only).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from commopt import wire
+from commopt._src import base
+from commopt.aggregators import coordinate_median
+from commopt.testing._workers import shard_map_workers, vmap_workers
+from commopt.transforms import compressed_mean, multi_steps
+
+__all__ = [
+    "chunked_strategies",
+    "cond_state_stability",
+    "dtypes_and_none_leaves",
+    "error_feedback_conservation",
+    "jit_without_retrace",
+    "multi_steps_accumulates",
+    "one_device_equals_local",
+    "owed",
+    "params_like",
+    "payload_bytes_equal_hlo_audit",
+    "robust_rule_compatible",
+    "run_all",
+    "vmap_equals_shard_map",
+    "worker_updates",
+]
+
+MIN_SIZE = 256
+"""The checks' ``min_size``: the matrix is compressed, the vector sent dense."""
+
+
+def params_like(dtype=jnp.float32):
+  """A compressible matrix, a small dense vector and a ``None`` leaf."""
+  return {"w": jnp.zeros((64, 48), dtype), "b": jnp.zeros((16,), dtype), "frozen": None}
+
+
+def worker_updates(seed: int, dtype=jnp.float32, n: int = 8):
+  """Normal updates for ``n`` workers, stacked on a leading axis, shaped like :func:`params_like`."""
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.normal(size=(n, 64, 48)), dtype),
+          "b": jnp.asarray(rng.normal(size=(n, 16)), dtype), "frozen": None}
+
+
+def _first(tree):
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def _tx(compressor, axis_name=None, **kw):
+  return compressed_mean(compressor, axis_name, min_size=MIN_SIZE, **kw)
+
+
+def _workers(mesh) -> int:
+  return int(np.prod(mesh.devices.shape))
+
+
+def jit_without_retrace(compressor: base.Compressor) -> None:
+  """``update`` traces once for two calls, returns finite values and keeps ``None`` leaves."""
+  tx = _tx(compressor)
+  traces = []
+
+  @jax.jit
+  def step(u, s):
+    traces.append(1)
+    return tx.update(u, s)
+
+  state = tx.init(params_like())
+  u = _first(worker_updates(0))
+  out, state = step(u, state)
+  out, state = step(jax.tree.map(lambda x: x + 1.0, u), state)
+  assert len(traces) == 1, f"{compressor.name}: update traced {len(traces)} times for 2 calls"
+  assert out["frozen"] is None, f"{compressor.name}: a None leaf came back as {out['frozen']!r}"
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out)), (
+      f"{compressor.name}: non-finite output")
+
+
+def dtypes_and_none_leaves(compressor: base.Compressor, dtype=jnp.float32) -> None:
+  """Leaves of ``dtype`` keep dtype and shape; the matrix's output points the way of its input."""
+  tx = _tx(compressor)
+  state = tx.init(params_like(dtype))
+  u = _first(worker_updates(1, dtype))
+  out, state = jax.jit(tx.update)(u, state)
+  assert out["frozen"] is None
+  for key in ("w", "b"):
+    assert out[key].dtype == dtype and out[key].shape == u[key].shape, (
+        f"{compressor.name}: leaf {key!r} came back {out[key].dtype}{out[key].shape}, "
+        f"expected {jnp.dtype(dtype)}{u[key].shape}")
+    assert bool(jnp.all(jnp.isfinite(out[key].astype(jnp.float32))))
+  cos = jnp.vdot(out["w"].astype(jnp.float32), u["w"].astype(jnp.float32))
+  assert float(cos) > 0, f"{compressor.name}: the output points away from the input"
+
+
+def vmap_equals_shard_map(compressor: base.Compressor, mesh, axis_name: str = "data", *,
+                          atol: float = 1e-6) -> None:
+  """Workers simulated with ``vmap`` equal one worker per device, for three steps.
+
+  ``atol`` allows for payloads whose sum rounds in a backend-specific order
+  (a bf16 all-reduce sums in f32 on XLA:CPU and in bf16 under vmap).
+  """
+  n = _workers(mesh)
+  tx = _tx(compressor, axis_name)
+  vm = vmap_workers(tx, n, axis_name)
+  sm = shard_map_workers(tx, mesh, axis_name)
+  s_v, s_s = vm.init(params_like()), sm.init(params_like())
+  for step in range(3):
+    u = worker_updates(10 + step, n=n)
+    o_v, s_v = vm.update(u, s_v)
+    o_s, s_s = sm.update(u, s_s)
+    for a, b in zip(jax.tree.leaves((o_v, s_v)), jax.tree.leaves((o_s, s_s))):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=1e-5, atol=atol, err_msg=f"{compressor.name}, step {step}")
+  o_s = np.asarray(o_s["w"])
+  np.testing.assert_allclose(o_s, np.broadcast_to(o_s[0], o_s.shape), rtol=1e-6,
+                             err_msg=f"{compressor.name}: workers received different means")
+
+
+def one_device_equals_local(compressor: base.Compressor) -> None:
+  """A one-device mesh gives what ``axis_name=None`` gives, for three steps."""
+  mesh1 = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  local = _tx(compressor)
+  sm = shard_map_workers(_tx(compressor, "data"), mesh1, "data")
+  s_l, s_s = local.init(params_like()), sm.init(params_like())
+  for step in range(3):
+    u = worker_updates(20 + step, n=1)
+    o_s, s_s = sm.update(u, s_s)
+    o_l, s_l = jax.jit(local.update)(_first(u), s_l)
+    for a, b in zip(jax.tree.leaves(o_l), jax.tree.leaves(o_s)):
+      np.testing.assert_allclose(a, np.asarray(b)[0], rtol=1e-5, atol=1e-6,
+                                 err_msg=f"{compressor.name}, step {step}")
+
+
+def owed(state, key: str, n: int, mesh, axis_name, strategy: str = "auto") -> np.ndarray:
+  """What error feedback still owes the mean for leaf ``key`` of ``n`` coordinates, flat ``[n]``.
+
+  The mean over workers of their residuals, plus the server memories of
+  ``two_phase`` (worker ``j`` holds chunk ``j``); under ``hierarchical`` a
+  node's residual is its local ranks' shards end to end, and worker
+  ``(s, l)`` holds chunk ``s`` of shard ``l`` of the server memory. Takes the
+  state stacked over workers, as :func:`shard_map_workers` returns it.
+  """
+  residual = np.asarray(state.residual[key], np.float32)
+  server = state.server_residual[key] if state.server_residual is not None else None
+  has_server = server is not None and not isinstance(server, optax.MaskedNode)
+  if strategy == "hierarchical":
+    nodes, ranks = (mesh.shape[a] for a in axis_name)
+    total = residual.reshape(nodes, -1)[:, :n].mean(0)
+    if has_server:
+      shard = -(-n // ranks)
+      parts = np.asarray(server, np.float32).reshape(nodes, ranks, -1)
+      total = total + parts.transpose(1, 0, 2).reshape(ranks, -1)[:, :shard].reshape(-1)[:n]
+    return total
+  total = residual.reshape(residual.shape[0], -1).mean(0)
+  if has_server:
+    total = total + np.asarray(server, np.float32).reshape(-1)[:n]
+  return total
+
+
+def error_feedback_conservation(compressor: base.Compressor, mesh, axis_name="data", *,
+                                strategy: str = "auto", atol: float = 1e-4) -> None:
+  """Over six steps: Σ outputs + what is owed (:func:`owed`) = Σ mean inputs."""
+  n = _workers(mesh)
+  sm = shard_map_workers(_tx(compressor, axis_name, strategy=strategy), mesh, axis_name)
+  state = sm.init(params_like())
+  sum_out = sum_in = 0.0
+  for step in range(6):
+    u = worker_updates(30 + step, n=n)
+    out, state = sm.update(u, state)
+    sum_out = sum_out + np.asarray(out["w"], np.float32)[0].reshape(-1)
+    sum_in = sum_in + np.asarray(u["w"], np.float32).mean(0).reshape(-1)
+  np.testing.assert_allclose(sum_out + owed(state, "w", sum_in.size, mesh, axis_name, strategy),
+                             sum_in, rtol=1e-4, atol=atol,
+                             err_msg=f"{compressor.name} ({strategy})")
+
+
+def payload_bytes_equal_hlo_audit(compressor: base.Compressor, mesh,
+                                  axis_name: str = "data") -> None:
+  """The compiled program's collectives carry exactly :func:`commopt.wire.payload_bytes`."""
+  tx = _tx(compressor, axis_name)
+  sm = shard_map_workers(tx, mesh, axis_name)
+  u = worker_updates(40, n=_workers(mesh))
+  collectives = wire.hlo_collectives(sm.update, u, sm.init(params_like()))
+  expected = wire.payload_bytes(compressor, params_like(), min_size=MIN_SIZE)
+  got = wire.total_bytes(collectives)
+  assert got == expected.total, (
+      f"{compressor.name}: the compiled step moves {got} bytes per worker, payload_bytes "
+      f"says {expected.total}: {[c.line for c in collectives]}")
+
+
+def cond_state_stability(compressor: base.Compressor) -> None:
+  """``lax.cond(pred, update, keep)`` traces: the new state has the old one's types."""
+  tx = _tx(compressor)
+  state = tx.init(params_like())
+  u = _first(worker_updates(2))
+
+  @jax.jit
+  def step(pred, u, s):
+    return jax.lax.cond(pred, lambda: tx.update(u, s)[1], lambda: s)
+
+  new = step(True, u, state)
+  kept = step(False, u, state)
+  spec = lambda t: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), t)
+  assert spec(new) == spec(state) == spec(kept), (
+      f"{compressor.name}: the state changes types through an update")
+
+
+def multi_steps_accumulates(compressor: base.Compressor, every: int = 2) -> None:
+  """Inside ``multi_steps``: zeros until the k-th input, then the update of their mean."""
+  tx = _tx(compressor)
+  acc = multi_steps(tx, every)
+  state = acc.init(params_like())
+  us = [_first(worker_updates(50 + i)) for i in range(every)]
+  for i, u in enumerate(us):
+    out, state = jax.jit(acc.update)(u, state)
+    if i < every - 1:
+      assert all(not bool(jnp.any(x)) for x in jax.tree.leaves(out)), (
+          f"{compressor.name}: multi_steps emitted before its {every}th input")
+  mean = jax.tree.map(lambda *xs: sum(xs) / every, *us)
+  want, _ = jax.jit(tx.update)(mean, tx.init(params_like()))
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=compressor.name)
+
+
+def chunked_strategies(compressor: base.Compressor, mesh, mesh2d, *,
+                       axes=("node", "local"), atol: float = 2e-4) -> None:
+  """``two_phase`` on ``mesh`` and ``hierarchical`` on ``mesh2d`` conserve what they owe.
+
+  Both memories enter the balance, and the chunk means are re-encoded, so the
+  float32 sums are longer than under ``gather``: ``atol`` is twice as wide.
+  """
+  error_feedback_conservation(compressor, mesh, "data", strategy="two_phase", atol=atol)
+  error_feedback_conservation(compressor, mesh2d, axes, strategy="hierarchical", atol=atol)
+
+
+def robust_rule_compatible(compressor: base.Compressor, num_workers: int = 8) -> None:
+  """A robust rule (the coordinate median) over this compressor's decoded payloads is finite."""
+  w = vmap_workers(coordinate_median("workers", compressor=compressor, min_size=MIN_SIZE), num_workers)
+  out, _ = w.update(worker_updates(60, n=num_workers), w.init(params_like()))
+  for key in ("w", "b"):
+    assert out[key].shape == (num_workers,) + params_like()[key].shape
+    assert bool(jnp.all(jnp.isfinite(out[key]))), f"{compressor.name}: non-finite median"
+
+
+def run_all(compressor: base.Compressor, mesh, mesh2d=None, *, atol: float = 1e-6,
+            conservation_atol: float = 1e-4) -> list[str]:
+  """Every check that applies to ``compressor``; returns the names of those run.
+
+  Args:
+    compressor: the compressor to check.
+    mesh: a 1-D mesh with axis ``"data"``.
+    mesh2d: a 2-D mesh with axes ``("node", "local")`` for the hierarchical
+      check (skipped when None).
+    atol: tolerance of :func:`vmap_equals_shard_map`.
+    conservation_atol: tolerance of :func:`error_feedback_conservation`.
+  """
+  ran = []
+
+  def run(check, *args, **kw):
+    check(compressor, *args, **kw)
+    ran.append(check.__name__)
+
+  run(jit_without_retrace)
+  run(dtypes_and_none_leaves, jnp.float32)
+  run(dtypes_and_none_leaves, jnp.bfloat16)
+  run(vmap_equals_shard_map, mesh, atol=atol)
+  run(one_device_equals_local)
+  run(error_feedback_conservation, mesh, atol=conservation_atol)
+  run(payload_bytes_equal_hlo_audit, mesh)
+  run(cond_state_stability)
+  run(multi_steps_accumulates)
+  if base.is_stateless_per_leaf(compressor):
+    if mesh2d is not None:
+      run(chunked_strategies, mesh, mesh2d, atol=max(2 * conservation_atol, 2e-4))
+    run(robust_rule_compatible)
+  return ran
