@@ -61,7 +61,7 @@ def main(argv=None):
   import jax.numpy as jnp
   import numpy as np
 
-  from commopt.compressors._sparsify import first_true, sampled_threshold
+  from commopt.compressors._sparse import first_true, sampled_threshold
 
   try:
     import torch

@@ -41,7 +41,6 @@ from commopt.aggregators import (
 from commopt._src.base import Compressor, Reduced
 from commopt.compressors import (
     AdaCompState,
-    GlobalCompressor,
     PowerSGDLeafState,
     RandomKState,
     adacomp,
@@ -102,7 +101,6 @@ __all__ = [
     "dgc",
     "DGCState",
     "geometric_median",
-    "GlobalCompressor",
     "gradient_dropping",
     "int_quant",
     "krum",

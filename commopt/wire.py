@@ -98,9 +98,11 @@ class CommPlan(NamedTuple):
     collectives: one :class:`Planned` per collective and leaf, in leaf order.
     dense_sent: what a dense all-reduce of every leaf would send per worker
       (ring model), in bytes.
+    dense_bytes: every leaf's bytes, what a dense all-reduce takes in.
   """
   collectives: list
   dense_sent: float
+  dense_bytes: int = 0
 
   @property
   def contributed_bytes(self) -> int:
@@ -169,7 +171,8 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
   total = math.prod(workers) if isinstance(workers, tuple) else workers
   dense = sum(base.leaf_size(l.shape) * np.dtype(l.dtype).itemsize
               for l in jax.tree.leaves(params))
-  return CommPlan(collectives=entries, dense_sent=ring_sent_bytes("all-reduce", dense, total))
+  return CommPlan(collectives=entries, dense_sent=ring_sent_bytes("all-reduce", dense, total),
+                  dense_bytes=int(dense))
 
 
 class Collective(NamedTuple):

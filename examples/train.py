@@ -117,24 +117,22 @@ def main(argv=None):
         f"global batch {batch}, {steps_per_epoch} steps/epoch, {args.epochs} epochs")
 
   def optimizer(name):
-    """(label, optax transform, compressor whose payload crosses the wire, min_size, schedule)."""
+    """(label, optax transform, the reducing transform inside it, DGC's schedule)."""
     if name == "signum":
-      tx = optax.chain(optax.trace(decay=args.momentum), commopt.majority_vote("data"),
-                       optax.scale(-args.sign_lr))
-      return "signum(majority vote)", tx, commopt.sign(), 0, None
+      vote = commopt.majority_vote("data")
+      tx = optax.chain(optax.trace(decay=args.momentum), vote, optax.scale(-args.sign_lr))
+      return "signum(majority vote)", tx, vote, None
     if name == "dgc":
       e = args.dgc_warmup_epochs
       densities = commopt.transforms.DGC_WARMUP_DENSITIES
       densities = densities if e else densities[-1:]
       # Four boundaries spread over the warm-up epochs (they must increase strictly).
       boundaries = tuple(max(i, steps_per_epoch * e * i // 4) for i in range(1, 5)) if e else ()
-      tx = optax.chain(
-          commopt.dgc("data", densities=densities, boundaries=boundaries,
-                      momentum=args.momentum, clip_norm=args.clip_norm),
-          optax.sgd(args.lr))
+      reducer = commopt.dgc("data", densities=densities, boundaries=boundaries,
+                            momentum=args.momentum, clip_norm=args.clip_norm)
+      tx = optax.chain(reducer, optax.sgd(args.lr))
       # Bytes are reported for the final (steady-state) density.
-      return (f"dgc(density {densities[-1]})", tx, commopt.top_k(densities[-1]),
-              commopt.DEFAULT_MIN_SIZE, (densities, boundaries))
+      return f"dgc(density {densities[-1]})", tx, reducer, (densities, boundaries)
     flags = dict(ratio=args.ratio, rank=args.rank, dtype=args.dtype, levels=args.levels,
                  bits=args.bits, block_size=args.block_size, bucket_size=args.bucket_size,
                  clip=args.clip, tau=args.tau, drop_ratio=args.drop_ratio,
@@ -143,45 +141,49 @@ def main(argv=None):
     compressor = commopt.compressors.make(
         name, **{k: v for k, v in flags.items() if k in commopt.compressors.options(name)})
     ef = not args.no_error_feedback
-    label = compressor.name if args.strategy == "auto" else f"{compressor.name} [{args.strategy}]"
-    try:
-      reduce = commopt.compressed_mean(compressor, "data", error_feedback=ef,
-                                       strategy=args.strategy)
-    except ValueError as e:
-      print(f"{compressor.name}: strategy {args.strategy!r} does not apply ({e}); using 'auto'")
-      reduce = commopt.compressed_mean(compressor, "data", error_feedback=ef)
-      label = compressor.name
-    tx = optax.chain(reduce, optax.sgd(args.lr, momentum=args.momentum))
-    return label, tx, compressor, commopt.DEFAULT_MIN_SIZE, None
+    strategy = args.strategy
+    # two_phase re-encodes chunks (per-leaf payloads); psum sums payloads (linear ones).
+    needs = {"two_phase": "per_leaf", "psum": "linear"}.get(strategy)
+    if needs and needs not in compressor.capabilities:
+      print(f"{compressor.name}: strategy {strategy!r} needs a {needs} compressor, and its "
+            f"capabilities are {sorted(compressor.capabilities)}; using 'auto'")
+      strategy = "auto"
+    label = compressor.name if strategy == "auto" else f"{compressor.name} [{strategy}]"
+    reducer = commopt.compressed_mean(compressor, "data", error_feedback=ef, strategy=strategy)
+    tx = optax.chain(reducer, optax.sgd(args.lr, momentum=args.momentum))
+    return label, tx, reducer, None
 
   for name in names:
-    label, tx, compressor, min_size, schedule = optimizer(name)
+    label, tx, reducer, schedule = optimizer(name)
     trainer = commopt.nnx_data_parallel(model, cross_entropy, tx, mesh)
     state = trainer.init(model)                     # every run starts from the same model
     params = state.params
     first = {"x": x_train[:batch], "y": y_train[:batch]}
 
-    report = wire.payload_bytes(compressor, params, min_size=min_size)
+    # What the reduction plans to send, before anything compiles; the audit checks it.
+    report = wire.comm_plan(reducer, params, args.workers)
     audit = wire.hlo_collectives(trainer, state, first)
     # Besides the payload: the batch statistics' mean over workers (dense) and
     # the int32 flag that makes every worker agree to skip a non-finite step.
     stats_bytes = sum(x.size * x.dtype.itemsize
                       for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat)))
     skip_flag_bytes = 4
-    dense_sent = 2 * (args.workers - 1) / args.workers * report.dense
+    dense_sent = report.dense_sent
+    payload = report.contributed_bytes
     sent = wire.total_bytes(audit, "sent_bytes")
-    print(f"\n== {label}: payload {report.total / 1e3:,.1f} kB/worker/step "
+    print(f"\n== {label}: payload {payload / 1e3:,.1f} kB/worker/step "
           f"(HLO audit {wire.total_bytes(audit) / 1e3:,.1f} kB in {len(audit)} collectives = "
           f"payload + {stats_bytes} B batch statistics + {skip_flag_bytes} B skip flag) "
-          f"vs dense {report.dense / 1e3:,.1f} kB: {report.ratio:.1f}x smaller; "
+          f"vs dense {report.dense_bytes / 1e3:,.1f} kB: "
+          f"{report.dense_bytes / payload:.1f}x smaller; "
           f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
           f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
     sent_at = lambda step: sent
     if schedule:
       # The compiled step holds every warm-up stage's collectives (one switch
       # branch each) but runs one per step: count the stage that runs.
-      stage_sent = {d: wire.comm_plan(commopt.top_k(d), params, args.workers,
-                                      min_size=min_size).sent_bytes for d in schedule[0]}
+      stage_sent = {d: wire.comm_plan(commopt.top_k(d), params, args.workers).sent_bytes
+                    for d in schedule[0]}
       sent_at = lambda step: stage_sent[commopt.transforms.warmup_density(step, *schedule)]
       print("   dgc: the audit above sums all warm-up stages; per step, the stage that runs sends "
             + ", ".join(f"{d:g}: {b / 1e3:,.1f} kB" for d, b in stage_sent.items()))
@@ -189,9 +191,10 @@ def main(argv=None):
       opts = dict(commopt.compressors.DEFAULTS["qsgd"])
       opts.update({k: v for k, v in (("levels", args.levels), ("bucket_size", args.bucket_size))
                    if v is not None})
-      flags = jax.tree.leaves(report.compressed)
+      packed = {c.leaf for c in report.collectives if c.packed}
       elias = sum(commopt.compressors.qsgd_elias_bits(p.shape, **opts)
-                  for p, compressed in zip(jax.tree.leaves(params), flags) if compressed)
+                  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
+                  if jax.tree_util.keystr(path) in packed)
       print(f"   qsgd: Elias coding of the compressed leaves would cost at most "
             f"{elias / 8e3:,.1f} kB (paper's bound) against the fixed-width packing sent")
 
@@ -223,8 +226,8 @@ def main(argv=None):
             f"sent {total_sent / 1e6:8.2f} MB/worker")
       if args.max_steps and step >= args.max_steps:
         break
-    history.update(seconds=time.perf_counter() - t0, payload_bytes=report.total,
-                   dense_bytes=report.dense, audited_bytes=wire.total_bytes(audit),
+    history.update(seconds=time.perf_counter() - t0, payload_bytes=payload,
+                   dense_bytes=report.dense_bytes, audited_bytes=wire.total_bytes(audit),
                    model_state_sync_bytes=stats_bytes, skip_flag_bytes=skip_flag_bytes,
                    skipped_steps=int(state.opt_state.total_notfinite),
                    sent_bytes_per_step=sent, dense_sent_bytes_per_step=dense_sent,

@@ -7,19 +7,22 @@ import pytest
 import commopt
 from commopt import wire
 from commopt._src import base
-from commopt.compressors import REGISTRY, make
+from commopt.compressors import REGISTRY, VARIANTS, make
 from commopt.testing import checks
 
 NAMES = sorted(REGISTRY)
+# Every registered compressor with its defaults, and each registered variant.
+CASES = [(n, {}) for n in NAMES] + [(n, v) for n in NAMES for v in VARIANTS[n]]
+IDS = [n + "".join(f"[{k}={v}]" for k, v in opts.items()) for n, opts in CASES]
 # A bf16 payload summed by the all-reduce rounds in a backend-specific order
 # (XLA:CPU sums in f32, vmap in bf16); its residuals cannot see the rounding of
 # the sum itself. Casts get a few bf16 ulps there.
 BF16_SUM = {"cast"}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_jit_without_retrace(name):
-  checks.jit_without_retrace(make(name))
+@pytest.mark.parametrize("name,opts", CASES, ids=IDS)
+def test_jit_without_retrace(name, opts):
+  checks.jit_without_retrace(make(name, **opts))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -28,9 +31,10 @@ def test_dtypes_and_none_leaves(name, dtype):
   checks.dtypes_and_none_leaves(make(name), dtype)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_vmap_workers_equal_shard_map_workers(name, mesh):
-  checks.vmap_equals_shard_map(make(name), mesh, atol=3e-2 if name in BF16_SUM else 1e-6)
+@pytest.mark.parametrize("name,opts", CASES, ids=IDS)
+def test_vmap_workers_equal_shard_map_workers(name, opts, mesh):
+  checks.vmap_equals_shard_map(make(name, **opts), mesh,
+                               atol=3e-2 if name in BF16_SUM else 1e-6)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -38,26 +42,32 @@ def test_one_device_shard_map_equals_local(name):
   checks.one_device_equals_local(make(name))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_error_feedback_conservation(name, mesh):
-  checks.error_feedback_conservation(make(name), mesh, atol=6e-2 if name in BF16_SUM else 1e-4)
+@pytest.mark.parametrize("name,opts", CASES, ids=IDS)
+def test_error_feedback_conservation(name, opts, mesh):
+  checks.error_feedback_conservation(make(name, **opts), mesh,
+                                     atol=6e-2 if name in BF16_SUM else 1e-4)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_payload_bytes_equal_hlo_audit(name, mesh):
-  checks.payload_bytes_equal_hlo_audit(make(name), mesh)
+@pytest.mark.parametrize("name,opts", CASES, ids=IDS)
+def test_payload_bytes_equal_hlo_audit(name, opts, mesh):
+  checks.payload_bytes_equal_hlo_audit(make(name, **opts), mesh)
   # XLA:CPU widens 16-bit all-reduces to f32 when it compiles (GPUs keep them);
   # the audit's stage="auto" then reads the wire format before that pass.
-  if name == "cast" and jax.default_backend() == "cpu":
+  if name == "cast" and not opts and jax.default_backend() == "cpu":
     sm = commopt.testing.shard_map_workers(
         commopt.compressed_mean(make(name), "data", min_size=checks.MIN_SIZE), mesh, "data")
     u, state = checks.worker_updates(40), sm.init(checks.params_like())
     compiled = wire.hlo_collectives(sm.update, u, state, stage="compiled")
     assert any("f32" in c.dtypes for c in compiled)
     assert any("bf16" in c.dtypes for c in wire.hlo_collectives(sm.update, u, state))
-  if name not in ("identity", "cast"):
+  if name not in ("identity", "cast") and not opts:
     report = wire.payload_bytes(make(name), checks.params_like(), min_size=checks.MIN_SIZE)
     assert report.ratio > 3   # int8 and natural (9 bits) are the least
+
+
+@pytest.mark.parametrize("name,opts", CASES, ids=IDS)
+def test_declared_capabilities_hold(name, opts):
+  checks.declared_capabilities(make(name, **opts))
 
 
 @pytest.mark.parametrize("name", NAMES)

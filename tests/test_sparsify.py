@@ -12,15 +12,15 @@ from hypothesis import given, settings, strategies as st
 
 import commopt
 from commopt import wire
-from commopt.compressors._sparsify import (
+from commopt.compressors import (
     adacomp,
     gradient_dropping,
-    keep_probabilities,
     random_k,
     threshold,
     top_k,
     variance_balanced,
 )
+from commopt.compressors._random import keep_probabilities
 from commopt.transforms._dgc import (
     DGC_WARMUP_DENSITIES,
     DGCLeafState,

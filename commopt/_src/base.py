@@ -59,6 +59,20 @@ class Compressor:
       compressor itself never communicates.
     reduce_collective: the collective ``reduce`` runs (``"all-reduce"`` or
       ``"all-gather"``), for communication plans (:func:`commopt.wire.comm_plan`).
+    stateful: whether ``init`` returns per-leaf state that ``encode`` updates
+      (PowerSGD's ``q``, random-k's counter); the shared suite checks the
+      declaration against ``init``.
+    encode_tree: optional ``encode_tree(xs, key) -> payload`` for a
+      selection that spans every compressed leaf at once (``top_k(scope=
+      "global")``): :func:`~commopt.compressed_mean` hands it the list of
+      compressed leaves and exchanges one payload for all of them. ``encode``
+      and ``decode`` on one leaf then behave as the same selection over that
+      leaf alone, and ``payload_bits`` gives each leaf's share of the budget.
+    decode_tree: ``decode_tree(payload, likes) -> list`` of reconstructions
+      with the shapes and dtypes of ``likes`` (with ``encode_tree``).
+
+  What a compressor can do is declared, not probed: :attr:`capabilities`
+  reads these fields, and the strategies and robust rules check it.
   """
   name: str
   init: Callable[[Any], Any]
@@ -70,20 +84,53 @@ class Compressor:
   accepts: Callable[[tuple[int, ...], Any], bool] = lambda shape, dtype: True
   reduce: Optional[Callable[..., Reduced]] = None
   reduce_collective: str = "all-reduce"
+  stateful: bool = False
+  encode_tree: Optional[Callable[[list, Any], Any]] = None
+  decode_tree: Optional[Callable[[Any, list], list]] = None
 
   def __repr__(self) -> str:
     return f"Compressor({self.name})"
 
+  @property
+  def capabilities(self) -> frozenset:
+    """The declared capabilities, a subset of :data:`CAPABILITIES`.
+
+    - ``"linear"``: payloads may be summed before decoding (``strategy="psum"``).
+    - ``"shared_randomness"``: every worker draws the same bits.
+    - ``"stateful"``: per-leaf state carried from step to step.
+    - ``"protocol"``: its own multi-round reduction (``reduce``).
+    - ``"tree_wide"``: one selection over every compressed leaf (``encode_tree``).
+    - ``"per_leaf"``: none of the last three, so each payload decodes on its
+      own: what ``two_phase``, ``hierarchical`` and the robust rules need.
+
+    Example:
+      >>> import commopt
+      >>> sorted(commopt.scaled_sign().capabilities)
+      ['per_leaf']
+      >>> sorted(commopt.power_sgd().capabilities)
+      ['protocol', 'stateful']
+    """
+    caps = {name for name, on in (("linear", self.linear),
+                                  ("shared_randomness", self.shared_randomness),
+                                  ("stateful", self.stateful),
+                                  ("protocol", self.reduce is not None),
+                                  ("tree_wide", self.encode_tree is not None)) if on}
+    if not caps & {"stateful", "protocol", "tree_wide"}:
+      caps.add("per_leaf")
+    return frozenset(caps)
+
+
+CAPABILITIES = ("linear", "shared_randomness", "stateful", "protocol", "tree_wide", "per_leaf")
+"""Everything :attr:`Compressor.capabilities` may hold."""
+
 
 def is_stateless_per_leaf(compressor: Compressor) -> bool:
-  """Whether each payload decodes on its own: no per-leaf state, own protocol or tree-wide selection.
+  """Whether each payload decodes on its own (the ``"per_leaf"`` capability).
 
   Chunked reductions and robust rules encode pieces or decode each worker's
   payload independently, which only such compressors allow.
   """
-  state = jax.eval_shape(compressor.init, jax.ShapeDtypeStruct((8,), jnp.float32))
-  return (compressor.reduce is None and not jax.tree.leaves(state)
-          and getattr(compressor, "encode_tree", None) is None)
+  return "per_leaf" in compressor.capabilities
 
 
 def stateless_init(leaf) -> EmptyState:
@@ -152,6 +199,23 @@ def per_element(per_block: jax.Array, n: int, block_size: Optional[int]) -> jax.
   """
   size = block_len(n, block_size)
   return jnp.broadcast_to(per_block[:, None], (per_block.shape[0], size)).reshape(-1)[:n]
+
+
+def check_choice(name: str, value, valid: tuple, fn: str):
+  """``value``, or a ValueError naming ``name`` unless it is one of ``valid``."""
+  if value not in valid:
+    raise ValueError(f"{fn}: `{name}` must be one of {valid}, got {value!r}.")
+  return value
+
+
+def check_block_size(block_size, fn: str, name: str = "block_size") -> Optional[int]:
+  """``None`` (one block) or a positive int, else a ValueError naming ``name``."""
+  if block_size is None:
+    return None
+  if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or \
+      block_size <= 0:
+    raise ValueError(f"{fn}: `{name}` must be None or a positive integer, got {block_size!r}.")
+  return int(block_size)
 
 
 def check_int(name: str, value, *, fn: str, minimum: int) -> int:

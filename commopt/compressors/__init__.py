@@ -1,36 +1,37 @@
-"""Compressors: pure encode/decode pairs that never communicate."""
+"""Compressors: pure encode/decode pairs that never communicate.
 
-from commopt._src.base import EmptyState
+One small module per family, each registering its factories beside them
+(:func:`register`): ``_basic`` (identity, casts), ``_sign`` (sign, scaled
+sign, 1-bit), ``_levels`` (TernGrad, QSGD, natural, int8/int4, adaptive
+levels), ``_coding`` (QSGD's Elias coding cost), ``_sparse`` (sparse payload
+primitives), ``_topk``, ``_random`` (random-k, variance-balanced),
+``_threshold`` (threshold, gradient dropping, AdaComp) and ``_lowrank``
+(PowerSGD).
+"""
+
+from commopt._src.base import CAPABILITIES, EmptyState
 from commopt.compressors._basic import cast, identity
+from commopt.compressors._coding import qsgd_coded_bits, qsgd_elias_bits
+from commopt.compressors._levels import adaptive_levels, int_quant, natural, qsgd, terngrad
 from commopt.compressors._lowrank import PowerSGDLeafState, power_sgd
-from commopt.compressors._quantize import (
-    adaptive_levels,
-    int_quant,
-    natural,
-    onebit,
-    qsgd,
-    qsgd_coded_bits,
-    qsgd_elias_bits,
-    scaled_sign,
-    sign,
-    terngrad,
-)
+from commopt.compressors._random import RandomKState, random_k, variance_balanced
 from commopt.compressors._registry import (
-    DEFAULTS, REGISTRY, make, options, register, unregister)
-from commopt.compressors._sparsify import (
-    AdaCompState,
-    GlobalCompressor,
-    RandomKState,
-    adacomp,
-    gradient_dropping,
-    random_k,
-    threshold,
-    top_k,
-    variance_balanced,
+    DEFAULTS,
+    REGISTRY,
+    VARIANTS,
+    make,
+    options,
+    register,
+    unregister,
 )
+from commopt.compressors._sign import onebit, scaled_sign, sign
+from commopt.compressors._threshold import AdaCompState, adacomp, gradient_dropping, threshold
+from commopt.compressors._topk import top_k
 
-__all__ = ["DEFAULTS", "EmptyState", "REGISTRY", "adaptive_levels", "cast", "identity", "int_quant",
-           "make", "natural", "options", "register", "unregister", "onebit", "power_sgd", "PowerSGDLeafState", "qsgd",
-           "qsgd_coded_bits", "qsgd_elias_bits", "scaled_sign", "sign", "terngrad", "top_k",
-           "AdaCompState", "GlobalCompressor", "RandomKState", "adacomp", "gradient_dropping",
-           "random_k", "threshold", "variance_balanced"]
+__all__ = [
+    "AdaCompState", "CAPABILITIES", "DEFAULTS", "EmptyState", "PowerSGDLeafState", "REGISTRY",
+    "RandomKState", "VARIANTS", "adacomp", "adaptive_levels", "cast", "gradient_dropping",
+    "identity", "int_quant", "make", "natural", "onebit", "options", "power_sgd", "qsgd",
+    "qsgd_coded_bits", "qsgd_elias_bits", "random_k", "register", "scaled_sign", "sign",
+    "terngrad", "threshold", "top_k", "unregister", "variance_balanced",
+]

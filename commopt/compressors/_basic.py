@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from commopt._src import base
+from commopt.compressors._registry import register
 
 _CAST_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -70,3 +71,7 @@ def cast(dtype="bfloat16") -> base.Compressor:
       payload_bits=lambda shape, in_dtype: base.leaf_size(shape) * bits,
       linear=True,
   )
+
+
+register("identity", identity)
+register("cast", cast, {"dtype": "bfloat16"}, variants=({"dtype": "float16"},))

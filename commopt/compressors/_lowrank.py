@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from commopt._src import base
+from commopt.compressors._registry import register
 
 View = Union[str, Callable[[tuple[int, ...]], tuple[int, int]]]
 
@@ -149,6 +150,7 @@ def power_sgd(rank: int = 1, *, view: View = "last",
   return base.Compressor(
       name=f"power_sgd(rank={rank})",
       init=init,
+      stateful=True,
       encode=encode,
       decode=decode,
       payload_bits=payload_bits,
@@ -156,3 +158,6 @@ def power_sgd(rank: int = 1, *, view: View = "last",
       accepts=accepts,
       reduce=reduce,
   )
+
+
+register("power_sgd", power_sgd, {"rank": 2}, variants=({"rank": 1, "view": "first"},))

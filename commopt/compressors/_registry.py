@@ -1,4 +1,9 @@
-"""Compressors by name, for command lines, benchmarks and the shared test suite."""
+"""Compressors by name, for command lines, benchmarks and the shared test suite.
+
+Each family module registers its factories beside them, in one line each
+(:func:`register`), with the options :func:`make` uses by default and the
+variants the shared suite runs besides.
+"""
 
 from __future__ import annotations
 
@@ -6,76 +11,22 @@ import inspect
 from typing import Callable, Optional
 
 from commopt._src import base
-from commopt.compressors._basic import cast, identity
-from commopt.compressors._lowrank import power_sgd
-from commopt.compressors._quantize import (
-    adaptive_levels,
-    int_quant,
-    natural,
-    onebit,
-    qsgd,
-    scaled_sign,
-    sign,
-    terngrad,
-)
-from commopt.compressors._sparsify import (
-    adacomp,
-    gradient_dropping,
-    random_k,
-    threshold,
-    top_k,
-    variance_balanced,
-)
 
-REGISTRY: dict[str, Callable[..., base.Compressor]] = {
-    "identity": identity,
-    "cast": cast,
-    "scaled_sign": scaled_sign,
-    "sign": sign,
-    "onebit": onebit,
-    "terngrad": terngrad,
-    "qsgd": qsgd,
-    "natural": natural,
-    "int_quant": int_quant,
-    "adaptive_levels": adaptive_levels,
-    "top_k": top_k,
-    "random_k": random_k,
-    "threshold": threshold,
-    "gradient_dropping": gradient_dropping,
-    "adacomp": adacomp,
-    "variance_balanced": variance_balanced,
-    "power_sgd": power_sgd,
-}
-"""Every compressor factory, by name."""
+REGISTRY: dict[str, Callable[..., base.Compressor]] = {}
+"""Every compressor factory, by name; each family module registers its own."""
 
-DEFAULTS: dict[str, dict] = {
-    "identity": {},
-    "cast": {"dtype": "bfloat16"},
-    "scaled_sign": {},
-    "sign": {},
-    "onebit": {},
-    "terngrad": {"clip": 2.5},
-    "qsgd": {"levels": 7, "bucket_size": 512},
-    "natural": {},
-    "int_quant": {"bits": 8, "block_size": 256, "rounding": "stochastic"},
-    "adaptive_levels": {"levels": 16},
-    "top_k": {"ratio": 0.01},
-    "random_k": {"ratio": 0.01},
-    "threshold": {"tau": 1e-3, "capacity": 0.01},
-    "gradient_dropping": {"drop_ratio": 0.99},
-    "adacomp": {"bin_size": 50},
-    "variance_balanced": {"ratio": 0.01},
-    "power_sgd": {"rank": 2},
-}
+DEFAULTS: dict[str, dict] = {}
 """The options :func:`make` uses when none are given."""
 
+VARIANTS: dict[str, tuple[dict, ...]] = {}
+"""Option sets besides the defaults that the shared suite also runs, by name."""
 
-_EXCLUSIVE = {"top_k": {"ratio", "k"}, "random_k": {"ratio", "k"},
-              "variance_balanced": {"ratio", "k"}}
+_EXCLUSIVE: dict[str, set] = {}
 
 
 def register(name: str, factory: Callable[..., base.Compressor],
-             defaults: Optional[dict] = None, *, replace: bool = False) -> None:
+             defaults: Optional[dict] = None, *, exclusive: tuple[str, ...] = (),
+             variants: tuple[dict, ...] = (), replace: bool = False) -> None:
   """Adds a compressor factory to :data:`REGISTRY` under ``name``.
 
   Registered compressors are built by :func:`make`, take part in the demo's
@@ -86,6 +37,10 @@ def register(name: str, factory: Callable[..., base.Compressor],
     name: the registry key.
     factory: a function returning a :class:`~commopt.Compressor`.
     defaults: the options :func:`make` uses when none are given (default none).
+    exclusive: options that exclude one another (``("ratio", "k")``): giving
+      one to :func:`make` drops the others' defaults.
+    variants: option sets besides the defaults (each completed by the
+      defaults, as :func:`make` does) that the shared suite also runs.
     replace: allow replacing an existing entry (else a taken name is refused).
 
   Example:
@@ -104,12 +59,18 @@ def register(name: str, factory: Callable[..., base.Compressor],
         f"register: a compressor named {name!r} is already registered; pass replace=True "
         "to replace it.")
   defaults = dict(defaults or {})
-  unknown = sorted(set(defaults) - set(inspect.signature(factory).parameters))
-  if unknown:
-    raise ValueError(f"register: `defaults` names options {unknown} that {name!r}'s factory "
-                     "does not take.")
+  accepted = set(inspect.signature(factory).parameters)
+  for what, names in (("defaults", set(defaults)), ("exclusive", set(exclusive)),
+                      *(("variants", set(v)) for v in variants)):
+    unknown = sorted(names - accepted)
+    if unknown:
+      raise ValueError(f"register: `{what}` names options {unknown} that {name!r}'s factory "
+                       "does not take.")
   REGISTRY[name] = factory
   DEFAULTS[name] = defaults
+  VARIANTS[name] = tuple(dict(v) for v in variants)
+  if exclusive:
+    _EXCLUSIVE[name] = set(exclusive)
 
 
 def unregister(name: str) -> None:
@@ -117,6 +78,8 @@ def unregister(name: str) -> None:
   _check_name(name)
   del REGISTRY[name]
   DEFAULTS.pop(name, None)
+  VARIANTS.pop(name, None)
+  _EXCLUSIVE.pop(name, None)
 
 
 def options(name: str) -> tuple[str, ...]:

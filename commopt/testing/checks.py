@@ -13,6 +13,7 @@ compressor of your own can be held to the same bar::
 
 What is checked:
 
+- :func:`declared_capabilities`: ``stateful`` and ``linear`` hold as declared.
 - :func:`jit_without_retrace`: ``update`` jits once and returns finite values,
   ``None`` leaves stay ``None``.
 - :func:`dtypes_and_none_leaves`: f32 and bf16 leaves keep their dtype and
@@ -50,6 +51,7 @@ from commopt.transforms import compressed_mean, multi_steps
 __all__ = [
     "chunked_strategies",
     "cond_state_stability",
+    "declared_capabilities",
     "dtypes_and_none_leaves",
     "error_feedback_conservation",
     "jit_without_retrace",
@@ -90,6 +92,25 @@ def _tx(compressor, axis_name=None, **kw):
 
 def _workers(mesh) -> int:
   return int(np.prod(mesh.devices.shape))
+
+
+def declared_capabilities(compressor: base.Compressor) -> None:
+  """What the compressor declares holds: ``stateful`` iff ``init`` returns state, and a
+  ``linear`` compressor's summed payloads decode to the sum of its reconstructions."""
+  like = params_like()["w"]
+  state = compressor.init(like)
+  has_state = bool(jax.tree.leaves(state))
+  assert has_state == compressor.stateful, (
+      f"{compressor.name}: declares stateful={compressor.stateful}, but init returns "
+      f"{'some' if has_state else 'no'} state")
+  if compressor.linear and compressor.reduce is None:
+    key = jax.random.PRNGKey(3)
+    xs = [_first(worker_updates(70 + i))["w"] for i in range(2)]
+    payloads = [compressor.encode(x, state, key)[0] for x in xs]
+    summed = compressor.decode(jax.tree.map(jnp.add, *payloads), state, like)
+    apart = sum(compressor.decode(p, state, like).astype(jnp.float32) for p in payloads)
+    np.testing.assert_allclose(np.asarray(summed, np.float32), np.asarray(apart), rtol=1e-2,
+                               atol=1e-2, err_msg=f"{compressor.name} declares linear")
 
 
 def jit_without_retrace(compressor: base.Compressor) -> None:
@@ -296,6 +317,7 @@ def run_all(compressor: base.Compressor, mesh, mesh2d=None, *, atol: float = 1e-
     check(compressor, *args, **kw)
     ran.append(check.__name__)
 
+  run(declared_capabilities)
   run(jit_without_retrace)
   run(dtypes_and_none_leaves, jnp.float32)
   run(dtypes_and_none_leaves, jnp.bfloat16)

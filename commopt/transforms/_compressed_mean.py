@@ -76,7 +76,7 @@ def _server_memories(state: CompressedMeanState, treedef) -> list:
 
 
 def _is_global(compressor) -> bool:
-  return getattr(compressor, "encode_tree", None) is not None
+  return "tree_wide" in compressor.capabilities
 
 
 def compressed_mean(

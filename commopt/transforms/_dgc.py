@@ -11,7 +11,8 @@ import numpy as np
 import optax
 
 from commopt._src import base, tree
-from commopt.compressors import _sparsify
+from commopt.compressors._sparse import METHODS, support
+from commopt.compressors._topk import top_k
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms import _compressed_mean as cm
@@ -127,8 +128,8 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
     2
   """
   densities, boundaries = _check_schedule(densities, boundaries)
-  _sparsify._check_choice("method", method, _sparsify.METHODS, "scheduled_top_k")
-  stages = [_sparsify.top_k(d, method=method) for d in densities]
+  base.check_choice("method", method, METHODS, "scheduled_top_k")
+  stages = [top_k(d, method=method) for d in densities]
   last = stages[-1]
 
   def init(leaf):
@@ -139,7 +140,7 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
       payload, _ = compressor.encode(x, base.EmptyState(), key)
       mean, local = channel.exchange(payload, lambda pl: compressor.decode(pl, None, x),
                                      linear=False)
-      return mean.astype(x.dtype), local, _sparsify.support(payload["indices"], x)
+      return mean.astype(x.dtype), local, support(payload["indices"], x)
     return run
 
   def reduce(x, state, key, channel):
@@ -153,10 +154,10 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
   def encode(x, state, key):
     payload, _ = last.encode(x, base.EmptyState(), key)
     return payload, DGCLeafState(count=optax.safe_int32_increment(state.count),
-                                 sent=_sparsify.support(payload["indices"], x))
+                                 sent=support(payload["indices"], x))
 
   name = "scheduled_top_k(" + ", ".join(f"{d:g}" for d in densities) + ")"
-  return base.Compressor(name=name, init=init, encode=encode,
+  return base.Compressor(name=name, init=init, stateful=True, encode=encode,
                          decode=lambda payload, state, like: last.decode(payload, None, like),
                          payload_bits=last.payload_bits, reduce=reduce,
                          reduce_collective="all-gather")

@@ -38,14 +38,6 @@ def _check_float(x, fn: str) -> None:
     raise ValueError(f"{fn}: `x` must be a floating-point array, got dtype {x.dtype}.")
 
 
-def _check_block_size(block_size, fn: str, name: str = "block_size") -> Optional[int]:
-  if block_size is None:
-    return None
-  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-    raise ValueError(f"{fn}: `{name}` must be None or a positive integer, got {block_size!r}.")
-  return block_size
-
-
 def pack_bits(codes: jax.Array, bits: int, *, implementation: Optional[str] = None,
               interpret: Optional[bool] = None, block: int = BLOCK) -> jax.Array:
   """Packs unsigned codes below ``2**bits`` into uint32 words (bit-identical to ``bits.pack``).
@@ -195,7 +187,7 @@ def sign_pack(x: jax.Array, block_size: Optional[int] = None, *,
   """
   flat = _flat(x, "sign_pack")
   _check_float(flat, "sign_pack")
-  block_size = _check_block_size(block_size, "sign_pack")
+  block_size = base.check_block_size(block_size, "sign_pack")
   block = dispatch.check_block(block, "sign_pack")
   n = flat.shape[0]
   if n == 0:
@@ -263,7 +255,7 @@ def quantize_pack(x: jax.Array, random_bits: jax.Array, levels: int, scales: jax
       or (style == "terngrad" and levels != 1)):
     valid = "1 for style='terngrad'" if style == "terngrad" else "an integer >= 1"
     raise ValueError(f"quantize_pack: `levels` must be {valid}, got {levels!r}.")
-  block_size = _check_block_size(block_size, "quantize_pack")
+  block_size = base.check_block_size(block_size, "quantize_pack")
   block = dispatch.check_block(block, "quantize_pack")
   rbits = _flat(random_bits, "quantize_pack", "random_bits")
   if rbits.dtype != _U32 or rbits.shape[0] != n:

@@ -1,17 +1,13 @@
-"""Quantisation compressors: every coordinate in a few bits.
+"""Multi-level quantisers: TernGrad, QSGD, natural compression, int8/int4 and adaptive levels.
 
-Every payload here is packed: codes of ``b`` bits are laid into uint32 words
-in the layout of :mod:`commopt._src.bits` (``⌈d·b/32⌉`` words for ``d``
-coordinates), and scales or norms travel as float32. Packing and unpacking go
-through :mod:`commopt.kernels` (its Pallas kernels where they handle the
-width, its references elsewhere), which give the same bits on every
-implementation. The stochastic compressors draw their random bits from the
-key that :func:`~commopt.compressed_mean` passes in.
+Codes of ``b`` bits are packed into uint32 words through :mod:`commopt.kernels`
+(Pallas where it handles the width, the reference elsewhere, the same bits on
+every implementation); scales and norms travel as float32. The stochastic
+quantisers draw their random bits from the key ``compressed_mean`` passes in.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import jax
@@ -21,206 +17,19 @@ from commopt import kernels
 from commopt._src import base
 from commopt._src import bits as bitops
 from commopt._src import vma
-
-_F32 = jnp.float32
-
-
-# ---------------------------------------------------------------------------
-# Shared pieces.
-
-
-def _check_block_size(block_size, fn: str, name: str = "block_size") -> Optional[int]:
-  if block_size is None:
-    return None
-  return base.check_positive_int(name, block_size, fn=fn)
-
-
-def _num_blocks(n: int, block_size: Optional[int]) -> int:
-  return 1 if block_size is None else -(-n // block_size)
-
-
-def _uniform(key, n: int, fn: str) -> jax.Array:
-  return jax.random.uniform(base.need_key(key, fn), (n,), _F32)
-
-
-def _random_bits(key, n: int, fn: str) -> jax.Array:
-  """The uint32 bits ``_uniform(key, n, fn)`` is made of (see ``kernels.uniform_from_bits``)."""
-  return jax.random.bits(base.need_key(key, fn), (n,), jnp.uint32)
-
-
-def _inverse(scales: jax.Array, top) -> jax.Array:
-  """``top / scale`` per block (0 where the scale is 0).
-
-  One multiply per coordinate, computed the same way by every program that
-  contains it, so that stochastic rounding draws identical levels under jit,
-  vmap and shard_map.
-  """
-  return jnp.where(scales > 0, top / jnp.where(scales > 0, scales, 1.0), 0.0)
-
-
-def _stochastic_round(y: jax.Array, u: jax.Array) -> jax.Array:
-  """``⌊y⌋ + 1`` with probability ``y - ⌊y⌋``, else ``⌊y⌋`` (unbiased)."""
-  return jnp.floor(y + u)
-
-
-def _flat32(x: jax.Array) -> jax.Array:
-  return x.reshape(-1).astype(_F32)
-
-
-def _sign_words(flat: jax.Array) -> jax.Array:
-  """One bit per coordinate, set where the coordinate is negative."""
-  return kernels.sign_bits(flat)
-
-
-def _signs_from_words(words: jax.Array, n: int) -> jax.Array:
-  """±1.0 per coordinate from :func:`_sign_words` (zeros were sent as +1)."""
-  return 1.0 - 2.0 * kernels.unpack_bits(words, 1, n).astype(_F32)
-
-
-def _words_bits(n: int, bits: int) -> int:
-  return 32 * bitops.packed_words(n, bits)
-
-
-def _out(values: jax.Array, like) -> jax.Array:
-  return values.reshape(like.shape).astype(like.dtype)
-
-
-# ---------------------------------------------------------------------------
-# Signs.
-
-
-def sign() -> base.Compressor:
-  """signSGD's compressor: ``sign(x)``, one bit per coordinate, no scale.
-
-  The payload is ``⌈d/32⌉`` uint32 words; zeros are sent as ``+1``. The output
-  has the magnitude 1 whatever the input's, so use it where only directions
-  matter: :func:`~commopt.majority_vote` (signSGD with majority vote), or
-  followed by a learning rate. It is neither unbiased nor a contraction.
-
-  Returns:
-    A non-linear :class:`~commopt.Compressor`.
-
-  Example:
-    >>> import jax.numpy as jnp, commopt
-    >>> c = commopt.sign()
-    >>> x = jnp.array([0.5, -3.0, 0.0])
-    >>> payload, _ = c.encode(x, c.init(x), None)
-    >>> payload["signs"].tolist(), c.decode(payload, None, x).tolist()
-    ([2], [1.0, -1.0, 1.0])
-
-  References:
-    Bernstein et al., signSGD: Compressed Optimisation for Non-Convex
-    Problems, ICML 2018.
-  """
-
-  def encode(x, state, key):
-    return {"signs": _sign_words(x.reshape(-1))}, state
-
-  def decode(payload, state, like):
-    return _out(_signs_from_words(payload["signs"], base.leaf_size(like.shape)), like)
-
-  return base.Compressor(
-      name="sign", init=base.stateless_init, encode=encode, decode=decode,
-      payload_bits=lambda shape, dtype: _words_bits(base.leaf_size(shape), 1))
-
-
-def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
-  """EF-signSGD's compressor: ``‖x‖₁/d · sign(x)``, signs packed 32 to a word.
-
-  The payload is one float32 scale per block (the block's mean magnitude)
-  and ``⌈d/32⌉`` uint32 words of signs. Zeros are sent as ``+scale``. The
-  compressor is biased, a contraction with ``δ = ‖x‖₁²/(d‖x‖₂²)`` per block,
-  so use it with error feedback. Smaller blocks cost more scales and track
-  the magnitudes of different regions of a tensor better.
-
-  Args:
-    block_size: coordinates per scale; ``None`` gives one scale per leaf.
-
-  Returns:
-    A non-linear :class:`~commopt.Compressor` (reduced by gather-decode-mean).
-
-  Example:
-    >>> import jax.numpy as jnp, commopt
-    >>> c = commopt.scaled_sign()
-    >>> x = jnp.array([1.0, -3.0, 2.0])
-    >>> payload, _ = c.encode(x, c.init(x), None)
-    >>> c.decode(payload, None, x).tolist()
-    [2.0, -2.0, 2.0]
-    >>> c = commopt.scaled_sign(block_size=2)
-    >>> c.decode(c.encode(x, None, None)[0], None, x).tolist()
-    [2.0, -2.0, 2.0]
-
-  References:
-    Karimireddy et al., Error Feedback Fixes SignSGD and other Gradient
-    Compression Schemes, ICML 2019.
-    Zheng et al., Communication-Efficient Distributed Blockwise Momentum SGD
-    with Error-Feedback, NeurIPS 2019.
-  """
-  block_size = _check_block_size(block_size, "scaled_sign")
-
-  def encode(x, state, key):
-    scale, signs = kernels.sign_pack(_flat32(x), block_size)
-    return {"scale": scale, "signs": signs}, state
-
-  def decode(payload, state, like):
-    n = base.leaf_size(like.shape)
-    scale = base.per_element(payload["scale"], n, block_size)
-    return _out(scale * _signs_from_words(payload["signs"], n), like)
-
-  def payload_bits(shape, dtype):
-    n = base.leaf_size(shape)
-    return 32 * _num_blocks(n, block_size) + _words_bits(n, 1)
-
-  name = "scaled_sign" if block_size is None else f"scaled_sign(block_size={block_size})"
-  return base.Compressor(name=name, init=base.stateless_init, encode=encode,
-                         decode=decode, payload_bits=payload_bits)
-
-
-def onebit() -> base.Compressor:
-  """1-bit SGD's quantiser: each sign is reconstructed to its group's mean.
-
-  Coordinates ``≥ 0`` decode to the mean of the non-negative coordinates and
-  negative ones to the mean of the negative coordinates: the least-squares
-  reconstruction from one bit per coordinate, so its error is never larger
-  than :func:`scaled_sign`'s. The payload is two float32 means and
-  ``⌈d/32⌉`` words. Biased; use it with error feedback, as Seide et al. did.
-
-  Returns:
-    A non-linear :class:`~commopt.Compressor`.
-
-  Example:
-    >>> import jax.numpy as jnp, commopt
-    >>> c = commopt.onebit()
-    >>> x = jnp.array([1.0, -3.0, 2.0, -1.0])
-    >>> c.decode(c.encode(x, None, None)[0], None, x).tolist()
-    [1.5, -2.0, 1.5, -2.0]
-
-  References:
-    Seide et al., 1-Bit Stochastic Gradient Descent and its Application to
-    Data-Parallel Distributed Training of Speech DNNs, Interspeech 2014.
-  """
-
-  def encode(x, state, key):
-    flat = _flat32(x)
-    neg = flat < 0
-    n_neg = jnp.sum(neg)
-    n_pos = flat.shape[0] - n_neg
-    mean_pos = jnp.sum(jnp.where(neg, 0.0, flat)) / jnp.maximum(n_pos, 1)
-    mean_neg = jnp.sum(jnp.where(neg, flat, 0.0)) / jnp.maximum(n_neg, 1)
-    return {"means": jnp.stack([mean_pos, mean_neg]), "signs": _sign_words(flat)}, state
-
-  def decode(payload, state, like):
-    n = base.leaf_size(like.shape)
-    neg = kernels.unpack_bits(payload["signs"], 1, n)
-    return _out(payload["means"][neg], like)
-
-  return base.Compressor(
-      name="onebit", init=base.stateless_init, encode=encode, decode=decode,
-      payload_bits=lambda shape, dtype: 64 + _words_bits(base.leaf_size(shape), 1))
-
-
-# ---------------------------------------------------------------------------
-# Stochastic levels.
+from commopt.compressors._registry import register
+from commopt.compressors._qcommon import (
+    _F32,
+    _check_levels,
+    _flat32,
+    _inverse,
+    _out,
+    _random_bits,
+    _signed_levels,
+    _stochastic_round,
+    _uniform,
+    _words_bits,
+)
 
 
 def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
@@ -274,25 +83,6 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
       payload_bits=lambda shape, dtype: 32 + _words_bits(base.leaf_size(shape), 2))
 
 
-def _check_levels(levels, fn: str, minimum: int = 1) -> int:
-  return base.check_int("levels", levels, fn=fn, minimum=minimum)
-
-
-def _signed_levels(block_size, width: int, top: int, scale_key: str):
-  """decode and payload_bits of ``scale_block · l / top`` with codes ``l + top``."""
-
-  def decode(payload, state, like):
-    n = base.leaf_size(like.shape)
-    level = kernels.unpack_bits(payload["codes"], width, n).astype(_F32) - top
-    return _out(base.per_element(payload[scale_key], n, block_size) * level / top, like)
-
-  def payload_bits(shape, dtype):
-    n = base.leaf_size(shape)
-    return 32 * _num_blocks(n, block_size) + _words_bits(n, width)
-
-  return decode, payload_bits
-
-
 def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
   """QSGD: stochastic rounding to ``s`` uniform levels of each bucket's norm.
 
@@ -326,7 +116,7 @@ def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
     Quantization and Encoding, NeurIPS 2017.
   """
   levels = _check_levels(levels, "qsgd")
-  bucket_size = _check_block_size(bucket_size, "qsgd", "bucket_size")
+  bucket_size = base.check_block_size(bucket_size, "qsgd", "bucket_size")
   width = bitops.code_bits(2 * levels + 1)
 
   def encode(x, state, key):
@@ -342,82 +132,6 @@ def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
   return base.Compressor(
       name=f"qsgd(levels={levels}, bucket_size={bucket_size})", init=base.stateless_init,
       encode=encode, decode=decode, payload_bits=payload_bits)
-
-
-def qsgd_elias_bits(shape, levels: int, bucket_size: Optional[int] = 512) -> float:
-  """QSGD's bound on the expected size of its Elias-coded payload, in bits.
-
-  Theorem 3.4 of Alistarh et al.: a bucket of ``n`` coordinates with ``s``
-  levels, coded as its float32 norm followed by (Elias(gap), sign,
-  Elias(level)) for each non-zero, costs at most
-  ``(3 + 1.5·log₂(2(s²+n)/(s(s+√n)))) · s(s+√n) + 32`` bits in expectation
-  (the lower-order ``o(1)`` term dropped). :func:`qsgd` sends the fixed-width
-  packing instead, which a collective can move without a variable-length
-  decoder; this is what entropy coding would have saved.
-
-  Args:
-    shape: the leaf's shape.
-    levels: ``s``.
-    bucket_size: as given to :func:`qsgd`.
-
-  Returns:
-    The bound for the whole leaf, summed over buckets.
-
-  Example:
-    >>> from commopt.compressors import qsgd_elias_bits
-    >>> round(qsgd_elias_bits((1 << 20,), levels=1, bucket_size=None))   # vs 2 Mbit packed
-    20017
-  """
-  levels = _check_levels(levels, "qsgd_elias_bits")
-  n = base.leaf_size(shape)
-  total = 0.0
-  for count in base.block_counts(n, _check_block_size(bucket_size, "qsgd_elias_bits", "bucket_size")):
-    count = float(count)
-    nonzeros = levels * (levels + math.sqrt(count))
-    total += (3 + 1.5 * math.log2(2 * (levels ** 2 + count) / nonzeros)) * nonzeros + 32
-  return total
-
-
-def _elias_omega_bits(k: jax.Array) -> jax.Array:
-  """Length of the Elias omega code of each positive integer in ``k``."""
-  k = k.astype(jnp.uint32)
-  total = jnp.ones(k.shape, jnp.int32)
-  for _ in range(6):  # 2**32 -> 32 -> 5 -> 2 -> 1: five rounds suffice.
-    active = k > 1
-    length = 32 - jax.lax.clz(k).astype(jnp.int32)
-    total = total + jnp.where(active, length, 0)
-    k = jnp.where(active, (length - 1).astype(jnp.uint32), k)
-  return total
-
-
-def qsgd_coded_bits(payload, shape, levels: int, bucket_size: Optional[int] = 512) -> jax.Array:
-  """Measured size of one :func:`qsgd` payload under the paper's Elias coding.
-
-  Per bucket: 32 bits of norm, then per non-zero level the Elias omega code
-  of its gap from the previous non-zero, a sign bit and the Elias omega code
-  of ``|l|``. Compare with :func:`qsgd_elias_bits` (the bound) and with
-  ``payload_bits`` (the fixed width actually sent).
-
-  Args:
-    payload: from ``qsgd(levels, bucket_size).encode``.
-    shape: the leaf's shape.
-    levels, bucket_size: as given to :func:`qsgd`.
-
-  Returns:
-    An int32 scalar.
-  """
-  levels = _check_levels(levels, "qsgd_coded_bits")
-  n = base.leaf_size(shape)
-  level = kernels.unpack_bits(payload["codes"], bitops.code_bits(2 * levels + 1), n)
-  level = base.blocks(level.astype(jnp.int32) - levels, bucket_size)
-  nb, size = level.shape
-  valid = (jnp.arange(nb * size) < n).reshape(nb, size)
-  nonzero = (level != 0) & valid
-  pos = jnp.broadcast_to(jnp.arange(size), (nb, size))
-  last = jax.lax.cummax(jnp.where(nonzero, pos, -1), axis=1)
-  previous = jnp.pad(last[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-  per = _elias_omega_bits(pos - previous) + 1 + _elias_omega_bits(jnp.abs(level))
-  return 32 * nb + jnp.sum(jnp.where(nonzero, per, 0))
 
 
 def natural() -> base.Compressor:
@@ -505,7 +219,7 @@ def int_quant(bits: int = 8, block_size: Optional[int] = 256,
   """
   if bits not in (4, 8) or isinstance(bits, bool):
     raise ValueError(f"int_quant: `bits` must be 4 or 8, got {bits!r}.")
-  block_size = _check_block_size(block_size, "int_quant")
+  block_size = base.check_block_size(block_size, "int_quant")
   if rounding not in ROUNDINGS:
     raise ValueError(f"int_quant: `rounding` must be one of {ROUNDINGS}, got {rounding!r}.")
   q = 2 ** (bits - 1) - 1
@@ -618,3 +332,11 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
   return base.Compressor(
       name=f"adaptive_levels(levels={levels})", init=base.stateless_init, encode=encode,
       decode=decode, payload_bits=payload_bits)
+
+
+register("terngrad", terngrad, {"clip": 2.5}, variants=({"clip": None},))
+register("qsgd", qsgd, {"levels": 7, "bucket_size": 512}, variants=({"levels": 1},))
+register("natural", natural)
+register("int_quant", int_quant, {"bits": 8, "block_size": 256, "rounding": "stochastic"},
+         variants=({"bits": 4, "rounding": "nearest"},))
+register("adaptive_levels", adaptive_levels, {"levels": 16})

@@ -1,0 +1,84 @@
+"""Helpers the quantisers share: block counts, random bits, stochastic rounding, sign words."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from commopt import kernels
+from commopt._src import base
+from commopt._src import bits as bitops
+
+
+_F32 = jnp.float32
+
+
+def _num_blocks(n: int, block_size: Optional[int]) -> int:
+  return 1 if block_size is None else -(-n // block_size)
+
+
+def _uniform(key, n: int, fn: str) -> jax.Array:
+  return jax.random.uniform(base.need_key(key, fn), (n,), _F32)
+
+
+def _random_bits(key, n: int, fn: str) -> jax.Array:
+  """The uint32 bits ``_uniform(key, n, fn)`` is made of (see ``kernels.uniform_from_bits``)."""
+  return jax.random.bits(base.need_key(key, fn), (n,), jnp.uint32)
+
+
+def _inverse(scales: jax.Array, top) -> jax.Array:
+  """``top / scale`` per block (0 where the scale is 0).
+
+  One multiply per coordinate, computed the same way by every program that
+  contains it, so that stochastic rounding draws identical levels under jit,
+  vmap and shard_map.
+  """
+  return jnp.where(scales > 0, top / jnp.where(scales > 0, scales, 1.0), 0.0)
+
+
+def _stochastic_round(y: jax.Array, u: jax.Array) -> jax.Array:
+  """``⌊y⌋ + 1`` with probability ``y - ⌊y⌋``, else ``⌊y⌋`` (unbiased)."""
+  return jnp.floor(y + u)
+
+
+def _flat32(x: jax.Array) -> jax.Array:
+  return x.reshape(-1).astype(_F32)
+
+
+def _sign_words(flat: jax.Array) -> jax.Array:
+  """One bit per coordinate, set where the coordinate is negative."""
+  return kernels.sign_bits(flat)
+
+
+def _signs_from_words(words: jax.Array, n: int) -> jax.Array:
+  """±1.0 per coordinate from :func:`_sign_words` (zeros were sent as +1)."""
+  return 1.0 - 2.0 * kernels.unpack_bits(words, 1, n).astype(_F32)
+
+
+def _words_bits(n: int, bits: int) -> int:
+  return 32 * bitops.packed_words(n, bits)
+
+
+def _out(values: jax.Array, like) -> jax.Array:
+  return values.reshape(like.shape).astype(like.dtype)
+
+
+def _check_levels(levels, fn: str, minimum: int = 1) -> int:
+  return base.check_int("levels", levels, fn=fn, minimum=minimum)
+
+
+def _signed_levels(block_size, width: int, top: int, scale_key: str):
+  """decode and payload_bits of ``scale_block · l / top`` with codes ``l + top``."""
+
+  def decode(payload, state, like):
+    n = base.leaf_size(like.shape)
+    level = kernels.unpack_bits(payload["codes"], width, n).astype(_F32) - top
+    return _out(base.per_element(payload[scale_key], n, block_size) * level / top, like)
+
+  def payload_bits(shape, dtype):
+    n = base.leaf_size(shape)
+    return 32 * _num_blocks(n, block_size) + _words_bits(n, width)
+
+  return decode, payload_bits
