@@ -8,28 +8,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import commopt
+import commopt.testing
 from commopt import kernels
 from commopt._src import bits as bitops
 
 PALLAS = {"implementation": "pallas", "interpret": True}
-SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -3.0, 3.0], np.float32)
+OFF_GPU = pytest.mark.skipif(jax.default_backend() == "gpu",
+                             reason="checks what happens without a GPU (tests/test_kernels_native.py runs on one)")
 
 
-def mixed(n, seed, specials=True):
-  """Gaussian values with zeros, ±0, ±inf, NaN, denormals and exact ties mixed in."""
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(n).astype(np.float32)
-  ties = rng.random(n) < 0.3
-  x[ties] = rng.integers(-2, 3, int(ties.sum())).astype(np.float32)
-  if specials:
-    where = rng.choice(n, size=min(n, SPECIALS.size), replace=False)
-    x[where] = SPECIALS[:where.size]
-  return jnp.asarray(x)
+mixed = commopt.testing.checks.hard_floats
 
 
 # --- dispatch ---------------------------------------------------------------------
 
 
+@OFF_GPU
 def test_auto_is_the_reference_on_cpu():
   assert jax.default_backend() == "cpu"
   assert not kernels._dispatch.use_pallas("auto", False, "f")
@@ -64,6 +58,8 @@ def test_auto_is_the_reference_on_cpu():
                                    style="nf4"), r"`style` must be one of \('qsgd', 'terngrad'\)"),
 ])
 def test_errors_name_the_argument_and_the_valid_values(call, match):
+  if "needs a GPU" in match and jax.default_backend() == "gpu":
+    pytest.skip("a GPU backend runs the kernel")
   with pytest.raises(ValueError, match=match):
     call()
 
@@ -291,6 +287,7 @@ def test_select_top_k_approx_is_exact_off_tpu_and_checks_its_arguments():
 # --- the implementation scope ------------------------------------------------------
 
 
+@OFF_GPU
 def test_a_scope_picks_the_implementation_of_every_op_called_without_one():
   x = mixed(100, 1, specials=False)
   codes = jnp.arange(100, dtype=jnp.uint32) % 4
@@ -315,6 +312,7 @@ def test_a_scope_picks_the_implementation_of_every_op_called_without_one():
     assert not pallas(op)
 
 
+@OFF_GPU
 def test_explicit_arguments_win_over_the_scope():
   codes = jnp.arange(64, dtype=jnp.uint32) % 16
   with kernels.implementation("pallas", interpret=True):

@@ -247,29 +247,60 @@ def crosses_nodes(col):
 
 @pytest.mark.parametrize("inner", ["gather", "two_phase"])
 def test_hierarchical_compressed_bytes_cross_only_the_slow_axis(mesh2d, inner):
+  """Packed words cross the slow axis; the small dense leaves (below ``min_size``)
+  cross it too, accounted for one by one: a mean inside each node, then one
+  between the same local rank of the two nodes, never over all eight devices."""
   c = commopt.scaled_sign()
-  sm = commopt.testing.shard_map_workers(hierarchical(c, inner), mesh2d, AXES)
-  params = {"w": jnp.zeros((64, 48))}
-  u = {"w": updates(31)["w"]}
+  tx = commopt.compressed_mean(c, AXES, strategy="hierarchical", inner_strategy=inner,
+                               min_size=100)
+  sm = commopt.testing.shard_map_workers(tx, mesh2d, AXES)
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,)), "s": jnp.zeros((3,))}
+  rng = np.random.default_rng(31)
+  u = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=(N,) + p.shape), jnp.float32), params)
   audit = wire.hlo_collectives(sm.update, u, sm.init(params))
+  assert not any(len(g) == N for col in audit for g in col.replica_groups), audit
   slow = [col for col in audit if crosses_nodes(col)]
   fast = [col for col in audit if not crosses_nodes(col)]
-  # Across nodes: packed words (and the f32 scales), between the same local
-  # rank of each node; never a float array of the shard's size.
-  assert slow and any("u32" in col.dtypes for col in slow)
-  assert all(d == "u32" or np.prod(shape) <= 2 for col in slow
-             for d, shape in zip(col.dtypes, col.shapes)), slow
   assert all(g in ((0, 4), (1, 5), (2, 6), (3, 7)) for col in slow for g in col.replica_groups)
-  # Inside a node: the dense reduce-scatter and all-gather.
-  assert {col.kind for col in fast} == {"reduce-scatter", "all-gather"}
+  # The dense leaves: all-reduces of exactly their shapes, once per axis.
+  dense = [col for col in audit if col.kind == "all-reduce"]
+  dense_shapes = sorted(s for col in dense for s in col.shapes)
+  assert dense_shapes == sorted([(48,), (3,)] * 2), dense
+  assert wire.total_bytes([col for col in slow if col.kind == "all-reduce"]) == (48 + 3) * 4
+  # Everything else across nodes: packed words (and the f32 scales), never a
+  # float array of the shard's size.
+  packed = [col for col in slow if col.kind != "all-reduce"]
+  assert packed and any("u32" in col.dtypes for col in packed)
+  assert all(d == "u32" or np.prod(shape) <= 2 for col in packed
+             for d, shape in zip(col.dtypes, col.shapes)), packed
+  # Inside a node: the dense reduce-scatter and all-gather of "w", and the dense leaves.
+  assert {col.kind for col in fast} == {"reduce-scatter", "all-gather", "all-reduce"}
   assert all("f32" in col.dtypes for col in fast)
   # Each local rank compresses a quarter of the leaf: 768 coordinates.
   shard = c.payload_bits((768,), jnp.float32) // 8
   if inner == "gather":
-    assert wire.total_bytes(slow) == shard
+    assert wire.total_bytes(packed) == shard
   else:
-    assert wire.total_bytes(slow) == 2 * 4 * (-(-c.payload_bits((384,), jnp.float32) // 32)) + \
+    assert wire.total_bytes(packed) == 2 * 4 * (-(-c.payload_bits((384,), jnp.float32) // 32)) + \
         4 * (-(-c.payload_bits((384,), jnp.float32) // 32))
+  # The plan names the same collectives, the dense leaves included.
+  plan = wire.comm_plan(tx, params, (2, 4))
+  planned_dense = [e for e in plan.collectives if e.kind == "all-reduce"]
+  assert sorted((e.leaf, e.axis) for e in planned_dense) == sorted(
+      (leaf, axis) for leaf in ("['b']", "['s']") for axis in AXES)
+  assert not any(e.packed for e in planned_dense)
+  assert sum(e.contributed_bytes for e in planned_dense) == wire.total_bytes(dense)
+
+
+def test_hierarchical_dense_leaves_are_the_mean(mesh2d):
+  tx = commopt.compressed_mean(commopt.scaled_sign(), AXES, strategy="hierarchical", min_size=100)
+  sm = commopt.testing.shard_map_workers(tx, mesh2d, AXES)
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,))}
+  u = jax.tree.map(lambda p: jnp.asarray(np.random.default_rng(2).normal(size=(N,) + p.shape),
+                                         jnp.float32), params)
+  out, _ = sm.update(u, sm.init(params))
+  np.testing.assert_allclose(out["b"], np.broadcast_to(u["b"].mean(0), u["b"].shape), rtol=1e-6,
+                             atol=1e-7)
 
 
 @pytest.mark.parametrize("inner", ["gather", "two_phase"])

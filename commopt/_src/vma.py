@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax
 
+from commopt._src import compat
+
 
 def varying_axes(x) -> frozenset:
   """The mesh axes over which ``x`` is typed varying (empty outside shard_map).
@@ -17,24 +19,18 @@ def varying_axes(x) -> frozenset:
   ``jax.eval_shape`` inside ``shard_map``.
   """
   if isinstance(x, jax.ShapeDtypeStruct):
-    mat = getattr(x, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(x, "vma", None) or ())
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)
-  if vma is None:
-    mat = getattr(aval, "mat", None)
-    vma = getattr(mat, "varying", frozenset())
-  return frozenset(vma)
+    return compat.varying_axes_of_struct(x)
+  return compat.varying_axes_of_type(jax.typeof(x))
 
 
 def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
   """``x`` typed varying over the axes ``like`` varies over (e.g. a scan's initial carry)."""
   missing = tuple(sorted(varying_axes(like) - varying_axes(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+  return compat.pcast_varying(x, missing) if missing else x
 
 
 def vary(x, axes):
   """``x`` typed varying over ``axes`` (a name or tuple of names), casting only what is missing."""
   axes = axes if isinstance(axes, (tuple, list)) else (axes,)
   missing = tuple(a for a in axes if a not in varying_axes(x))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+  return compat.pcast_varying(x, missing) if missing else x

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from commopt._src import compat
 from commopt._src.vma import vary, vary_like, varying_axes  # noqa: F401  (re-exported)
 
 
@@ -138,7 +139,7 @@ def all_gather(tree: Any, axis_name) -> Any:
 
   def gather(x):
     if axis_name in varying_axes(x):
-      return _all_gather_invariant(x, axis_name)
+      return compat.all_gather_invariant(x, axis_name)
     return jax.lax.all_gather(x, axis_name)
 
   return jax.tree.map(gather, tree)
@@ -149,17 +150,5 @@ def all_gather_tiled(x, axis_name, axis: int):
   if axis_name is None:
     return x
   if axis_name in varying_axes(x):
-    try:
-      return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")
-    except TypeError:
-      return jax.lax.all_gather_invariant(x, axis_name, axis=axis, tiled=True)
+    return compat.all_gather_invariant(x, axis_name, axis=axis, tiled=True)
   return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
-
-
-def _all_gather_invariant(x, axis_name):
-  # Spelled `all_gather(..., to="invarying")` in JAX 0.10; older and newer
-  # releases expose `all_gather_invariant`.
-  try:
-    return jax.lax.all_gather(x, axis_name, to="invarying")
-  except TypeError:
-    return jax.lax.all_gather_invariant(x, axis_name)

@@ -110,12 +110,13 @@ def total_workers(sizes: dict) -> int:
   return out
 
 
-def leaf_plans(params, sizes: dict, axis_name, compressed_plan) -> list:
+def leaf_plans(params, sizes: dict, axis_name, compressed_plan, dense_plan=None) -> list:
   """One entry per collective: ``compressed_plan(where, leaf)`` for leaves it takes, else dense.
 
   ``compressed_plan`` returns a list of :class:`Planned` for a leaf it
-  compresses, or None for a leaf sent dense (an all-reduce of the leaf over
-  every axis).
+  compresses, or None for a leaf sent dense: ``dense_plan(where, nbytes,
+  axis_name, sizes)`` then gives its collectives (default: one all-reduce of
+  the leaf over every axis).
   """
   entries = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -123,7 +124,8 @@ def leaf_plans(params, sizes: dict, axis_name, compressed_plan) -> list:
     got = compressed_plan(where, leaf)
     if got is None:
       nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-      got = [planned(where, "all-reduce", axis_name, total_workers(sizes), nbytes, packed=False)]
+      got = (dense_plan(where, nbytes, axis_name, sizes) if dense_plan is not None else
+             [planned(where, "all-reduce", axis_name, total_workers(sizes), nbytes, packed=False)])
     entries += got
   return entries
 

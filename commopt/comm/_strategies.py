@@ -348,6 +348,15 @@ class Strategy:
     """The collectives one worker runs for a compressed leaf; ``sizes[axis]`` counts workers."""
     raise NotImplementedError
 
+  def dense_mean(self, u: jax.Array, axis_name) -> jax.Array:
+    """The mean of a leaf sent dense (below ``min_size``, or not compressible): one all-reduce."""
+    return coll.pmean(u, axis_name)
+
+  def dense_plan(self, leaf: str, nbytes: int, axis_name, sizes) -> list[_plan.Planned]:
+    """The collectives of :meth:`dense_mean` for a leaf of ``nbytes``."""
+    return [_plan.planned(leaf, "all-reduce", axis_name, _plan.total_workers(sizes), nbytes,
+                          packed=False)]
+
 
 def _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear: bool):
   if compressor.reduce is not None:
@@ -466,6 +475,21 @@ class Hierarchical(Strategy):
                       residual=None if residual is None else new_residual.reshape(residual.shape),
                       memory=memory, state=cstate)
 
+  def dense_mean(self, u, axis_name):
+    """Inside each node first, then between the same local rank of each node.
+
+    So a dense leaf crosses the slow axis only between ``(node, r)`` pairs of
+    equal rank ``r``, as the compressed shards do, never in one all-reduce
+    over every device.
+    """
+    slow, fast = axis_name
+    return coll.pmean(coll.pmean(u, fast), slow)
+
+  def dense_plan(self, leaf, nbytes, axis_name, sizes):
+    slow, fast = axis_name
+    return [_plan.planned(leaf, "all-reduce", fast, sizes[fast], nbytes, packed=False),
+            _plan.planned(leaf, "all-reduce", slow, sizes[slow], nbytes, packed=False)]
+
   def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
     slow, fast = axis_name
     ranks = sizes[fast]
@@ -500,4 +524,4 @@ def plan_reduction(compressor: base.Compressor, reduction: Strategy, params, siz
       return None
     return reduction.plan(compressor, where, leaf.shape, leaf.dtype, axis_name, sizes)
 
-  return _plan.leaf_plans(params, sizes, axis_name, compressed)
+  return _plan.leaf_plans(params, sizes, axis_name, compressed, reduction.dense_plan)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from commopt._src import compat
 from commopt.comm import _collectives as coll
 from commopt.parallel import _layout as lay
 from commopt.parallel._layout import keystr, local_value_and_grad
@@ -120,14 +121,14 @@ class DataParallel:
     """The user's sharding of a parameter or model-state leaf over the non-data axes."""
     sharding = getattr(x, "sharding", None)
     if (isinstance(sharding, NamedSharding) and sharding.mesh is self.mesh
-        and not isinstance(x, jax.core.Tracer)):
+        and not compat.is_tracer(x)):
       # Placed on this mesh already (every step after the first): its spec is the layout.
       spec = lay.full_spec(sharding.spec, len(x.shape))
       if self._explicit or all(e is None for e in spec):
         lay.check_no_data_axes(what, path, spec, self.axes)
         return spec
     spec = lay.leaf_spec(x)
-    if not isinstance(x, jax.core.Tracer) and isinstance(sharding, NamedSharding):
+    if not compat.is_tracer(x) and isinstance(sharding, NamedSharding):
       placed = lay.full_spec(sharding.spec, len(jnp.shape(x)))
       if any(e is not None for e in placed) and placed != spec:
         if sharding.mesh.shape_tuple != self.mesh.shape_tuple:
@@ -238,7 +239,7 @@ class DataParallel:
     """``tree`` placed by ``specs``; arrays already placed so pass through untouched."""
     def put(x, spec):
       target = NamedSharding(self.mesh, spec)
-      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      if isinstance(x, jax.Array) and not compat.is_tracer(x):
         if x.sharding == target:
           return x
       return jax.device_put(x, target)
@@ -594,7 +595,7 @@ class DataParallel:
     still aliases them).
     """
     before = jax.tree.leaves((params, opt_state, batch, model_state, key))
-    if any(isinstance(x, jax.core.Tracer) for x in before):
+    if any(compat.is_tracer(x) for x in before):
       return params, opt_state, batch, model_state, key
     layout = self._checked_layout(params, opt_state)
     params = self._put(params, layout.param_specs)

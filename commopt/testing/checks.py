@@ -49,11 +49,13 @@ from commopt.testing._workers import shard_map_workers, vmap_workers
 from commopt.transforms import compressed_mean, multi_steps
 
 __all__ = [
+    "SPECIAL_FLOATS",
     "chunked_strategies",
     "cond_state_stability",
     "declared_capabilities",
     "dtypes_and_none_leaves",
     "error_feedback_conservation",
+    "hard_floats",
     "jit_without_retrace",
     "multi_steps_accumulates",
     "one_device_equals_local",
@@ -68,6 +70,25 @@ __all__ = [
 
 MIN_SIZE = 256
 """The checks' ``min_size``: the matrix is compressed, the vector sent dense."""
+
+
+SPECIAL_FLOATS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -3.0, 3.0],
+                          np.float32)
+"""Signed zeros, infinities, NaNs of both signs, a denormal and a tie pair."""
+
+
+def hard_floats(n: int, seed: int, specials: bool = True, dtype=jnp.float32) -> jax.Array:
+  """``n`` values that break careless encoders: Gaussian with many exact ties
+  (30% drawn from -2..2) and, with ``specials``, each of :data:`SPECIAL_FLOATS`
+  once at a random place. Seeded, so a failure reproduces."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(n).astype(np.float32)
+  ties = rng.random(n) < 0.3
+  x[ties] = rng.integers(-2, 3, int(ties.sum())).astype(np.float32)
+  if specials:
+    where = rng.choice(n, size=min(n, SPECIAL_FLOATS.size), replace=False)
+    x[where] = SPECIAL_FLOATS[:where.size]
+  return jnp.asarray(x).astype(dtype)
 
 
 def params_like(dtype=jnp.float32):

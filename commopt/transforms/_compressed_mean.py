@@ -309,7 +309,7 @@ def compressed_mean(
     compressed = []
     for (_, u), e, cs in zip(leaves, residuals, cstates):
       if tree.is_node(u) or not plan(u):
-        out.append(u if tree.is_node(u) else coll.pmean(u, axis_name))
+        out.append(u if tree.is_node(u) else reduction.dense_mean(u, axis_name))
       else:
         compressed.append(len(out))
         out.append(None)

@@ -1,0 +1,215 @@
+"""Step time of every compressor against dense (identity), under data_parallel.
+
+Each row is one ``commopt.data_parallel`` training step with
+``optax.chain(compressed_mean(c, "data", strategy=s), optax.sgd(0.1))``, timed
+as the median of ``--steps`` steps after two warm-up steps, every step blocked
+until ready, and reported as a ratio to the identity compressor's step
+measured in the same run. ``majority_vote`` and ``dgc`` are their own
+reducing transforms; ``power_sgd`` runs its own protocol whatever the strategy.
+
+Models (``--models``):
+
+- ``mlp``: 1024 -> 1024 -> 10 (1.06M parameters), global batch 256.
+- ``cnn``: the demo's digits CNN without batch norm or dropout (1.07M
+  parameters), global batch 256 of the bundled 8x8 digits.
+
+On CPU it simulates ``--workers`` devices (8 by default); on a GPU it uses the
+GPUs present (one worker per GPU). ``--check`` exits 1 when a ratio misses
+its target (``TARGETS``).
+
+    python benchmarks/bench_step.py                            # everything, ~25 min on 2 cores
+    python benchmarks/bench_step.py --compressors scaled_sign,top_k --models mlp --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+TARGETS = {
+    **dict.fromkeys(["sign", "scaled_sign", "onebit", "cast", "random_k", "power_sgd",
+                     "majority_vote"], 1.5),
+    **dict.fromkeys(["terngrad", "qsgd", "natural", "int_quant"], 2.0),
+    **dict.fromkeys(["top_k", "threshold", "gradient_dropping", "adacomp",
+                     "variance_balanced", "dgc"], 3.0),
+}
+"""The most a step may cost, as a multiple of identity's step (adaptive_levels: reported only)."""
+
+TRANSFORMS = ("majority_vote", "dgc")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--compressors", default="all",
+                 help="comma-separated registry names, majority_vote, dgc; or all")
+  p.add_argument("--strategies", default="gather,two_phase",
+                 help="compressed_mean strategies to time (each where the compressor takes it)")
+  p.add_argument("--models", default="mlp,cnn", help="mlp, cnn or both (comma-separated)")
+  p.add_argument("--steps", type=int, default=12, help="timed steps per row (median)")
+  p.add_argument("--workers", type=int, default=8, help="simulated CPU devices (CPU only)")
+  p.add_argument("--batch", type=int, default=256, help="global batch")
+  p.add_argument("--check", action="store_true", help="exit 1 when a row misses its target")
+  p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+  args = p.parse_args(argv)
+  if args.steps < 3:
+    p.error(f"--steps must be >= 3, got {args.steps}")
+  if args.workers < 1:
+    p.error(f"--workers must be >= 1, got {args.workers}")
+  return args
+
+
+def models(names, batch, seed=0):
+  """{name: (params, loss_fn, batch)} with batches of ``batch`` examples."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  out = {}
+  rng = np.random.default_rng(seed)
+  if "mlp" in names:
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w1": jax.random.normal(k1, (1024, 1024)) / 32, "b1": jnp.zeros(1024),
+              "w2": jax.random.normal(k2, (1024, 10)) / 32, "b2": jnp.zeros(10)}
+
+    def mlp_loss(p, b):
+      h = jax.nn.relu(b["x"] @ p["w1"] + p["b1"])
+      return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], b["y"]).mean()
+
+    data = {"x": jnp.asarray(rng.normal(size=(batch, 1024)), jnp.float32),
+            "y": jnp.asarray(rng.integers(0, 10, batch), jnp.int32)}
+    out["mlp"] = (params, mlp_loss, data)
+  if "cnn" in names:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from digits_cnn import load_digits_split, model_fns
+    params, _, cnn_loss = model_fns(seed)
+    x, y, _, _ = load_digits_split(seed)
+    out["cnn"] = (params, cnn_loss, {"x": jnp.asarray(x[:batch]), "y": jnp.asarray(y[:batch])})
+  return out
+
+
+def reducer(name, strategy):
+  """The reducing transform for ``name`` under ``strategy``, or a reason it does not apply."""
+  import commopt
+  if name == "majority_vote":
+    return commopt.majority_vote("data") if strategy == "gather" else "its own protocol"
+  if name == "dgc":
+    return commopt.dgc("data", densities=0.01) if strategy == "gather" else "its own protocol"
+  c = commopt.compressors.make(name)
+  if name == "identity":
+    return commopt.compressed_mean(c, "data")
+  if "protocol" in c.capabilities:
+    if strategy != "gather":
+      return "its own protocol"
+    return commopt.compressed_mean(c, "data")
+  try:
+    return commopt.compressed_mean(c, "data", strategy=strategy)
+  except ValueError as e:
+    return str(e).split(";")[0]
+
+
+def time_step(dp, params, batch, steps):
+  """(median seconds, compile seconds) of ``dp.step``."""
+  import jax
+  t0 = time.perf_counter()
+  state = dp.init(params)
+  p, s, _ = jax.block_until_ready(dp.step(params, state, batch)[:3])
+  compile_s = time.perf_counter() - t0
+  p, s, _ = jax.block_until_ready(dp.step(p, s, batch)[:3])
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    p, s, _ = jax.block_until_ready(dp.step(p, s, batch)[:3])
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), compile_s
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  import jax
+  if jax.default_backend() == "cpu":
+    jax.config.update("jax_num_cpu_devices", args.workers)
+  import optax
+
+  import commopt
+
+  workers = args.workers if jax.default_backend() == "cpu" else len(jax.devices())
+  names = (sorted(commopt.compressors.REGISTRY) + list(TRANSFORMS)
+           if args.compressors == "all" else [n.strip() for n in args.compressors.split(",")])
+  valid = set(commopt.compressors.REGISTRY) | set(TRANSFORMS)
+  for n in names:
+    if n not in valid:
+      sys.exit(f"--compressors: unknown {n!r}; valid: {sorted(valid)}")
+  strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+  for s in strategies:
+    if s not in ("gather", "two_phase"):
+      sys.exit(f"--strategies: {s!r} is not 'gather' or 'two_phase'")
+  model_names = [m.strip() for m in args.models.split(",") if m.strip()]
+  for m in model_names:
+    if m not in ("mlp", "cnn"):
+      sys.exit(f"--models: {m!r} is not 'mlp' or 'cnn'")
+  if args.batch % workers:
+    sys.exit(f"--batch {args.batch} must be a multiple of the {workers} workers")
+
+  mesh = jax.make_mesh((workers,), ("data",), devices=jax.devices()[:workers])
+  print(f"{jax.default_backend()} ({jax.devices()[0].device_kind}), {workers} workers, "
+        f"jax {jax.__version__}, median of {args.steps} steps", flush=True)
+  rows, misses = [], []
+  for model, (params, loss_fn, batch) in models(model_names, args.batch).items():
+    def dp_for(tx):
+      return commopt.data_parallel(loss_fn, optax.chain(tx, optax.sgd(0.1)), mesh)
+
+    base, base_compile = time_step(dp_for(reducer("identity", "gather")), params, batch, args.steps)
+    print(f"[{model}] identity: {base * 1e3:.1f} ms/step (compile {base_compile:.1f} s)", flush=True)
+    rows.append({"model": model, "compressor": "identity", "strategy": "psum",
+                 "ms": base * 1e3, "ratio": 1.0})
+    for name in names:
+      if name == "identity":
+        continue
+      for strategy in strategies:
+        tx = reducer(name, strategy)
+        if isinstance(tx, str):
+          if strategy == strategies[0] or tx != "its own protocol":
+            print(f"[{model}] {name} [{strategy}]: skipped ({tx})", flush=True)
+          continue
+        seconds, compile_s = time_step(dp_for(tx), params, batch, args.steps)
+        ratio = seconds / base
+        target = TARGETS.get(name)
+        ok = target is None or ratio <= target
+        row = {"model": model, "compressor": name, "strategy": strategy, "ms": seconds * 1e3,
+               "ratio": ratio, "target": target, "met": ok, "compile_s": compile_s}
+        rows.append(row)
+        if not ok:
+          misses.append(row)
+        print(f"[{model}] {name} [{strategy}]: {seconds * 1e3:.1f} ms/step, {ratio:.2f}x identity"
+              f" (target {'-' if target is None else f'<= {target}x'}"
+              f"{'' if ok else ', MISSED'}; compile {compile_s:.1f} s)", flush=True)
+
+  print("\n| model | compressor | strategy | ms/step | × identity | target |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    target = r.get("target")
+    mark = "" if target is None else (f"≤ {target}" + ("" if r["met"] else " **missed**"))
+    print(f"| {r['model']} | {r['compressor']} | {r['strategy']} | {r['ms']:.1f} | "
+          f"{r['ratio']:.2f} | {mark} |")
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / f"step_{jax.default_backend()}.json"
+  meta = {"jax": jax.__version__, "backend": jax.default_backend(), "workers": workers,
+          "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
+          "steps": args.steps, "batch": args.batch}
+  path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  print(f"wrote {path}; {len(misses)} of {len(rows) - len(model_names)} rows missed their target")
+  if args.check and misses:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main()

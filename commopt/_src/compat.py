@@ -1,0 +1,58 @@
+"""The calls whose spelling differs between the JAX releases commopt supports.
+
+Tested: JAX 0.10.2 (Python 3.11), 0.11.2 (Python 3.12, on GPU) and 0.12.0.1
+(Python 3.13). Every version-specific call in commopt goes through this module;
+each function says which releases need which spelling. Nothing here
+communicates by itself: ``all_gather_invariant`` is called only from
+``commopt.comm``, the one layer allowed to issue collectives.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def all_gather_invariant(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = False):
+  """``all_gather`` whose result is typed invariant over ``axis_name`` (inside shard_map).
+
+  0.10–0.12 spell it ``all_gather(..., to="invarying")``; no supported release
+  has the older ``all_gather_invariant``.
+  """
+  return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
+
+
+def is_tracer(x) -> bool:
+  """Whether ``x`` is a tracer (abstract, inside ``jit``/``vmap``/``grad``), not a concrete array.
+
+  ``jax.core.Tracer`` in 0.10–0.12; JAX has been moving names out of
+  ``jax.core``, so the spelling lives here.
+  """
+  return isinstance(x, jax.core.Tracer)
+
+
+def varying_axes_of_type(aval) -> frozenset:
+  """The mesh axes a value's type (``jax.typeof(x)``) varies over.
+
+  0.10–0.12 keep them in ``aval.mat.varying`` (a ``ManualAxisType``); the
+  ``aval.vma`` of earlier releases is gone.
+  """
+  return frozenset(getattr(getattr(aval, "mat", None), "varying", None) or ())
+
+
+def varying_axes_of_struct(s: jax.ShapeDtypeStruct) -> frozenset:
+  """The same for a ``jax.ShapeDtypeStruct`` from ``jax.eval_shape`` inside shard_map.
+
+  0.10–0.12: ``s.manual_axis_type.varying``.
+  """
+  return frozenset(getattr(getattr(s, "manual_axis_type", None), "varying", None) or ())
+
+
+def pcast_varying(x: jax.Array, axes: tuple) -> jax.Array:
+  """``x`` cast to varying over ``axes`` (no communication): ``jax.lax.pcast(..., to="varying")``."""
+  return jax.lax.pcast(x, axes, to="varying")
+
+
+# The Pallas kernels (``commopt.kernels``) target the Triton lowering
+# (``jax.experimental.pallas.triton.CompilerParams``). From 0.11 JAX warns, when
+# such a kernel is compiled for a GPU, that this backend is deprecated in favour
+# of Mosaic GPU; pyproject's pytest settings name that one warning.
