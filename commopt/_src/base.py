@@ -70,6 +70,11 @@ class Compressor:
       leaf alone, and ``payload_bits`` gives each leaf's share of the budget.
     decode_tree: ``decode_tree(payload, likes) -> list`` of reconstructions
       with the shapes and dtypes of ``likes`` (with ``encode_tree``).
+    accumulate: optional ``accumulate(acc, payload, state, like) -> acc +
+      decode(payload, state, like)`` (``acc`` float32, ``like``'s shape),
+      computed without building the decoded tensor: a sparse payload adds its
+      values in place. It must equal the default, bit for bit, for any
+      ``acc`` that sums decoded payloads from zeros (:meth:`add_decoded`).
 
   What a compressor can do is declared, not probed: :attr:`capabilities`
   reads these fields, and the strategies and robust rules check it.
@@ -87,6 +92,19 @@ class Compressor:
   stateful: bool = False
   encode_tree: Optional[Callable[[list, Any], Any]] = None
   decode_tree: Optional[Callable[[Any, list], list]] = None
+  accumulate: Optional[Callable[..., jax.Array]] = None
+
+  def add_decoded(self, acc: jax.Array, payload: Payload, state: Any, like) -> jax.Array:
+    """``acc + decode(payload, state, like)`` in ``acc``'s dtype (float32).
+
+    A gathered reduction calls it once per worker, in worker order, on one
+    accumulator: XLA fuses the decoding into the sum, and a compressor with
+    ``accumulate`` (the sparse family's scatter-add) never builds the dense
+    reconstruction at all.
+    """
+    if self.accumulate is not None:
+      return self.accumulate(acc, payload, state, like)
+    return acc + self.decode(payload, state, like).astype(acc.dtype)
 
   def __repr__(self) -> str:
     return f"Compressor({self.name})"

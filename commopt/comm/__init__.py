@@ -10,12 +10,19 @@
 
 - :mod:`commopt.comm._channel`: the :class:`Channel` a compressor's own
   multi-round protocol (PowerSGD) is handed to do its collectives with, the
-  generic payload exchange, and the per-worker keys.
+  generic payload exchange (gathered payloads summed decoded in one pass,
+  :func:`sum_decoded`), and the per-worker keys.
 
 Compressors never communicate; transforms and aggregators call this layer.
 """
 
-from commopt.comm._channel import Channel, exchange, worker_key
+from commopt.comm._channel import (
+    Channel,
+    exchange,
+    sum_decoded,
+    sum_decoded_reference,
+    worker_key,
+)
 from commopt.comm._collectives import (
     all_gather,
     all_gather_tiled,
@@ -35,6 +42,8 @@ from commopt.comm._collectives import (
 __all__ = [
     "Channel",
     "exchange",
+    "sum_decoded",
+    "sum_decoded_reference",
     "worker_key",
     "all_gather",
     "all_gather_tiled",

@@ -32,34 +32,96 @@ class Channel:
     """All-reduce mean of ``x`` in its dtype."""
     return coll.pmean(x, self.axis_name)
 
-  def exchange(self, payload: Any, decode: Callable[[Any], Any], linear: bool):
+  def exchange(self, payload: Any, decode: Callable[[Any], Any], linear: bool,
+               add: Optional[Callable[[Any, Any], Any]] = None):
     """Sends ``payload``; ``(mean, local)``: the workers' mean reconstruction and this one's.
 
     ``decode(payload)`` returns an array or a pytree of arrays; ``mean`` is
     float32. Linear payloads are all-reduced and decoded once; the others are
-    all-gathered and decoded one by one.
+    all-gathered and summed decoded in one pass (``add(acc, payload)``, see
+    :func:`exchange`).
     """
-    return exchange(payload, decode, "psum" if linear else "gather", self.axis_name)
+    return exchange(payload, decode, "psum" if linear else "gather", self.axis_name, add)
 
 
-def exchange(payload, decode, strategy: str, axis_name):
+UNROLL = 8
+"""Payloads decoded per fused pass of :func:`sum_decoded` (up to twice this, all in one)."""
+
+
+def _adder(decode):
+  return lambda acc, pl: jax.tree.map(lambda a, t: a + t.astype(a.dtype), acc, decode(pl))
+
+
+def sum_decoded(gathered, add: Callable[[Any, Any], Any], acc):
+  """``acc`` plus every worker's decoded payload, added in worker order.
+
+  ``gathered`` stacks the workers' payloads on a leading axis;
+  ``add(acc, payload)`` returns ``acc + decode(payload)``. The adds are
+  written out one after another, so XLA fuses the unpacking and decoding of
+  several payloads into one pass over the accumulator: no ``[N, d]`` decoded
+  array exists. Up to ``2·UNROLL`` workers are unrolled; more run in a loop of
+  ``UNROLL`` per iteration. The order is fixed (worker 0 first), so the sum
+  is the same bit for bit whatever the compressor's ``add`` does inside
+  (:func:`sum_decoded_reference`).
+  """
+  n = jax.tree.leaves(gathered)[0].shape[0]
+  row = lambda w: jax.tree.map(lambda x: x[w], gathered)
+  if n <= 2 * UNROLL:
+    for w in range(n):
+      acc = add(acc, row(w))
+    return acc
+
+  def group(g, acc):
+    for j in range(UNROLL):
+      w = g * UNROLL + j
+      acc = add(acc, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, w, keepdims=False),
+                                  gathered))
+    return acc
+
+  groups = n // UNROLL
+  acc = jax.lax.fori_loop(0, groups, group, acc)
+  for w in range(groups * UNROLL, n):
+    acc = add(acc, row(w))
+  return acc
+
+
+def sum_decoded_reference(gathered, decode, acc):
+  """:func:`sum_decoded` by the long way: every payload decoded to a dense
+  array (``jax.vmap(decode)``), then the rows added to ``acc`` in worker order."""
+  decoded = jax.vmap(decode)(gathered)
+  n = jax.tree.leaves(gathered)[0].shape[0]
+  for w in range(n):
+    acc = jax.tree.map(lambda a, t: a + t[w].astype(a.dtype), acc, decoded)
+  return acc
+
+
+def zeros_of(decode, payload):
+  """float32 zeros shaped like ``decode(payload)`` (an array or a pytree)."""
+  return jax.tree.map(lambda t: jnp.zeros(t.shape, jnp.float32), jax.eval_shape(decode, payload))
+
+
+def exchange(payload, decode, strategy: str, axis_name, add=None):
   """Sends ``payload`` over ``axis_name``; returns ``(mean, local)`` reconstructions.
 
   ``decode(payload)`` returns an array or a pytree of arrays; ``mean`` is the
   float32 mean over the workers of their decoded payloads (``local`` itself
   when ``axis_name`` is None). Linear payloads are all-reduced
-  (``strategy="psum"``), the others all-gathered and decoded one by one.
+  (``strategy="psum"``) and decoded once. The others are all-gathered and
+  summed in worker order by :func:`sum_decoded` with ``add(acc, payload) ->
+  acc + decode(payload)`` (default: exactly that; a compressor's
+  :meth:`~commopt.Compressor.add_decoded` may do it in place), then divided by
+  the number of workers.
   """
   local = decode(payload)
   if axis_name is None:
     return local, local
   n = coll.axis_size(axis_name)
-  f32 = lambda t: t.astype(jnp.float32)
   if strategy == "psum":
-    mean = jax.tree.map(lambda t: f32(t) / n, decode(coll.psum(payload, axis_name)))
+    mean = jax.tree.map(lambda t: t.astype(jnp.float32) / n, decode(coll.psum(payload, axis_name)))
   else:
-    decoded = jax.vmap(decode)(coll.all_gather(payload, axis_name))
-    mean = jax.tree.map(lambda t: jnp.mean(f32(t), axis=0), decoded)
+    total = sum_decoded(coll.all_gather(payload, axis_name), add or _adder(decode),
+                        zeros_of(decode, payload))
+    mean = jax.tree.map(lambda t: t / n, total)
   return mean, local
 
 

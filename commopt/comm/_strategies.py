@@ -36,7 +36,7 @@ import numpy as np
 from commopt._src import base, tree
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
-from commopt.comm._channel import Channel, exchange
+from commopt.comm._channel import Channel, exchange, sum_decoded
 
 
 # ---------------------------------------------------------------------------
@@ -191,7 +191,10 @@ def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Ar
   me = coll.axis_index(axis_name)
   start = me * c
   valid = (start + jnp.arange(c)) < (n if size is None else size)
-  chunk_mean = jnp.where(valid, jnp.mean(jax.vmap(decode)(unpack(received)), axis=0), 0.0)
+  chunk_sum = sum_decoded(unpack(received),
+                          lambda acc, pl: compressor.add_decoded(acc, pl, empty, like),
+                          jnp.zeros((c,), jnp.float32))
+  chunk_mean = jnp.where(valid, chunk_sum / workers, 0.0)
 
   q = chunk_mean
   if memory is not None:
@@ -364,7 +367,8 @@ def _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear: bool):
     return reduced.mean, reduced.local, None, reduced.state
   payload, cstate = compressor.encode(x, cstate, key)
   mean, local = exchange(payload, lambda pl: compressor.decode(pl, cstate, x),
-                         "psum" if linear else "gather", axis_name)
+                         "psum" if linear else "gather", axis_name,
+                         lambda acc, pl: compressor.add_decoded(acc, pl, cstate, x))
   return mean, local, None, cstate
 
 

@@ -6,6 +6,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from commopt import kernels
 from commopt._src import base
@@ -70,12 +71,19 @@ def _check_levels(levels, fn: str, minimum: int = 1) -> int:
 
 
 def _signed_levels(block_size, width: int, top: int, scale_key: str):
-  """decode and payload_bits of ``scale_block · l / top`` with codes ``l + top``."""
+  """decode and payload_bits of ``scale_block · l · (1/top)`` with codes ``l + top``.
+
+  The reciprocal is multiplied, not divided by: XLA rewrites a division by a
+  constant into that product inside some fusions and not others, so only
+  the product decodes to the same bits wherever the decode is compiled (a
+  gathered sum fuses it, :func:`commopt.comm.sum_decoded`).
+  """
+  inverse = np.float32(1.0) / np.float32(top)
 
   def decode(payload, state, like):
     n = base.leaf_size(like.shape)
     level = kernels.unpack_bits(payload["codes"], width, n).astype(_F32) - top
-    return _out(base.per_element(payload[scale_key], n, block_size) * level / top, like)
+    return _out(base.per_element(payload[scale_key], n, block_size) * level * inverse, like)
 
   def payload_bits(shape, dtype):
     n = base.leaf_size(shape)

@@ -11,9 +11,11 @@ import jax.numpy as jnp
 from commopt._src import base
 from commopt.compressors._registry import register
 from commopt.compressors._sparse import (
+    _add_values,
     _budget,
     _budget_name,
     _scatter,
+    _scatter_add,
     _sparse_compressor,
     _take,
     first_true,
@@ -102,6 +104,9 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
     def decode(payload, state, like):
       return _scatter(state.indices, payload["values"], like)
 
+    def accumulate(acc, payload, state, like):
+      return _scatter_add(acc, state.indices, payload["values"], like)
+
     def payload_bits(shape, dtype):
       return leaf_k(shape) * base.dtype_bits(dtype)
   else:
@@ -114,12 +119,15 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
     def decode(payload, state, like):
       return _scatter(payload["indices"], payload["values"], like)
 
+    accumulate = _add_values
+
     def payload_bits(shape, dtype):
       return leaf_k(shape) * (base.dtype_bits(dtype) + 32)
 
   return base.Compressor(
       name=_budget_name("random_k", ratio, k, shared_seed=shared_seed, scale=scale),
       init=init, stateful=shared_seed, encode=encode, decode=decode, payload_bits=payload_bits,
+      accumulate=accumulate,
       linear=shared_seed, shared_randomness=shared_seed)
 
 

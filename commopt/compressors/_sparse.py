@@ -137,6 +137,12 @@ def _scatter(indices: jax.Array, values: jax.Array, like) -> jax.Array:
   return flat.reshape(like.shape)
 
 
+def _scatter_add(acc: jax.Array, indices: jax.Array, values: jax.Array, like) -> jax.Array:
+  """``acc + _scatter(indices, values, like)`` in place; indices are distinct (empty slots dropped)."""
+  flat = acc.reshape(-1).at[indices].add(values.astype(like.dtype).astype(acc.dtype), mode="drop")
+  return flat.reshape(acc.shape)
+
+
 def support(indices: jax.Array, like) -> jax.Array:
   """A boolean mask shaped like ``like``: true where ``indices`` send a coordinate."""
   flat = jnp.zeros((base.leaf_size(like.shape),), bool)
@@ -150,10 +156,23 @@ def _sign_index_codes(flat: jax.Array, indices: jax.Array) -> jax.Array:
   return jnp.where(indices < flat.size, codes, jnp.uint32(_EMPTY_CODE))
 
 
-def _decode_sign_index(codes: jax.Array, magnitude, like) -> jax.Array:
+def _sign_index_values(codes: jax.Array, magnitude):
   indices = (codes >> 1).astype(jnp.int32)  # empty slots: 2**31 - 1, dropped
   signs = jnp.where((codes & 1) == 1, -1.0, 1.0).astype(jnp.float32)
-  return _scatter(indices, signs * magnitude, like)
+  return indices, signs * magnitude
+
+
+def _decode_sign_index(codes: jax.Array, magnitude, like) -> jax.Array:
+  return _scatter(*_sign_index_values(codes, magnitude), like)
+
+
+def _add_sign_index(acc: jax.Array, codes: jax.Array, magnitude, like) -> jax.Array:
+  return _scatter_add(acc, *_sign_index_values(codes, magnitude), like)
+
+
+def _add_values(acc, payload, state, like):
+  """``accumulate`` of a payload of distinct ``indices`` and their ``values``."""
+  return _scatter_add(acc, payload["indices"], payload["values"], like)
 
 
 def _sparse_compressor(name: str, slots, pick, value_dtype) -> base.Compressor:
@@ -175,7 +194,7 @@ def _sparse_compressor(name: str, slots, pick, value_dtype) -> base.Compressor:
     return slots(shape) * (base.dtype_bits(value_dtype or dtype) + 32)
 
   return base.Compressor(name=name, init=base.stateless_init, encode=encode,
-                         decode=decode, payload_bits=payload_bits)
+                         decode=decode, payload_bits=payload_bits, accumulate=_add_values)
 
 
 def _with_values(select):

@@ -12,6 +12,7 @@ from commopt.compressors._registry import register
 from commopt.compressors._sparse import (
     _check_coded_size,
     _check_value_dtype,
+    _add_sign_index,
     _decode_sign_index,
     _fraction_count,
     _magnitude_selector,
@@ -80,9 +81,13 @@ def threshold(tau: float, *, capacity: float = 0.01) -> base.Compressor:
   def decode(payload, state, like):
     return _decode_sign_index(payload["codes"], jnp.float32(tau), like)
 
+  def accumulate(acc, payload, state, like):
+    return _add_sign_index(acc, payload["codes"], jnp.float32(tau), like)
+
   return base.Compressor(
       name=f"threshold(tau={tau}, capacity={capacity})", init=base.stateless_init,
-      encode=encode, decode=decode, payload_bits=lambda shape, dtype: 32 * slots(shape))
+      encode=encode, decode=decode, payload_bits=lambda shape, dtype: 32 * slots(shape),
+      accumulate=accumulate)
 
 
 def gradient_dropping(drop_ratio: float = 0.99, *, sample_ratio: float = 0.001,
@@ -210,10 +215,13 @@ def adacomp(bin_size: int = 50, *, per_bin: int = 2) -> base.Compressor:
   def decode(payload, state, like):
     return _decode_sign_index(payload["codes"], payload["scale"][0], like)
 
+  def accumulate(acc, payload, state, like):
+    return _add_sign_index(acc, payload["codes"], payload["scale"][0], like)
+
   return base.Compressor(
       name=f"adacomp(bin_size={bin_size}, per_bin={per_bin})", init=init, stateful=True,
-      encode=encode,
-      decode=decode, payload_bits=lambda shape, dtype: 32 * (bins(shape) * per_bin + 1))
+      encode=encode, decode=decode, accumulate=accumulate,
+      payload_bits=lambda shape, dtype: 32 * (bins(shape) * per_bin + 1))
 
 
 register("threshold", threshold, {"tau": 1e-3, "capacity": 0.01})

@@ -55,6 +55,7 @@ __all__ = [
     "declared_capabilities",
     "dtypes_and_none_leaves",
     "error_feedback_conservation",
+    "fused_sum_equals_reference",
     "hard_floats",
     "jit_without_retrace",
     "multi_steps_accumulates",
@@ -330,8 +331,46 @@ def robust_rule_compatible(compressor: base.Compressor, num_workers: int = 8) ->
     assert bool(jnp.all(jnp.isfinite(out[key]))), f"{compressor.name}: non-finite median"
 
 
+def fused_sum_equals_reference(compressor: base.Compressor, workers=(8, 16, 37),
+                               dtype=jnp.float32, exact: bool = True) -> None:
+  """The gathered reduction's one-pass sum equals decoding every payload.
+
+  For each count in ``workers`` (up to 16 run fully unrolled, 37 through
+  the loop), every worker encodes its own input of awkward values (ties, ±0,
+  denormals); :func:`commopt.comm.sum_decoded` with the compressor's
+  :meth:`~commopt.Compressor.add_decoded` must equal
+  :func:`commopt.comm.sum_decoded_reference` (``jax.vmap(decode)``, rows
+  added in worker order) under ``jit``: bit for bit with ``exact``, else
+  within one rounding of each decoded term per add. ``exact=False`` is for
+  decoders whose last step is an inexact product (``scale · l · (1/top)``):
+  once fused, the compiler may contract it with the add into one FMA.
+  """
+  from commopt.comm import sum_decoded, sum_decoded_reference
+  shape = (33, 65)
+  like = jnp.zeros(shape, dtype)
+  for n in workers:
+    xs = jnp.stack([hard_floats(shape[0] * shape[1], 100 + w, specials=False, dtype=dtype)
+                    .reshape(shape) * (w + 1) for w in range(n)])
+    keys = jax.random.split(jax.random.key(n), n)
+    state = compressor.init(like)
+    payloads, states = jax.vmap(lambda x, k: compressor.encode(x, state, k))(xs, keys)
+    state0 = jax.tree.map(lambda a: a[0], states)
+    zeros = jnp.zeros(shape, jnp.float32)
+    decode = lambda pl: compressor.decode(pl, state0, like)
+    fused = np.asarray(jax.jit(lambda g: sum_decoded(
+        g, lambda acc, pl: compressor.add_decoded(acc, pl, state0, like), zeros))(payloads))
+    want = np.asarray(jax.jit(lambda g: sum_decoded_reference(g, decode, zeros))(payloads))
+    message = f"{compressor.name}, {n} workers"
+    if exact:
+      np.testing.assert_array_equal(fused, want, err_msg=message)
+    else:
+      terms = np.abs(np.asarray(jax.vmap(decode)(payloads), np.float32)).sum(0)
+      bound = n * np.finfo(np.float32).eps * terms
+      assert np.all(np.abs(fused - want) <= bound), message
+
+
 def run_all(compressor: base.Compressor, mesh, mesh2d=None, *, atol: float = 1e-6,
-            conservation_atol: float = 1e-4) -> list[str]:
+            conservation_atol: float = 1e-4, exact_sum: bool = True) -> list[str]:
   """Every check that applies to ``compressor``; returns the names of those run.
 
   Args:
@@ -341,6 +380,7 @@ def run_all(compressor: base.Compressor, mesh, mesh2d=None, *, atol: float = 1e-
       check (skipped when None).
     atol: tolerance of :func:`vmap_equals_shard_map`.
     conservation_atol: tolerance of :func:`error_feedback_conservation`.
+    exact_sum: the ``exact`` of :func:`fused_sum_equals_reference`.
   """
   ran = []
 
@@ -358,6 +398,8 @@ def run_all(compressor: base.Compressor, mesh, mesh2d=None, *, atol: float = 1e-
   run(payload_bytes_equal_hlo_audit, mesh)
   run(cond_state_stability)
   run(multi_steps_accumulates)
+  if compressor.reduce is None:
+    run(fused_sum_equals_reference, exact=exact_sum)
   if base.is_stateless_per_leaf(compressor):
     if mesh2d is not None:
       run(chunked_strategies, mesh, mesh2d, atol=max(2 * conservation_atol, 2e-4))

@@ -139,7 +139,8 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
     def run(x):
       payload, _ = compressor.encode(x, base.EmptyState(), key)
       mean, local = channel.exchange(payload, lambda pl: compressor.decode(pl, None, x),
-                                     linear=False)
+                                     linear=False,
+                                     add=lambda acc, pl: compressor.add_decoded(acc, pl, None, x))
       return mean.astype(x.dtype), local, support(payload["indices"], x)
     return run
 
