@@ -11,6 +11,7 @@ import commopt
 import commopt.testing
 from commopt import kernels
 from commopt._src import bits as bitops
+from commopt._src import rng
 
 PALLAS = {"implementation": "pallas", "interpret": True}
 OFF_GPU = pytest.mark.skipif(jax.default_backend() == "gpu",
@@ -173,10 +174,10 @@ def test_quantize_pack_terngrad_matches_the_reference(n, block_size):
 
 
 def test_quantize_pack_reproduces_qsgd_and_terngrad():
-  """The reference with jax.random.bits is today's compressors with jax.random.uniform."""
+  """The reference fed the compressors' random words (the counter hash) is their encoding."""
   x = mixed(1000, 11, specials=False)
   key = jax.random.key(4)
-  r = jax.random.bits(key, (1000,), jnp.uint32)
+  r = rng.counter_bits(key, 1000)
   payload, _ = commopt.qsgd(levels=7, bucket_size=128).encode(x, None, key)
   np.testing.assert_array_equal(
       kernels.quantize_pack(x, r, 7, payload["norms"], block_size=128), payload["codes"])

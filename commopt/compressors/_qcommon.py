@@ -11,6 +11,7 @@ import numpy as np
 from commopt import kernels
 from commopt._src import base
 from commopt._src import bits as bitops
+from commopt._src import rng
 
 
 _F32 = jnp.float32
@@ -21,12 +22,13 @@ def _num_blocks(n: int, block_size: Optional[int]) -> int:
 
 
 def _uniform(key, n: int, fn: str) -> jax.Array:
-  return jax.random.uniform(base.need_key(key, fn), (n,), _F32)
+  """``n`` uniforms in [0, 1) made of :func:`_random_bits` (``kernels.uniform_from_bits``)."""
+  return kernels.uniform_from_bits(_random_bits(key, n, fn))
 
 
 def _random_bits(key, n: int, fn: str) -> jax.Array:
-  """The uint32 bits ``_uniform(key, n, fn)`` is made of (see ``kernels.uniform_from_bits``)."""
-  return jax.random.bits(base.need_key(key, fn), (n,), jnp.uint32)
+  """``n`` random uint32 words for stochastic rounding: a seeded counter hash (:mod:`commopt._src.rng`)."""
+  return rng.counter_bits(base.need_key(key, fn), n)
 
 
 def _inverse(scales: jax.Array, top) -> jax.Array:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from commopt._src import base
 from commopt.compressors._registry import register
+from commopt.compressors._qcommon import _uniform
 from commopt.compressors._sparse import (
     _add_values,
     _budget,
@@ -195,7 +196,7 @@ def variance_balanced(ratio: float | None = None, *, k: int | None = None,
   def pick(flat, n_slots, key):
     magnitude = jnp.abs(flat).astype(jnp.float32)
     p = keep_probabilities(magnitude, leaf_k(flat.shape), iterations)
-    u = jax.random.uniform(base.need_key(key, "variance_balanced"), flat.shape)
+    u = _uniform(key, flat.shape[0], "variance_balanced")
     indices = first_true(u < p, n_slots)
     kept = _take(p, indices)
     return indices, _take(flat.astype(jnp.float32), indices) / jnp.where(kept > 0, kept, 1.0)
