@@ -37,10 +37,9 @@ IMPLEMENTATIONS = {
 }
 SHAPE = (37, 29)   # 1073 coordinates: not a multiple of a word, a block or a chunk
 
-# Registered names whose encoder reaches a Pallas kernel at the DEFAULTS options
-# (natural's 9-bit codes do not: they are packed by the reference).
+# Registered names whose encoder reaches a Pallas kernel at the DEFAULTS options.
 REACHES_PALLAS = {"scaled_sign", "sign", "onebit", "terngrad", "qsgd", "int_quant",
-                  "adaptive_levels", "top_k"}
+                  "adaptive_levels", "top_k", "natural"}
 
 
 def _case(factory, dtype=jnp.float32, pallas=True):
