@@ -54,3 +54,22 @@ def test_stochastic_rounding_with_it_is_unbiased():
   mean = np.asarray(out).mean(0)
   sd = np.asarray(out).std(0) / np.sqrt(len(keys))
   assert np.all(np.abs(mean - np.asarray(x)) < 6 * sd + 1e-6)
+
+
+def test_distinct_indices_are_a_uniform_k_subset():
+  for size, k in [(1, 1), (5, 5), (7, 3), (1000, 10), (1 << 20, 10485), (3_000_017, 30_000)]:
+    idx = np.asarray(jax.jit(rng.distinct_indices, static_argnums=(1, 2))(
+        jax.random.key(size), size, k))
+    assert idx.shape == (k,) and np.all(np.diff(idx) > 0), (size, k)   # distinct, ascending
+    assert idx[0] >= 0 and idx[-1] < size
+  size, k, draws = 100, 10, 20_000
+  f = jax.jit(jax.vmap(lambda key: rng.distinct_indices(key, size, k)))
+  subsets = np.asarray(f(jax.random.split(jax.random.key(0), draws)))
+  counts = np.bincount(subsets.ravel(), minlength=size)
+  expected = draws * k / size
+  chi2 = np.sum((counts - expected) ** 2 / expected)   # 99 dof: mean 99, sd 14
+  assert chi2 < 99 + 6 * 14, chi2
+  # Pairs: coordinates 0 and 1 together as often as in a uniform subset.
+  both = np.mean(np.any(subsets == 0, 1) & np.any(subsets == 1, 1))
+  want = k * (k - 1) / (size * (size - 1))
+  assert abs(both - want) < 6 * np.sqrt(want / draws), (both, want)

@@ -35,3 +35,38 @@ def counter_bits(key: jax.Array, n: int) -> jax.Array:
   s = jax.random.bits(key, (2,), jnp.uint32)
   i = jnp.arange(n, dtype=jnp.uint32)
   return fmix32(fmix32(i + s[0]) ^ s[1])
+
+
+def _feistel(j: jax.Array, seeds: jax.Array, half: int) -> jax.Array:
+  """A keyed bijection of the ``2·half``-bit integers: four Feistel rounds of :func:`fmix32`."""
+  mask = jnp.uint32((1 << half) - 1)
+  left, right = j >> half, j & mask
+  for r in range(4):
+    left, right = right, left ^ (fmix32(right ^ seeds[r]) & mask)
+  return (left << half) | right
+
+
+def distinct_indices(key: jax.Array, size: int, k: int) -> jax.Array:
+  """``k`` distinct pseudo-random indices in ``[0, size)``, ascending, in O(k) work.
+
+  The first candidates ``π(0), π(1), ...`` of a keyed permutation ``π`` of
+  the ``2^b ≥ size`` integers (a 4-round Feistel network, Luby–Rackoff's
+  construction of a pseudo-random permutation) that fall below ``size``,
+  the first ``k`` of them: a random ``k``-subset. At least a quarter of the
+  candidates fall below ``size``, and ``4k + 32√k + 64`` are drawn, so a
+  shortfall (filled with the out-of-range ``size``) is more than 10
+  standard deviations away. Where that many candidates cover the whole
+  range, every index is enumerated and the subset is exact.
+  """
+  bits = max(2, (size - 1).bit_length())
+  bits += bits % 2
+  half = bits // 2
+  candidates = min(1 << bits, 4 * k + 32 * int(k ** 0.5) + 64)
+  seeds = jax.random.bits(key, (4,), jnp.uint32)
+  drawn = _feistel(jnp.arange(candidates, dtype=jnp.uint32), seeds, half)
+  valid = drawn < jnp.uint32(size)
+  # Positions of the first k valid candidates, in candidate order.
+  counts = jnp.cumsum(valid.astype(jnp.int32))
+  slots = jnp.searchsorted(counts, jnp.arange(1, k + 1, dtype=jnp.int32), side="left")
+  chosen = jnp.where(slots < candidates, drawn[jnp.minimum(slots, candidates - 1)], size)
+  return jnp.sort(chosen.astype(jnp.int32))

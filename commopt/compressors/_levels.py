@@ -190,6 +190,18 @@ def natural() -> base.Compressor:
                                          + _words_bits(base.leaf_size(shape), 8)))
 
 
+def _lookup(table: jax.Array, codes: jax.Array) -> jax.Array:
+  """``table[codes]`` for a small table, as one select per entry.
+
+  Elementwise, so XLA fuses it (into a gathered sum too), where a gather of
+  one table entry per coordinate is a slow op of its own on a CPU.
+  """
+  out = jnp.broadcast_to(table[0], codes.shape)
+  for j in range(1, table.shape[0]):
+    out = jnp.where(codes == j, table[j], out)
+  return out
+
+
 ROUNDINGS = ("stochastic", "nearest")
 
 
@@ -329,7 +341,7 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
 
   def decode(payload, state, like):
     codes = kernels.unpack_bits(payload["codes"], width, base.leaf_size(like.shape))
-    return _out(payload["levels"][codes], like)
+    return _out(_lookup(payload["levels"], codes), like)
 
   def payload_bits(shape, dtype):
     return 32 * levels + _words_bits(base.leaf_size(shape), width)

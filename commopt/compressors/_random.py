@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from commopt._src import base
+from commopt._src import base, rng
 from commopt.compressors._registry import register
 from commopt.compressors._qcommon import _uniform
 from commopt.compressors._sparse import (
@@ -37,8 +37,9 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
   """Sends ``k`` coordinates chosen uniformly at random.
 
   Exactly one of ``ratio`` and ``k`` is given. Each leaf sends a uniformly
-  random set of ``k`` distinct coordinates (the ``k`` largest of ``size``
-  uniform keys).
+  random set of ``k`` distinct coordinates, drawn in O(k) work as the first
+  ``k`` in range of a keyed pseudo-random permutation
+  (:func:`commopt._src.rng.distinct_indices`), sent in ascending order.
 
   With ``shared_seed=True`` (the default) every worker draws the same
   coordinates from the shared step key, so the indices never cross the wire:
@@ -84,9 +85,8 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
       raise ValueError(f"random_k: `{name}` must be True or False, got {value!r}.")
 
   def draw(key, shape):
-    size = base.leaf_size(shape)
-    uniform = jax.random.uniform(base.need_key(key, "random_k"), (size,))
-    return jax.lax.top_k(uniform, leaf_k(shape))[1].astype(jnp.int32)
+    return rng.distinct_indices(base.need_key(key, "random_k"), base.leaf_size(shape),
+                                leaf_k(shape))
 
   def factor(shape):
     return base.leaf_size(shape) / leaf_k(shape) if scale else 1.0

@@ -145,8 +145,9 @@ def onebit() -> base.Compressor:
 
   def decode(payload, state, like):
     n = base.leaf_size(like.shape)
-    neg = kernels.unpack_bits(payload["signs"], 1, n)
-    return _out(payload["means"][neg], like)
+    neg = kernels.unpack_bits(payload["signs"], 1, n) == 1
+    # A select, not a gather from the two means: it fuses into a gathered sum.
+    return _out(jnp.where(neg, payload["means"][1], payload["means"][0]), like)
 
   return base.Compressor(
       name="onebit", init=base.stateless_init, encode=encode, decode=decode,
