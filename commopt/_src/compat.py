@@ -47,6 +47,17 @@ def varying_axes_of_struct(s: jax.ShapeDtypeStruct) -> frozenset:
   return frozenset(getattr(getattr(s, "manual_axis_type", None), "varying", None) or ())
 
 
+def varying_struct(shape, dtype, axes) -> jax.ShapeDtypeStruct:
+  """A ``ShapeDtypeStruct`` typed varying over ``axes`` (e.g. a Pallas kernel's output in shard_map).
+
+  0.10–0.12: ``manual_axis_type=jax.sharding.ManualAxisType(varying=...)``;
+  ``pallas_call`` inside a ``shard_map`` with ``check_vma=True`` refuses an
+  output shape without it, even an invariant one (``axes`` empty).
+  """
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(
+      varying=frozenset(axes)))
+
+
 def pcast_varying(x: jax.Array, axes: tuple) -> jax.Array:
   """``x`` cast to varying over ``axes`` (no communication): ``jax.lax.pcast(..., to="varying")``."""
   return jax.lax.pcast(x, axes, to="varying")

@@ -36,6 +36,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from commopt._src import compat, vma
+
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 PALLAS_BITS = (1, 2, 4, 8)
 """Code widths the Pallas pack kernels handle (a code never straddles a word)."""
@@ -161,10 +163,18 @@ def check_pallas_bits(bits: int) -> str:
 
 
 def call(kernel, out_shape, grid: int, interpret: bool, name: str):
-  """``pl.pallas_call`` over a 1-D grid of whole-array refs, Triton-lowered on GPU."""
-  return pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(grid,), interpret=interpret, name=name,
-      compiler_params=plt.CompilerParams(num_warps=_NUM_WARPS))
+  """``pl.pallas_call`` over a 1-D grid of whole-array refs, Triton-lowered on GPU.
+
+  Inside ``jax.shard_map`` the outputs are typed varying over every mesh axis
+  an input varies over (``pallas_call`` needs it said).
+  """
+  def run(*args):
+    axes = frozenset().union(*(vma.varying_axes(a) for a in args))
+    shapes = jax.tree.map(lambda s: compat.varying_struct(s.shape, s.dtype, axes), out_shape)
+    return pl.pallas_call(
+        kernel, out_shape=shapes, grid=(grid,), interpret=interpret, name=name,
+        compiler_params=plt.CompilerParams(num_warps=_NUM_WARPS))(*args)
+  return run
 
 
 def chunk(ref, start, size: int, valid, other=0):
