@@ -61,8 +61,9 @@ def sum_decoded(gathered, add: Callable[[Any, Any], Any], acc):
   several payloads into one pass over the accumulator: no ``[N, d]`` decoded
   array exists. Up to ``2·UNROLL`` workers are unrolled; more run in a loop of
   ``UNROLL`` per iteration. The order is fixed (worker 0 first), so the sum
-  is the same bit for bit whatever the compressor's ``add`` does inside
-  (:func:`sum_decoded_reference`).
+  equals :func:`sum_decoded_reference` bit for bit, unless the compiler
+  contracts a decoder's last inexact product with the add into one FMA
+  (qsgd's and int_quant's ``scale · l · 1/top``: within one rounding per add).
   """
   n = jax.tree.leaves(gathered)[0].shape[0]
   row = lambda w: jax.tree.map(lambda x: x[w], gathered)
