@@ -8,7 +8,7 @@ step around it; :mod:`commopt.wire` accounts for and audits the bytes.
 The package is built in layers; a module imports only from its own layer or
 the ones below it (``tests/test_layering.py`` walks the import graph):
 
-Layers, lowest first: _src < kernels < compressors < comm < transforms < aggregators < parallel < wire, testing
+Layers, lowest first: _src < kernels < compressors < comm < transforms < aggregators < parallel < wire, testing, launch
 
 - ``_src``: the compressor protocol, argument checks, bit and block helpers.
 - ``kernels``: bit packing and top-k selection, a jnp reference beside each

@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -265,6 +266,32 @@ class DataParallel:
             f"workers on axis {self.axis_name!r}.")
     data = P(lay.data_spec(self.axes))
     return self._put(batch, jax.tree.map(lambda x: lay.full_spec(data, jnp.ndim(x)), batch))
+
+  def local_batch(self, batch):
+    """The global batch from this process's rows of it (multi-process runs).
+
+    Each process passes only its own rows, ``[local_rows, ...]`` per leaf, and
+    the result is one global array per leaf, sharded over the data axes, that
+    :meth:`step` takes as it is (``jax.make_array_from_process_local_data``;
+    process ``p``'s rows land on the workers it hosts, in process order). In
+    one process it is :meth:`place_batch`. Every process must call it, with
+    the same leaf shapes.
+    """
+    data = P(lay.data_spec(self.axes))
+    local_workers = sum(1 for d in self.mesh.local_devices)
+    local_workers = max(1, local_workers * self.num_workers // self.mesh.size)
+
+    def make(path, x):
+      x = np.asarray(x)
+      if x.ndim == 0 or x.shape[0] % local_workers:
+        raise ValueError(
+            f"data_parallel.local_batch: batch leaf {keystr(path)} has shape {x.shape}; its "
+            f"leading axis must be divisible by the {local_workers} workers this process "
+            "hosts.")
+      sharding = NamedSharding(self.mesh, lay.full_spec(data, x.ndim))
+      return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree_util.tree_map_with_path(make, batch)
 
   # -- init ----------------------------------------------------------------------
 

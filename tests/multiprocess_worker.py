@@ -1,0 +1,75 @@
+"""Run by tests/test_multiprocess.py under commopt.launch: a few data_parallel steps per case.
+
+``python tests/multiprocess_worker.py OUT_DIR [CASE ...]`` in each process;
+process 0 writes ``OUT_DIR/CASE.npz`` with the final params and optimizer
+state gathered to the host. The test runs the same cases in one process
+(:func:`run_case`) and compares.
+"""
+
+import sys
+
+CASES = ("identity", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical")
+STEPS = 3
+
+
+def run_case(case: str, local_rows):
+  """Final ``(params, opt_state)`` on the host after STEPS steps; ``local_rows(x)`` picks this
+  process's rows of a global batch array."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.experimental import multihost_utils
+
+  import commopt
+
+  if case == "hierarchical":
+    mesh = jax.make_mesh((2, 4), ("node", "local"))
+    axis = ("node", "local")
+    reducer = commopt.compressed_mean(commopt.scaled_sign(), axis, strategy="hierarchical",
+                                      min_size=0)
+  else:
+    mesh = jax.make_mesh((8,), ("data",))
+    axis = "data"
+    name, strategy = ("scaled_sign", "two_phase") if case == "two_phase" else (case, "auto")
+    # min_size=0: every leaf compressed, so a gather-only case has no dense all-reduce.
+    reducer = commopt.compressed_mean(commopt.compressors.make(name), axis, strategy=strategy,
+                                      min_size=0)
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(64, 48)) * 0.1, jnp.float32),
+            "b": jnp.zeros(48)}
+  x = rng.normal(size=(32, 64)).astype(np.float32)
+  y = rng.normal(size=(32, 48)).astype(np.float32)
+
+  def loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+  dp = commopt.data_parallel(loss, optax.chain(reducer, optax.sgd(0.1)), mesh, axis)
+  state = dp.init(params)
+  p = params
+  for _ in range(STEPS):
+    batch = dp.local_batch({"x": local_rows(x), "y": local_rows(y)})
+    p, state, _ = dp.step(p, state, batch)
+  return multihost_utils.process_allgather((p, state), tiled=True)
+
+
+def flat(tree):
+  import jax
+  import numpy as np
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+
+
+if __name__ == "__main__":
+  from commopt import launch
+  ctx = launch.initialize()
+  import pathlib
+
+  import numpy as np
+  out = pathlib.Path(sys.argv[1])
+  rows = lambda a: np.split(a, ctx.num_processes)[ctx.process_id]
+  for case in sys.argv[2:] or CASES:
+    result = flat(run_case(case, rows))
+    if ctx.is_main:
+      np.savez(out / f"{case}.npz", **result)
+    print(f"process {ctx.process_id}: {case} done", flush=True)

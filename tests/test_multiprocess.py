@@ -1,0 +1,116 @@
+"""Two processes x 4 CPU devices over gloo against one process x 8 devices; failures end runs.
+
+The processes are started by :func:`commopt.launch.launch`, each under its
+timeout; whatever happens, none is left running.
+"""
+
+import importlib.util
+import pathlib
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from commopt import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "multiprocess_worker.py"
+spec = importlib.util.spec_from_file_location("multiprocess_worker", WORKER)
+worker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(worker)
+
+# Paths that only gather and re-encode (no float all-reduce) are bit-identical
+# across layouts; all-reduces (gloo between processes, XLA inside one) may add
+# in another order.
+BIT_IDENTICAL = {"scaled_sign", "top_k", "two_phase"}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  out = tmp_path_factory.mktemp("mp")
+  launch.launch([str(WORKER), str(out)], processes=2, devices_per_process=4, timeout=400,
+                env={"PYTHONPATH": str(ROOT)})
+  return out
+
+
+@pytest.mark.parametrize("case", worker.CASES)
+def test_two_processes_match_one(case, two_processes):
+  got = dict(np.load(two_processes / f"{case}.npz"))
+  want = worker.flat(worker.run_case(case, lambda a: a))
+  assert got.keys() == want.keys()
+  for k in want:
+    if case in BIT_IDENTICAL:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=f"{case} {k}")
+    else:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"{case} {k}")
+
+
+DIES = """
+import os, time
+from commopt import launch
+ctx = launch.initialize()
+import jax, jax.numpy as jnp
+if ctx.process_id == 1:
+    os._exit(7)   # dies: no exit handlers, no shutdown barrier
+mesh = jax.make_mesh((4,), ("d",))
+x = jax.device_put(jnp.ones(4), jax.NamedSharding(mesh, jax.P("d")))
+jax.block_until_ready(jax.jit(lambda v: v.sum())(x))   # waits for the dead peer
+time.sleep(600)
+"""
+
+
+def test_a_dead_process_ends_the_run_with_a_clear_error(tmp_path):
+  script = tmp_path / "dies.py"
+  script.write_text(DIES)
+  t0 = time.monotonic()
+  with pytest.raises(launch.LaunchError,
+                     match=r"process 1 of 2 failed first; .*process 1 \(code 7\)") as err:
+    launch.launch([str(script)], processes=2, devices_per_process=2, timeout=120, grace=5,
+                  env={"PYTHONPATH": str(ROOT)})
+  assert time.monotonic() - t0 < 60
+  assert all(r.returncode is not None for r in err.value.results)
+
+
+def test_launch_checks_its_arguments():
+  with pytest.raises(ValueError, match=r"`processes` must be a positive int, got 0"):
+    launch.launch(["x.py"], processes=0)
+  with pytest.raises(ValueError, match=r"`timeout` must be a positive float, got -1"):
+    launch.launch(["x.py"], processes=1, timeout=-1)
+
+
+def test_initialize_alone_is_one_process():
+  ctx = launch.initialize()
+  assert (ctx.process_id, ctx.num_processes, ctx.is_main) == (0, 1, True)
+
+
+MULTIHOST = "python -m commopt.launch --processes 2 --cpu-devices 4 examples/multihost.py"
+
+
+def test_the_readme_multihost_recipe_trains_across_two_processes():
+  import re
+  import subprocess
+  assert MULTIHOST in (ROOT / "README.md").read_text()
+  argv = [sys.executable] + MULTIHOST.split()[1:]
+  proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  m = re.search(r"2 processes, 8 workers: loss ([\d.]+) at step 1, ([\d.]+) at step 30", proc.stdout)
+  assert m, proc.stdout[-2000:]
+  assert float(m.group(2)) < float(m.group(1)) / 2
+
+
+def test_local_batch_in_one_process_is_the_placed_batch(mesh):
+  import jax.numpy as jnp
+  import optax
+
+  import commopt
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.make("identity"), "data"),
+                   optax.sgd(0.1))
+  dp = commopt.data_parallel(lambda p, b: jnp.sum(b["x"] @ p["w"]), tx, mesh)
+  x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+  got = dp.local_batch({"x": x})["x"]
+  assert got.sharding == dp.place_batch({"x": x})["x"].sharding
+  np.testing.assert_array_equal(np.asarray(got), x)
+  with pytest.raises(ValueError, match=r"local_batch: batch leaf \['x'\] has shape \(7, 3\); "
+                                       r"its leading axis must be divisible by the 8 workers"):
+    dp.local_batch({"x": x[:7]})
