@@ -38,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -178,7 +179,6 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
 
 
 def _log_path(i: int) -> str:
-  import tempfile
   fd, path = tempfile.mkstemp(prefix=f"commopt-launch-{i}-", suffix=".log")
   os.close(fd)
   return path
