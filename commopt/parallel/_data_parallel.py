@@ -230,6 +230,25 @@ class DataParallel:
     """The optimizer state's ``NamedSharding``\\ s on the mesh (for orbax restores)."""
     return lay.to_shardings(self.mesh, self.state_specs(params))
 
+  def abstract_state(self, params) -> tuple[Any, Any]:
+    """``(params, opt_state)`` as ``jax.ShapeDtypeStruct``\\ s placed on the mesh: a restore target.
+
+    Shapes and dtypes come from ``jax.eval_shape(self.init, params)`` (nothing
+    is computed), shardings from the step's layout, so orbax restores a saved
+    ``{"params": ..., "opt_state": ...}`` straight onto the devices the step
+    uses, per-worker residuals on their workers::
+
+        target = dict(zip(("params", "opt_state"), dp.abstract_state(params)))
+        restored = orbax.checkpoint.StandardCheckpointer().restore(path, target)
+    """
+    layout = self.layout(params)
+    place = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+    state = jax.tree.map(place, jax.eval_shape(self.init, params),
+                         lay.to_shardings(self.mesh, layout.state_specs))
+    params = jax.tree.map(place, jax.eval_shape(lambda p: p, params),
+                          lay.to_shardings(self.mesh, layout.param_specs))
+    return params, state
+
   def per_worker(self, params) -> Any:
     """A pytree like the optimizer state: True where a leaf is per-worker (stacked)."""
     return self.layout(params).per_worker
