@@ -17,7 +17,7 @@ On CPU it simulates ``--workers`` devices (8 by default); on a GPU it uses the
 GPUs present (one worker per GPU). ``--check`` exits 1 when a ratio misses
 its target (``TARGETS``).
 
-    python benchmarks/bench_step.py                            # everything, ~25 min on 2 cores
+    python benchmarks/bench_step.py                            # everything, ~10 min on 2 cores
     python benchmarks/bench_step.py --compressors scaled_sign,top_k --models mlp --check
 """
 
