@@ -171,6 +171,18 @@ def check_positive_int(name: str, value, *, fn: str) -> int:
   return int(value)
 
 
+def first_true(mask: jax.Array, capacity: int) -> jax.Array:
+  """The flat indices of the first ``capacity`` true entries of ``mask``.
+
+  Slots past the number of true entries hold ``mask.size`` (out of range).
+  One inclusive scan and a binary search per slot: O(size + capacity log size),
+  with no sort over the leaf.
+  """
+  counts = jax.lax.associative_scan(jnp.add, mask.reshape(-1).astype(jnp.int32))
+  wanted = jnp.arange(1, capacity + 1, dtype=jnp.int32)
+  return jnp.searchsorted(counts, wanted, side="left").astype(jnp.int32)
+
+
 def block_len(n: int, block_size: Optional[int]) -> int:
   """Coordinates per block when ``n`` are cut into blocks of ``block_size`` (None: one block)."""
   return n if block_size is None else min(block_size, n)

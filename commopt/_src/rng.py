@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from commopt._src import base
+
 
 def fmix32(h: jax.Array) -> jax.Array:
   """MurmurHash3's finaliser on uint32 words."""
@@ -64,9 +66,7 @@ def distinct_indices(key: jax.Array, size: int, k: int) -> jax.Array:
   candidates = min(1 << bits, 4 * k + 32 * int(k ** 0.5) + 64)
   seeds = jax.random.bits(key, (4,), jnp.uint32)
   drawn = _feistel(jnp.arange(candidates, dtype=jnp.uint32), seeds, half)
-  valid = drawn < jnp.uint32(size)
   # Positions of the first k valid candidates, in candidate order.
-  counts = jnp.cumsum(valid.astype(jnp.int32))
-  slots = jnp.searchsorted(counts, jnp.arange(1, k + 1, dtype=jnp.int32), side="left")
+  slots = base.first_true(drawn < jnp.uint32(size), k)
   chosen = jnp.where(slots < candidates, drawn[jnp.minimum(slots, candidates - 1)], size)
   return jnp.sort(chosen.astype(jnp.int32))

@@ -12,11 +12,10 @@ from commopt._src import base, rng
 from commopt.compressors._registry import register
 from commopt.compressors._qcommon import _uniform
 from commopt.compressors._sparse import (
-    _add_values,
+    _VALUES_CODEC,
     _budget,
     _budget_name,
-    _scatter,
-    _scatter_add,
+    _pairs_codec,
     _sparse_compressor,
     _take,
     first_true,
@@ -102,11 +101,7 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
       indices = draw(key, x.shape)
       return {"values": values(x, indices)}, RandomKState(indices=indices)
 
-    def decode(payload, state, like):
-      return _scatter(state.indices, payload["values"], like)
-
-    def accumulate(acc, payload, state, like):
-      return _scatter_add(acc, state.indices, payload["values"], like)
+    decode, accumulate = _pairs_codec(lambda payload, state: (state.indices, payload["values"]))
 
     def payload_bits(shape, dtype):
       return leaf_k(shape) * base.dtype_bits(dtype)
@@ -117,10 +112,7 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
       indices = draw(key, x.shape)
       return {"values": values(x, indices), "indices": indices}, state
 
-    def decode(payload, state, like):
-      return _scatter(payload["indices"], payload["values"], like)
-
-    accumulate = _add_values
+    decode, accumulate = _VALUES_CODEC
 
     def payload_bits(shape, dtype):
       return leaf_k(shape) * (base.dtype_bits(dtype) + 32)

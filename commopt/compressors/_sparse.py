@@ -22,6 +22,7 @@ import numpy as np
 
 from commopt import kernels
 from commopt._src import base
+from commopt._src.base import first_true  # noqa: F401  (re-exported)
 
 
 VALUE_DTYPES = ("float16", "bfloat16", "float32")
@@ -98,18 +99,6 @@ def _check_coded_size(size: int, fn: str):
         f"most {_MAX_CODED_SIZE}); split it.")
 
 
-def first_true(mask: jax.Array, capacity: int) -> jax.Array:
-  """The flat indices of the first ``capacity`` true entries of ``mask``.
-
-  Slots past the number of true entries hold ``mask.size`` (out of range).
-  One inclusive scan and a binary search per slot: O(size + capacity log size),
-  with no sort over the leaf.
-  """
-  counts = jax.lax.associative_scan(jnp.add, mask.reshape(-1).astype(jnp.int32))
-  wanted = jnp.arange(1, capacity + 1, dtype=jnp.int32)
-  return jnp.searchsorted(counts, wanted, side="left").astype(jnp.int32)
-
-
 def sampled_threshold(magnitude: jax.Array, density: float, key,
                       sample_ratio: float) -> jax.Array:
   """The magnitude above which a ``density`` fraction of ``magnitude`` lies, from a sample.
@@ -157,22 +146,30 @@ def _sign_index_codes(flat: jax.Array, indices: jax.Array) -> jax.Array:
 
 
 def _sign_index_values(codes: jax.Array, magnitude):
+  """``(indices, values)`` of sign-index codes sent with one ``magnitude``."""
   indices = (codes >> 1).astype(jnp.int32)  # empty slots: 2**31 - 1, dropped
   signs = jnp.where((codes & 1) == 1, -1.0, 1.0).astype(jnp.float32)
   return indices, signs * magnitude
 
 
-def _decode_sign_index(codes: jax.Array, magnitude, like) -> jax.Array:
-  return _scatter(*_sign_index_values(codes, magnitude), like)
+def _pairs_codec(pairs):
+  """``(decode, accumulate)`` of a payload naming distinct coordinates and their values.
+
+  ``pairs(payload, state) -> (indices, values)`` (out-of-range indices are
+  empty slots): ``decode`` scatters them into zeros and ``accumulate`` adds
+  them into an accumulator in place, so the two agree by construction.
+  """
+  def decode(payload, state, like):
+    return _scatter(*pairs(payload, state), like)
+
+  def accumulate(acc, payload, state, like):
+    return _scatter_add(acc, *pairs(payload, state), like)
+
+  return decode, accumulate
 
 
-def _add_sign_index(acc: jax.Array, codes: jax.Array, magnitude, like) -> jax.Array:
-  return _scatter_add(acc, *_sign_index_values(codes, magnitude), like)
-
-
-def _add_values(acc, payload, state, like):
-  """``accumulate`` of a payload of distinct ``indices`` and their ``values``."""
-  return _scatter_add(acc, payload["indices"], payload["values"], like)
+_VALUES_CODEC = _pairs_codec(lambda payload, state: (payload["indices"], payload["values"]))
+"""For payloads ``{"indices", "values"}``."""
 
 
 def _sparse_compressor(name: str, slots, pick, value_dtype) -> base.Compressor:
@@ -187,14 +184,13 @@ def _sparse_compressor(name: str, slots, pick, value_dtype) -> base.Compressor:
     return {"values": values.astype(value_dtype or x.dtype),
             "indices": indices.astype(jnp.int32)}, state
 
-  def decode(payload, state, like):
-    return _scatter(payload["indices"], payload["values"], like)
+  decode, accumulate = _VALUES_CODEC
 
   def payload_bits(shape, dtype):
     return slots(shape) * (base.dtype_bits(value_dtype or dtype) + 32)
 
   return base.Compressor(name=name, init=base.stateless_init, encode=encode,
-                         decode=decode, payload_bits=payload_bits, accumulate=_add_values)
+                         decode=decode, payload_bits=payload_bits, accumulate=accumulate)
 
 
 def _with_values(select):

@@ -12,11 +12,11 @@ from commopt.compressors._registry import register
 from commopt.compressors._sparse import (
     _check_coded_size,
     _check_value_dtype,
-    _add_sign_index,
-    _decode_sign_index,
     _fraction_count,
     _magnitude_selector,
+    _pairs_codec,
     _sign_index_codes,
+    _sign_index_values,
     _sparse_compressor,
     _take,
     _with_values,
@@ -78,11 +78,8 @@ def threshold(tau: float, *, capacity: float = 0.01) -> base.Compressor:
     indices = first_true(jnp.abs(flat) > tau, slots(x.shape))
     return {"codes": _sign_index_codes(flat, indices)}, state
 
-  def decode(payload, state, like):
-    return _decode_sign_index(payload["codes"], jnp.float32(tau), like)
-
-  def accumulate(acc, payload, state, like):
-    return _add_sign_index(acc, payload["codes"], jnp.float32(tau), like)
+  decode, accumulate = _pairs_codec(
+      lambda payload, state: _sign_index_values(payload["codes"], jnp.float32(tau)))
 
   return base.Compressor(
       name=f"threshold(tau={tau}, capacity={capacity})", init=base.stateless_init,
@@ -209,14 +206,11 @@ def adacomp(bin_size: int = 50, *, per_bin: int = 2) -> base.Compressor:
     count = jnp.sum(indices < size)
     scale = jnp.where(count > 0, jnp.sum(sent) / jnp.maximum(count, 1), 0.0)
     payload = {"codes": _sign_index_codes(g, indices), "scale": scale.reshape(1)}
-    residual = x - _decode_sign_index(payload["codes"], scale, x)
+    residual = x - decode(payload, None, x)
     return payload, AdaCompState(residual=residual)
 
-  def decode(payload, state, like):
-    return _decode_sign_index(payload["codes"], payload["scale"][0], like)
-
-  def accumulate(acc, payload, state, like):
-    return _add_sign_index(acc, payload["codes"], payload["scale"][0], like)
+  decode, accumulate = _pairs_codec(
+      lambda payload, state: _sign_index_values(payload["codes"], payload["scale"][0]))
 
   return base.Compressor(
       name=f"adacomp(bin_size={bin_size}, per_bin={per_bin})", init=init, stateful=True,
