@@ -42,6 +42,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from commopt._src import base
+
 ENV_PROCESS_ID = "COMMOPT_PROCESS_ID"
 ENV_NUM_PROCESSES = "COMMOPT_NUM_PROCESSES"
 ENV_COORDINATOR = "COMMOPT_COORDINATOR"
@@ -84,13 +86,6 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _positive(name: str, value, kind=int):
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
-      kind is int and not isinstance(value, int)):
-    raise ValueError(f"launch: `{name}` must be a positive {kind.__name__}, got {value!r}.")
-  return value
-
-
 def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional[int] = None,
            timeout: float = 600.0, grace: float = 10.0, heartbeat_timeout: int = 20,
            coordinator: Optional[str] = None, env: Optional[dict] = None,
@@ -118,12 +113,12 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
     LaunchError: a process exited non-zero (the others are ended after
       ``grace``), or the run exceeded ``timeout``.
   """
-  _positive("processes", processes)
-  _positive("timeout", timeout, float)
-  _positive("grace", grace, float)
-  _positive("heartbeat_timeout", heartbeat_timeout)
+  for name, value in (("processes", processes), ("heartbeat_timeout", heartbeat_timeout)):
+    base.check_positive_int(name, value, fn="launch")
   if devices_per_process is not None:
-    _positive("devices_per_process", devices_per_process)
+    base.check_positive_int("devices_per_process", devices_per_process, fn="launch")
+  for name, value in (("timeout", timeout), ("grace", grace)):
+    base.check_number(name, value, fn="launch", low=0, what="a positive number of seconds")
   coordinator = coordinator or f"127.0.0.1:{free_port()}"
   logs, procs = [], []
   for i in range(processes):

@@ -196,11 +196,7 @@ def test_uniform_from_bits_is_jax_random_uniform():
 # --- top-k ------------------------------------------------------------------------
 
 
-def brute_top_k(x, k):
-  """Largest |x| bit patterns (NaN above inf), lower index first on ties, in index order."""
-  key = np.asarray(x, np.float32).view(np.uint32) & 0x7FFFFFFF
-  order = np.lexsort((np.arange(key.size), -key.astype(np.int64)))
-  return np.sort(order[:k])
+brute_top_k = commopt.testing.checks.top_k_indices
 
 
 @pytest.mark.parametrize("n, k", [(1, 1), (100, 7), (257, 1), (257, 256), (257, 257)])

@@ -101,10 +101,7 @@ def test_quantize_pack_terngrad_with_nan(n, block_size):
   same(kernels.quantize_pack(x, r, 1, s, **kw, **NATIVE), kernels.quantize_pack(x, r, 1, s, **kw, **XLA))
 
 
-def brute_top_k(x, k):
-  key = np.asarray(x, np.float32).view(np.uint32) & 0x7FFFFFFF
-  order = np.lexsort((np.arange(key.size), -key.astype(np.int64)))
-  return np.sort(order[:k])
+brute_top_k = commopt.testing.checks.top_k_indices
 
 
 @pytest.mark.parametrize("n, k", [(1, 1), (1000, 1), (1000, 999), (65_537, 655),

@@ -73,9 +73,10 @@ def test_a_dead_process_ends_the_run_with_a_clear_error(tmp_path):
 
 
 def test_launch_checks_its_arguments():
-  with pytest.raises(ValueError, match=r"`processes` must be a positive int, got 0"):
+  with pytest.raises(ValueError, match=r"launch: `processes` must be a positive integer, got 0"):
     launch.launch(["x.py"], processes=0)
-  with pytest.raises(ValueError, match=r"`timeout` must be a positive float, got -1"):
+  with pytest.raises(ValueError,
+                     match=r"launch: `timeout` must be a positive number of seconds, got -1"):
     launch.launch(["x.py"], processes=1, timeout=-1)
 
 

@@ -96,11 +96,6 @@ def sum_decoded_reference(gathered, decode, acc):
   return acc
 
 
-def zeros_of(decode, payload):
-  """float32 zeros shaped like ``decode(payload)`` (an array or a pytree)."""
-  return jax.tree.map(lambda t: jnp.zeros(t.shape, jnp.float32), jax.eval_shape(decode, payload))
-
-
 def exchange(payload, decode, strategy: str, axis_name, add=None):
   """Sends ``payload`` over ``axis_name``; returns ``(mean, local)`` reconstructions.
 
@@ -120,8 +115,8 @@ def exchange(payload, decode, strategy: str, axis_name, add=None):
   if strategy == "psum":
     mean = jax.tree.map(lambda t: t.astype(jnp.float32) / n, decode(coll.psum(payload, axis_name)))
   else:
-    total = sum_decoded(coll.all_gather(payload, axis_name), add or _adder(decode),
-                        zeros_of(decode, payload))
+    zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, jnp.float32), local)
+    total = sum_decoded(coll.all_gather(payload, axis_name), add or _adder(decode), zeros)
     mean = jax.tree.map(lambda t: t / n, total)
   return mean, local
 

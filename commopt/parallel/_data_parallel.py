@@ -297,8 +297,7 @@ class DataParallel:
     the same leaf shapes.
     """
     data = P(lay.data_spec(self.axes))
-    local_workers = sum(1 for d in self.mesh.local_devices)
-    local_workers = max(1, local_workers * self.num_workers // self.mesh.size)
+    local_workers = max(1, len(self.mesh.local_devices) * self.num_workers // self.mesh.size)
 
     def make(path, x):
       x = np.asarray(x)

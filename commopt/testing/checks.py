@@ -65,6 +65,7 @@ __all__ = [
     "payload_bytes_equal_hlo_audit",
     "robust_rule_compatible",
     "run_all",
+    "top_k_indices",
     "vmap_equals_shard_map",
     "worker_updates",
 ]
@@ -90,6 +91,18 @@ def hard_floats(n: int, seed: int, specials: bool = True, dtype=jnp.float32) -> 
     where = rng.choice(n, size=min(n, SPECIAL_FLOATS.size), replace=False)
     x[where] = SPECIAL_FLOATS[:where.size]
   return jnp.asarray(x).astype(dtype)
+
+
+def top_k_indices(x, k: int) -> np.ndarray:
+  """The ``k`` indices any magnitude top-k of ``x`` must select, ascending, in numpy.
+
+  The rule of :func:`commopt.kernels.select_top_k`: largest ``|x|`` bit
+  patterns first (NaN above inf, ``-0.0`` tied with ``0.0``), the lower index
+  on ties.
+  """
+  key = np.asarray(x, np.float32).view(np.uint32) & 0x7FFFFFFF
+  order = np.lexsort((np.arange(key.size), -key.astype(np.int64)))
+  return np.sort(order[:k])
 
 
 def params_like(dtype=jnp.float32):
