@@ -46,3 +46,155 @@ def test_a_restored_run_continues_bit_identically(name, mesh, tmp_path):
     p, s, _ = dp.step(p, s, b)
     p2, s2, _ = dp.step(p2, s2, b)
   jax.tree.map(np.testing.assert_array_equal, host((p2, s2)), host((p, s)))
+
+
+# --- another number of workers ------------------------------------------------------
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from commopt import checkpoint  # noqa: E402
+from commopt.parallel import _resize  # noqa: E402
+
+
+def _loss(p, b):
+  return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+def _run(devices, axes, reducer_fn):
+  mesh = jax.make_mesh(devices, axes, devices=jax.devices()[:int(np.prod(devices))])
+  axis = axes if len(axes) > 1 else axes[0]
+  tx = optax.chain(reducer_fn(axis), optax.sgd(0.2, momentum=0.9))
+  return commopt.data_parallel(_loss, tx, mesh, axis, donate=False)
+
+
+REDUCERS = {
+    "scaled_sign": lambda a: commopt.compressed_mean(commopt.scaled_sign(), a, min_size=0),
+    "top_k/two_phase": lambda a: commopt.compressed_mean(commopt.top_k(0.1), a, min_size=0,
+                                                         strategy="two_phase"),
+    "dgc": lambda a: commopt.dgc(a, densities=0.1, min_size=0),
+    "hierarchical": lambda a: commopt.compressed_mean(
+        commopt.scaled_sign(), a, min_size=0, strategy="hierarchical", inner_strategy="two_phase"),
+}
+
+
+def _batches(n, rows=24):
+  rng = np.random.default_rng(1)
+  w = rng.normal(size=(64, 48)).astype(np.float32) * 0.1
+  out = []
+  for _ in range(n):
+    x = rng.normal(size=(rows, 64)).astype(np.float32)
+    out.append({"x": x, "y": x @ w})
+  return out
+
+
+def _per_worker_means(state, per_worker, first):
+  """Per per-worker float leaf (by path): the mean over the first data axis (``first``
+  workers), per rank of the other axes (float64)."""
+  out = {}
+  for (path, x), f in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                          jax.tree.leaves(per_worker)):
+    key = _resize.path_key(path)
+    if f and _resize.SERVER_FIELD not in key and jnp.issubdtype(x.dtype, jnp.floating):
+      x = np.asarray(x, np.float64)
+      out[key] = x.reshape((first, -1) + x.shape[1:]).mean(axis=0)
+  return out
+
+
+def _server_vectors(state):
+  """Every two-phase server memory as one flat vector per leaf (per local rank when 2-D)."""
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    key = _resize.path_key(path)
+    if _resize.SERVER_FIELD in key:
+      out[key] = np.asarray(x)
+  return out
+
+
+@pytest.mark.parametrize("case,old,new", [
+    ("scaled_sign", (8,), (4,)), ("scaled_sign", (4,), (8,)), ("scaled_sign", (8,), (3,)),
+    ("top_k/two_phase", (8,), (4,)), ("top_k/two_phase", (4,), (6,)),
+    ("dgc", (8,), (4,)), ("hierarchical", (2, 4), (1, 4))])
+def test_restoring_onto_another_number_of_workers_keeps_what_error_feedback_owes(
+    case, old, new, tmp_path):
+  axes = ("data",) if len(old) == 1 else ("node", "local")
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+  dp_old, dp_new = _run(old, axes, REDUCERS[case]), _run(new, axes, REDUCERS[case])
+  batches = _batches(16)
+  p, s = params, dp_old.init(params)
+  for b in batches[:4]:
+    p, s, _ = dp_old.step(p, s, b)
+  checkpoint.save(tmp_path / "ck", p, s, step=4)
+  got = checkpoint.restore(tmp_path / "ck", dp_new, params)
+  assert (got.step, got.saved_workers) == (4, int(np.prod(old)))
+  flags = dp_new.per_worker(params)
+  # The owed update: every per-worker float leaf's mean over workers, unchanged
+  # (the sum scales by new/old); with 2-D data axes, per local rank.
+  before, after = _per_worker_means(s, flags, old[0]), _per_worker_means(got.opt_state, flags, new[0])
+  assert before and before.keys() == after.keys()
+  for k in before:
+    assert np.abs(before[k]).max() > 0, k          # something is owed
+    np.testing.assert_allclose(after[k], before[k], rtol=1e-6, atol=1e-7, err_msg=str(k))
+  # Server memories: the same values, re-split into the new chunks.
+  for k, old_v in _server_vectors(s).items():
+    new_v = _server_vectors(got.opt_state)[k]
+    rest = 1 if len(old) == 1 else old[1]
+    flat = lambda v, n: v.reshape(n, rest, -1).transpose(1, 0, 2).reshape(rest, -1)
+    a, b = flat(old_v, old[0]), flat(new_v, new[0])
+    m = min(a.shape[1], b.shape[1])
+    np.testing.assert_array_equal(a[:, :m], b[:, :m])
+    assert not a[:, m:].any() and not b[:, m:].any()
+  # Replicated state (momentum, counts, keys) is carried as it is.
+  for (path, x), f in zip(jax.tree_util.tree_flatten_with_path(got.opt_state)[0],
+                          jax.tree.leaves(flags)):
+    if not f:
+      want = dict((_resize.path_key(q), y) for q, y in jax.tree_util.tree_flatten_with_path(s)[0])
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(want[_resize.path_key(path)]))
+  # And it trains on, on the new workers.
+  p2, s2, losses = got.params, got.opt_state, []
+  for b in batches[4:]:
+    p2, s2, l = dp_new.step(p2, s2, b)
+    losses.append(float(np.mean(l)))
+  assert losses[-1] < losses[0] / 2, losses
+
+
+@given(st.integers(1, 64), st.integers(1, 64))
+def test_overlap_weights_average_and_keep_the_mean(old, new):
+  w = _resize.overlap_weights(old, new)
+  np.testing.assert_allclose(w.sum(axis=1), 1.0)
+  np.testing.assert_allclose(w.sum(axis=0), new / old)
+  assert (w >= 0).all()
+
+
+def test_same_number_of_workers_restores_bit_identically_through_checkpoint(mesh, tmp_path):
+  dp = _run((8,), ("data",), REDUCERS["top_k/two_phase"])
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+  batches = _batches(5)
+  p, s = params, dp.init(params)
+  for b in batches[:2]:
+    p, s, _ = dp.step(p, s, b)
+  checkpoint.save(tmp_path / "ck", p, s)
+  got = checkpoint.restore(tmp_path / "ck", dp, jax.eval_shape(lambda: params))
+  assert got.step is None and got.saved_workers == 8
+  p2, s2 = got.params, got.opt_state
+  for b in batches[2:]:
+    p, s, _ = dp.step(p, s, b)
+    p2, s2, _ = dp.step(p2, s2, b)
+  jax.tree.map(np.testing.assert_array_equal, host((p2, s2)), host((p, s)))
+
+
+def test_resize_errors_name_the_problem(tmp_path):
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+  dp8 = _run((8,), ("data",), REDUCERS["scaled_sign"])
+  s = dp8.init(params)
+  other = _run((4,), ("data",), REDUCERS["dgc"])
+  with pytest.raises(ValueError, match=r"resize_state: the saved state has no leaf for .*"
+                                       r"saved from another optimizer"):
+    other.resize_state(s, params)
+  dp2d = _run((1, 4), ("node", "local"), REDUCERS["hierarchical"])
+  dp2d_old = _run((1, 3), ("node", "local"), REDUCERS["hierarchical"])
+  with pytest.raises(ValueError, match=r"only the first data axis may change size"):
+    dp2d.resize_state(dp2d_old.init(params), params)
+  with pytest.raises(ValueError, match=r"checkpoint.restore: `directory` .* does not exist"):
+    checkpoint.restore(tmp_path / "nothing", dp8, params)
+  with pytest.raises(ValueError, match=r"checkpoint.save: `step` must be an int or None, got 1.5"):
+    checkpoint.save(tmp_path / "x", params, s, step=1.5)

@@ -115,3 +115,40 @@ def test_local_batch_in_one_process_is_the_placed_batch(mesh):
   with pytest.raises(ValueError, match=r"local_batch: batch leaf \['x'\] has shape \(7, 3\); "
                                        r"its leading axis must be divisible by the 8 workers"):
     dp.local_batch({"x": x[:7]})
+
+
+CKPT_WORKER = ROOT / "tests" / "checkpoint_worker.py"
+
+
+def test_a_checkpoint_across_processes_resumes_bit_identically_and_onto_half_the_workers(
+    tmp_path):
+  env = {"PYTHONPATH": str(ROOT)}
+  launch.launch([str(CKPT_WORKER), str(tmp_path), "save"], processes=2, devices_per_process=4,
+                timeout=300, env=env)
+  # Fresh processes restore the step-3 checkpoint and run on to step 6.
+  launch.launch([str(CKPT_WORKER), str(tmp_path), "resume"], processes=2,
+                devices_per_process=4, timeout=300, env=env)
+  want, got = np.load(tmp_path / "uninterrupted.npz"), np.load(tmp_path / "resumed.npz")
+  assert sorted(want) == sorted(got)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  # Half the workers: 2 processes x 2 devices restore the 8-worker checkpoint.
+  launch.launch([str(CKPT_WORKER), str(tmp_path), "resize"], processes=2,
+                devices_per_process=2, timeout=300, env=env)
+  resized = np.load(tmp_path / "resized.npz")
+  assert (int(resized["workers"]), int(resized["saved_workers"])) == (4, 8)
+  import jax
+  import orbax.checkpoint as ocp
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  with ocp.StandardCheckpointer() as ckpt:
+    tree = ckpt.metadata(tmp_path / "ckpt").item_metadata.tree
+    saved = ckpt.restore(tmp_path / "ckpt", jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree))
+  saved_residual = np.asarray(saved["opt_state"]["inner_state"][0]["residual"]["w"])
+  assert saved_residual.shape[0] == 8 and np.abs(saved_residual).max() > 0
+  # What error feedback owes the model (the workers' mean residual) is kept;
+  # the sum over workers scales by 4/8.
+  np.testing.assert_allclose(resized["mean_residual"], saved_residual.mean(axis=0),
+                             rtol=1e-6, atol=1e-8)
+  losses = resized["losses"]
+  assert losses[-1] < losses[0] / 2, losses

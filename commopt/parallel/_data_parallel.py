@@ -253,6 +253,49 @@ class DataParallel:
     """A pytree like the optimizer state: True where a leaf is per-worker (stacked)."""
     return self.layout(params).per_worker
 
+  def resize_state(self, saved_state, params) -> Any:
+    """An optimizer state saved by a run with another number of workers, placed for this one.
+
+    The rule (:mod:`commopt.parallel._resize`): per-worker float state such as
+    error-feedback residuals is averaged onto the new workers by the overlap of
+    their rank intervals, which keeps the workers' mean residual, the update
+    error feedback still owes the model, exactly; two-phase server memories
+    are re-split into the new chunks; replicated state is copied. With several
+    data axes only the first may change size. With as many workers as saved,
+    the state comes back unchanged.
+
+    Args:
+      saved_state: the saved optimizer state: this state's structure, or the
+        plain dicts and lists orbax restores without a target; leaves are host
+        or device arrays (multi-process arrays are gathered, so every process
+        must call this).
+      params: the parameters (arrays or ``ShapeDtypeStruct``\\ s) of this run.
+
+    Returns:
+      The state with this run's shapes, placed on the mesh like :meth:`init`'s.
+    """
+    from jax.experimental import multihost_utils
+
+    from commopt.parallel import _resize
+
+    def host(x):
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = multihost_utils.process_allgather(x, tiled=True)
+      if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+      return np.asarray(x)
+
+    saved = {_resize.path_key(p): host(x)
+             for p, x in jax.tree_util.tree_flatten_with_path(saved_state)[0]}
+    _, target = self.abstract_state(params)
+    leaves = _resize.resize(saved, target, self.per_worker(params),
+                            data_sizes=tuple(self.mesh.shape[a] for a in self.axes),
+                            fn="data_parallel.resize_state")
+    flat, treedef = jax.tree_util.tree_flatten(target)
+    placed = [jax.make_array_from_callback(t.shape, t.sharding, lambda idx, v=v: v[idx])
+              for t, v in zip(flat, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
   # -- placement -----------------------------------------------------------------
 
   def _put(self, tree, specs):

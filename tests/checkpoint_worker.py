@@ -1,0 +1,90 @@
+"""Run by tests/test_multiprocess.py under commopt.launch: checkpoints across processes.
+
+``python tests/checkpoint_worker.py OUT MODE`` in every process:
+
+- ``save``: STEPS steps, saving a checkpoint at step SAVE_AT into ``OUT/ckpt``;
+  writes ``OUT/uninterrupted.npz`` (final params and optimizer state).
+- ``resume``: restores ``OUT/ckpt`` and runs on to STEPS; writes ``OUT/resumed.npz``.
+- ``resize``: restores ``OUT/ckpt`` onto this run's workers (fewer) and trains
+  on; writes ``OUT/resized.npz`` with the workers' mean residual restored and
+  the losses.
+"""
+
+import sys
+
+STEPS, SAVE_AT = 6, 3
+
+
+def batch(step):
+  import numpy as np
+  rng = np.random.default_rng(step)
+  w = np.random.default_rng(99).normal(size=(64, 48)).astype(np.float32) * 0.1
+  x = rng.normal(size=(32, 64)).astype(np.float32)
+  return {"x": x, "y": x @ w}
+
+
+def make():
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import commopt
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  reducer = commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0,
+                                    strategy="two_phase")
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+  dp = commopt.data_parallel(loss, optax.chain(reducer, optax.sgd(0.2, momentum=0.9)), mesh)
+  return dp, {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+
+
+def rows(ctx, b):
+  import numpy as np
+  return {k: np.split(v, ctx.num_processes)[ctx.process_id] for k, v in b.items()}
+
+
+def host(tree):
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  tree = multihost_utils.process_allgather(tree, tiled=True)
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+
+
+if __name__ == "__main__":
+  from commopt import launch
+  ctx = launch.initialize()
+  import pathlib
+
+  import numpy as np
+
+  from commopt import checkpoint
+
+  out, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
+  dp, params = make()
+  if mode == "save":
+    p, s = params, dp.init(params)
+    for step in range(STEPS):
+      if step == SAVE_AT:
+        checkpoint.save(out / "ckpt", p, s, step=step)
+      p, s, _ = dp.step(p, s, dp.local_batch(rows(ctx, batch(step))))
+    result = host((p, s))
+    name = "uninterrupted"
+  else:
+    got = checkpoint.restore(out / "ckpt", dp, params)
+    assert got.step == SAVE_AT, got.step
+    p, s, losses = got.params, got.opt_state, []
+    first = host(s)
+    for step in range(got.step, STEPS if mode == "resume" else STEPS + 10):
+      p, s, l = dp.step(p, s, dp.local_batch(rows(ctx, batch(step))))
+      losses.append(float(np.mean(host(l)[""])))
+    if mode == "resume":
+      result, name = host((p, s)), "resumed"
+    else:
+      residual = first[".inner_state[0].residual['w']"]
+      result = {"mean_residual": residual.mean(axis=0), "workers": np.asarray(residual.shape[0]),
+                "saved_workers": np.asarray(got.saved_workers), "losses": np.asarray(losses)}
+      name = "resized"
+  if ctx.is_main:
+    np.savez(out / f"{name}.npz", **result)
+  print(f"process {ctx.process_id}: {mode} done", flush=True)
