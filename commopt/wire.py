@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from commopt._src import base
-from commopt.comm import _strategies
+from commopt.comm import _collectives, _strategies
 from commopt.comm._plan import Planned, axis_sizes, planner_of, ring_sent_bytes
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses
 
@@ -28,8 +28,35 @@ __all__ = [
     "comm_plan",
     "hlo_collectives",
     "payload_bytes",
+    "record_collectives",
     "total_bytes",
 ]
+
+
+def record_collectives():
+  """A context manager that records, at run time, the collectives commopt's code runs.
+
+  Programs **traced** inside the ``with`` block (build a fresh ``jax.jit``, or a
+  fresh :func:`~commopt.data_parallel`, inside it) log one event per
+  collective each time it executes: ``(kind, bytes one worker puts in,
+  worker index on the collective's axis)``. A collective in a ``lax.cond``
+  branch that does not run logs nothing, which the HLO (where a conditional
+  holds both branches) cannot tell. The events come from debug callbacks, so
+  the recorded programs run slower; use it in tests and audits.
+
+  Yields:
+    A recorder: ``events``, ``of_worker(index)`` (``[(kind, bytes), ...]``) and
+    ``clear()``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, commopt
+    >>> with commopt.wire.record_collectives() as rec:
+    ...   f = jax.vmap(lambda x: commopt.comm.psum(x, "i"), axis_name="i")
+    ...   _ = jax.block_until_ready(f(jnp.ones((2, 3))))
+    >>> rec.of_worker(0)
+    [('all-reduce', 12)]
+  """
+  return _collectives.recording()
 
 
 class PayloadReport(NamedTuple):

@@ -11,13 +11,61 @@ typed invariant, so a reduced value can leave the map replicated.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from commopt._src import compat
 from commopt._src.vma import vary, vary_like, varying_axes  # noqa: F401  (re-exported)
+
+
+class Recorder:
+  """Collectives that ran, as ``(kind, bytes one worker puts in, worker index)`` events.
+
+  Filled at run time by the programs traced while :func:`recording` is
+  active: a collective inside a branch that does not run records nothing.
+  """
+
+  def __init__(self):
+    self.events: list[tuple[str, int, int]] = []
+
+  def add(self, kind: str, nbytes: int, index) -> None:
+    for i in np.ravel(np.asarray(index)):
+      self.events.append((kind, nbytes, int(i)))
+
+  def of_worker(self, index: int = 0) -> list[tuple[str, int]]:
+    """The ``(kind, bytes)`` of every collective worker ``index`` ran, in order."""
+    return [(k, b) for k, b, i in self.events if i == index]
+
+  def clear(self) -> None:
+    self.events.clear()
+
+
+_RECORDERS: list[Recorder] = []
+
+
+@contextlib.contextmanager
+def recording():
+  """Programs traced inside record each collective of this module when it runs."""
+  rec = Recorder()
+  _RECORDERS.append(rec)
+  try:
+    yield rec
+  finally:
+    _RECORDERS.remove(rec)
+
+
+def _record(kind: str, tree, axis_name) -> None:
+  if not _RECORDERS or axis_name is None:
+    return
+  nbytes = sum(int(np.prod(jnp.shape(x))) * jnp.result_type(x).itemsize
+               for x in jax.tree.leaves(tree))
+  jax.debug.callback(functools.partial(_RECORDERS[-1].add, kind, nbytes),
+                     jax.lax.axis_index(axis_name))
 
 
 def bound_axis_size(axis_name) -> Optional[int]:
@@ -79,6 +127,7 @@ def psum(tree: Any, axis_name: Optional[str]) -> Any:
   """All-reduce sum of every leaf (identity locally)."""
   if axis_name is None:
     return tree
+  _record("all-reduce", tree, axis_name)
   return jax.lax.psum(tree, axis_name)
 
 
@@ -86,6 +135,7 @@ def pmean(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
   """All-reduce mean in ``x``'s dtype (identity locally)."""
   if axis_name is None:
     return x
+  _record("all-reduce", x, axis_name)
   return (jax.lax.psum(x, axis_name) / axis_size(axis_name)).astype(x.dtype)
 
 
@@ -96,6 +146,7 @@ def all_to_all(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
   """
   if axis_name is None:
     return x
+  _record("all-to-all", x, axis_name)
   return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=False)
 
 
@@ -106,6 +157,7 @@ def psum_scatter(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
   """
   if axis_name is None:
     return x
+  _record("reduce-scatter", x, axis_name)
   return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
 
 
@@ -138,6 +190,7 @@ def all_gather(tree: Any, axis_name) -> Any:
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[k:]), tree)
 
   def gather(x):
+    _record("all-gather", x, axis_name)
     if axis_name in varying_axes(x):
       return compat.all_gather_invariant(x, axis_name)
     return jax.lax.all_gather(x, axis_name)
@@ -149,6 +202,7 @@ def all_gather_tiled(x, axis_name, axis: int):
   """Concatenates every worker's ``x`` along ``axis``; typed invariant when ``x`` varies."""
   if axis_name is None:
     return x
+  _record("all-gather", x, axis_name)
   if axis_name in varying_axes(x):
     return compat.all_gather_invariant(x, axis_name, axis=axis, tiled=True)
   return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)

@@ -55,7 +55,7 @@ class DataParallel:
 
   Attributes:
     loss_fn, tx, mesh, axis_name, has_aux, has_state, model_state_sync,
-    skip_nonfinite, donate: as given to :func:`data_parallel`.
+    skip_nonfinite, donate, local_params: as given to :func:`data_parallel`.
   """
   loss_fn: Callable
   tx: optax.GradientTransformation
@@ -66,6 +66,7 @@ class DataParallel:
   model_state_sync: str = "mean"
   skip_nonfinite: bool = True
   donate: bool = True
+  local_params: bool = False
 
   def __post_init__(self):
     fn = "data_parallel"
@@ -91,7 +92,7 @@ class DataParallel:
       raise ValueError(
           f"{fn}: `model_state_sync` must be one of {MODEL_STATE_SYNC}, got "
           f"{self.model_state_sync!r}.")
-    for name in ("has_aux", "has_state", "skip_nonfinite", "donate"):
+    for name in ("has_aux", "has_state", "skip_nonfinite", "donate", "local_params"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{fn}: `{name}` must be True or False, got {getattr(self, name)!r}.")
     object.__setattr__(self, "_layouts", {})
@@ -184,6 +185,8 @@ class DataParallel:
       state = opt.init(p)
       leaves, treedef = jax.tree_util.tree_flatten(state)
       grads = jax.tree.map(lambda x: coll.vary(x, axes), p)
+      if self.local_params:
+        p = grads
       mask = [False] * len(leaves)
       new = leaves
       for _ in range(len(leaves) + 1):
@@ -245,8 +248,8 @@ class DataParallel:
     place = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
     state = jax.tree.map(place, jax.eval_shape(self.init, params),
                          lay.to_shardings(self.mesh, layout.state_specs))
-    params = jax.tree.map(place, jax.eval_shape(lambda p: p, params),
-                          lay.to_shardings(self.mesh, layout.param_specs))
+    params = jax.tree.map(place, jax.eval_shape(self._stack_params, params),
+                          lay.to_shardings(self.mesh, self._param_specs(layout)))
     return params, state
 
   def per_worker(self, params) -> Any:
@@ -310,8 +313,39 @@ class DataParallel:
     return lay.map_specs(put, tree, specs)
 
   def place_params(self, params):
-    """Places ``params`` replicated over the data axes, keeping their other sharding."""
-    return self._put(params, self.layout(params).param_specs)
+    """Places ``params`` replicated over the data axes, keeping their other sharding.
+
+    With ``local_params=True``: one copy per worker, stacked ``[num_workers, ...]``
+    and sharded over the data axes, what :meth:`step` takes and returns.
+    """
+    layout = self.layout(params)
+    return self._put(self._stack_params(params), self._param_specs(layout))
+
+  def _stack_params(self, params):
+    if not self.local_params:
+      return params
+    n = self.num_workers
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + tuple(jnp.shape(x))), params)
+
+  def _param_specs(self, layout: Layout):
+    """How the step's parameters are placed: the layout's, stacked with ``local_params``."""
+    if not self.local_params:
+      return layout.param_specs
+    return jax.tree.map(lambda s: lay.stacked_spec(s, self.axes), layout.param_specs,
+                        is_leaf=lay.is_spec)
+
+  def _unstacked(self, params):
+    """With ``local_params``: per-worker parameters checked and seen as one worker's shapes."""
+    if not self.local_params:
+      return params
+    n = self.num_workers
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+      if not jnp.shape(x) or jnp.shape(x)[0] != n:
+        raise ValueError(
+            f"data_parallel: with local_params=True the parameters are per worker, stacked "
+            f"[{n}, ...]; parameter {keystr(path)} has shape {tuple(jnp.shape(x))}. Pass "
+            "dp.place_params(params) to the first step.")
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(jnp.shape(x))[1:], x.dtype), params)
 
   def place_model_state(self, model_state):
     """Places model state (batch statistics, RNG state) replicated over the data axes."""
@@ -418,7 +452,7 @@ class DataParallel:
           "data_parallel: `model_state` was given but has_state=False; pass has_state=True "
           "and a loss_fn(params, model_state, batch) -> (loss, new_model_state).")
     layout = self._checked_layout(params, opt_state)
-    params = self._put(params, layout.param_specs)
+    params = self._put(params, self._param_specs(layout))
     opt_state = self._put(opt_state, layout.state_specs)
     batch = self.place_batch(batch)
     ms_specs = None
@@ -428,12 +462,15 @@ class DataParallel:
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
     if self._tensor_parallel(layout):
+      if self.local_params:
+        raise ValueError("data_parallel: local_params=True keeps whole parameters per worker; "
+                         "it does not combine with parameters sharded over other mesh axes.")
       new_params, new_state, metrics, new_ms = self._tensor_parallel_step(
           layout, params, opt_state, batch, model_state, key)
     else:
       new_params, new_state, metrics, new_ms = self._data_parallel_step(
           layout, params, opt_state, batch, model_state, key)
-    new_params = self._put(new_params, layout.param_specs)
+    new_params = self._put(new_params, self._param_specs(layout))
     new_state = self._put(new_state, layout.state_specs)
     if self.has_state:
       return new_params, new_state, self._put(new_ms, ms_specs), metrics
@@ -492,7 +529,9 @@ class DataParallel:
             f"data_parallel: {what} {keystr(path)} differs between "
             f"workers on axis {self.axis_name!r}, so the replicas would drift apart. "
             "`tx` must reduce over that axis after anything per-worker, e.g. "
-            f"optax.chain(commopt.compressed_mean(c, {self.axis_name!r}), optax.sgd(lr)).")
+            f"optax.chain(commopt.compressed_mean(c, {self.axis_name!r}), optax.sgd(lr)); "
+            "transforms that keep parameters per worker between synchronisations "
+            "(commopt.local_sgd, commopt.diloco) need data_parallel(..., local_params=True).")
 
   def _data_parallel_step(self, layout, params, opt_state, batch, model_state, key):
     """One ``shard_map`` over the data axes: local gradients, then the optimizer."""
@@ -501,6 +540,8 @@ class DataParallel:
     grad_fn = local_value_and_grad(self._loss, axes, has_aux=self.has_aux or self.has_state)
 
     def body(params, state, batch, model_state, key):
+      if self.local_params:
+        params = jax.tree.map(lambda x: x[0], params)
       state = lay.unstack_workers(state, layout.state_specs, axes)
       kwargs = {} if key is None else {"key": jax.random.fold_in(key, coll.axis_index(axes))}
       args = (model_state, batch) if self.has_state else (batch,)
@@ -509,7 +550,10 @@ class DataParallel:
       grads = self._poison_if_nonfinite(grads, new_ms)
       updates, new_state = opt.update(grads, state, params)
       new_params = optax.apply_updates(params, updates)
-      self._check_replicated(new_params)
+      if self.local_params:
+        new_params = jax.tree.map(lambda x: x[None], new_params)
+      else:
+        self._check_replicated(new_params)
       if self.has_state:
         new_ms = self._keep_on_skip(self._sync_model_state(new_ms), model_state, new_state)
       metrics = loss[None] if not self.has_aux else (
@@ -518,10 +562,11 @@ class DataParallel:
               new_ms)
 
     data = P(lay.data_spec(axes))
+    pspec = data if self.local_params else P()
     fn = jax.shard_map(
         body, mesh=self.mesh,
-        in_specs=(P(), manual, data, P(), P()),
-        out_specs=(P(), manual, data, P()),
+        in_specs=(pspec, manual, data, P(), P()),
+        out_specs=(pspec, manual, data, P()),
         axis_names=set(axes))
     return fn(params, opt_state, batch, model_state, key)
 
@@ -618,7 +663,7 @@ class DataParallel:
     return jax.tree.map(lambda x: jax.sharding.reshard(x, P(*[None] * jnp.ndim(x))), tree)
 
   def _checked_layout(self, params, opt_state) -> Layout:
-    layout = self.layout(params)
+    layout = self.layout(self._unstacked(params))
     treedef = jax.tree.structure(opt_state)
     if treedef != layout.state_treedef:
       raise ValueError(
@@ -686,7 +731,7 @@ class DataParallel:
     if any(compat.is_tracer(x) for x in before):
       return params, opt_state, batch, model_state, key
     layout = self._checked_layout(params, opt_state)
-    params = self._put(params, layout.param_specs)
+    params = self._put(params, self._param_specs(layout))
     opt_state = self._put(opt_state, layout.state_specs)
     if model_state is not None:
       model_state = self.place_model_state(model_state)
@@ -714,7 +759,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
                   mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...] = "data", *,
                   has_aux: bool = False, has_state: bool = False,
                   model_state_sync: str = "mean", skip_nonfinite: bool = True,
-                  donate: bool = True) -> DataParallel:
+                  donate: bool = True, local_params: bool = False) -> DataParallel:
   """A data-parallel training step over ``mesh``'s ``axis_name``.
 
   Parameters are replicated over the data axes (a sharding over the mesh's
@@ -758,6 +803,12 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
     model_state_sync: ``"mean"`` or ``"none"``.
     skip_nonfinite: skip steps with a non-finite gradient on any worker.
     donate: donate params, optimizer state and model state to the jitted step.
+    local_params: keep one copy of the parameters per worker, stacked
+      ``[num_workers, ...]`` and sharded over the data axes, for transforms
+      whose updates differ between workers between synchronisations
+      (:func:`~commopt.local_sgd`, :func:`~commopt.diloco`). ``init`` takes the
+      parameters as usual; :meth:`~DataParallel.place_params` stacks them for
+      the first step, which returns them stacked.
 
   Returns:
     A :class:`DataParallel`: ``init(params) -> opt_state``,
@@ -780,4 +831,4 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   """
   return DataParallel(loss_fn, tx, mesh, axis_name, has_aux=has_aux, has_state=has_state,
                       model_state_sync=model_state_sync, skip_nonfinite=skip_nonfinite,
-                      donate=donate)
+                      donate=donate, local_params=local_params)

@@ -21,7 +21,10 @@ from commopt.transforms._dgc import (
     warmup_density,
 )
 
+from commopt.transforms._sync import PeriodicState, diloco, is_sync_step, local_sgd
+
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
-           "DGC_WARMUP_DENSITIES", "DGCLeafState", "DGCState", "MultiStepsState",
-           "apply_if_finite", "compressed_mean", "compresses", "dgc", "multi_steps",
+           "DGC_WARMUP_DENSITIES", "DGCLeafState", "DGCState", "MultiStepsState", "PeriodicState",
+           "apply_if_finite", "compressed_mean", "compresses", "dgc", "diloco", "is_sync_step",
+           "local_sgd", "multi_steps",
            "scheduled_top_k", "warmup_density"]

@@ -1,0 +1,191 @@
+"""Periodic synchronisation: local SGD and DiLoCo, with compressed exchanges.
+
+Each worker keeps its own parameters and steps them with the inner optimizer
+on its own gradients; every ``period`` steps the workers exchange what they
+moved since the last synchronisation (``anchor − local``, the pseudo-gradient),
+reduce it through :func:`~commopt.compressed_mean` (any compressor, with error
+feedback), and an outer optimizer applies the mean to the anchor, which every
+worker then takes as its parameters. Between synchronisations nothing crosses
+the axis: the exchange sits in a ``lax.cond`` on the step counter, which is
+the same on every worker.
+
+Local SGD is the outer optimizer ``sgd(1.0)``: the new anchor is the mean of
+the workers' parameters. DiLoCo's default outer optimizer is Nesterov SGD
+(learning rate 0.7, momentum 0.9).
+
+The transforms output per-worker updates, so the parameters differ between
+workers between synchronisations: run them under
+``commopt.data_parallel(..., local_params=True)``, under ``jax.vmap`` over the
+workers, or in your own ``shard_map`` with per-worker parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from commopt._src import base
+from commopt.comm import _collectives as coll
+from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE, compressed_mean
+from commopt.transforms._control import _check_axes, _check_inner
+
+
+class PeriodicState(NamedTuple):
+  """State of :func:`diloco` and :func:`local_sgd`.
+
+  Attributes:
+    count: inner steps so far (int32), the same on every worker.
+    syncs: synchronisations so far (int32).
+    anchor: the parameters at the last synchronisation (replicated), float32
+      or wider.
+    inner_state: the inner optimizer's state (per worker).
+    reducer_state: the state of the :func:`~commopt.compressed_mean` that
+      averages the pseudo-gradients (its error-feedback residuals per worker).
+    outer_state: the outer optimizer's state (replicated).
+  """
+  count: jax.Array
+  syncs: jax.Array
+  anchor: Any
+  inner_state: Any
+  reducer_state: Any
+  outer_state: Any
+
+
+def _wide(x):
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def is_sync_step(count, period: int, warmup_steps: int):
+  """Whether inner step ``count`` (0-based) ends with a synchronisation."""
+  after = count - warmup_steps
+  return (count < warmup_steps) | ((after + 1) % period == 0)
+
+
+def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTransformation] = None,
+           *, axis_name, period: int, compressor: Optional[base.Compressor] = None,
+           error_feedback: bool = True, strategy: str = "auto", warmup_steps: int = 0,
+           min_size: int = DEFAULT_MIN_SIZE, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+  """DiLoCo: ``period`` inner steps per worker, then an outer step on the mean pseudo-gradient.
+
+  Per worker, with local parameters ``θᵢ`` and the anchor ``θ`` (the
+  parameters at the last synchronisation)::
+
+    θᵢ ← θᵢ + inner(gᵢ)                          every step, no communication
+    every period steps:
+      Δ = mean_i C(θ − θᵢ)                       compressed_mean, with error feedback
+      θ ← θ + outer(Δ);  θᵢ ← θ                  the same on every worker
+
+  Before ``warmup_steps`` every step synchronises (post-local SGD's warm-up).
+
+  Args:
+    inner: the workers' optimizer (e.g. ``optax.adamw(...)``), stepped on each
+      worker's own gradients; its state is per worker.
+    outer: the optimizer of the anchor, fed the mean pseudo-gradient; default
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+    axis_name: the data axis (or tuple of axes).
+    period: inner steps between synchronisations (H), at least 1.
+    compressor: compresses the pseudo-gradients (e.g. ``commopt.top_k(0.01)``
+      as SparseLoCo, ``commopt.int_quant(bits=4)`` as Streaming DiLoCo's
+      outer gradients); None sends them dense.
+    error_feedback: keep what the compressor did not send (per worker).
+    strategy: :func:`~commopt.compressed_mean`'s reduction.
+    warmup_steps: steps at the start that synchronise every step.
+    min_size: leaves with fewer elements are exchanged dense.
+    seed: the compressor's base key.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
+    ``params`` (each worker's own); state :class:`PeriodicState`.
+
+  References:
+    Douillard et al., DiLoCo: Distributed Low-Communication Training of
+    Language Models, 2023.
+  """
+  fn = "diloco"
+  inner = _check_inner(inner, fn)
+  outer = _check_inner(optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer,
+                       fn)
+  _check_axes(axis_name, fn)
+  if axis_name is None:
+    raise ValueError(f"{fn}: `axis_name` must name the data axis, got None.")
+  period = base.check_positive_int("period", period, fn=fn)
+  warmup_steps = base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0)
+  from commopt.compressors import make
+  reducer = compressed_mean(make("identity") if compressor is None else compressor, axis_name,
+                            error_feedback=error_feedback and compressor is not None,
+                            strategy=strategy, min_size=min_size, seed=seed)
+
+  def init_fn(params):
+    anchor = jax.tree.map(_wide, params)
+    return PeriodicState(count=jnp.zeros([], jnp.int32), syncs=jnp.zeros([], jnp.int32),
+                         anchor=anchor, inner_state=inner.init(params),
+                         reducer_state=reducer.init(anchor), outer_state=outer.init(anchor))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(f"{fn}: `update` needs `params` (each worker's own parameters).")
+    local, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    moved = jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local)
+
+    def sync(operands):
+      moved, anchor, reducer_state, outer_state = operands
+      delta = jax.tree.map(lambda a, m: a - m, anchor, moved)
+      mean, reducer_state = reducer.update(delta, reducer_state)
+      step, outer_state = outer.update(mean, outer_state, anchor)
+      anchor = optax.apply_updates(anchor, step)
+      return anchor, anchor, reducer_state, outer_state
+
+    def no_sync(operands):
+      moved, anchor, reducer_state, outer_state = operands
+      return moved, anchor, reducer_state, outer_state
+
+    target, anchor, reducer_state, outer_state = coll.cond(
+        is_sync_step(state.count, period, warmup_steps), sync, no_sync,
+        (moved, state.anchor, state.reducer_state, state.outer_state))
+    out = jax.tree.map(lambda t, p: (t - _wide(p)).astype(p.dtype), target, params)
+    synced = is_sync_step(state.count, period, warmup_steps)
+    return out, PeriodicState(count=optax.safe_int32_increment(state.count),
+                              syncs=state.syncs + synced.astype(jnp.int32), anchor=anchor,
+                              inner_state=inner_state, reducer_state=reducer_state,
+                              outer_state=outer_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def local_sgd(inner: optax.GradientTransformation, *, axis_name, period: int,
+              warmup_steps: int = 0, compressor: Optional[base.Compressor] = None,
+              error_feedback: bool = True, strategy: str = "auto",
+              min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
+              ) -> optax.GradientTransformationExtraArgs:
+  """Local SGD / post-local SGD: workers step alone and average parameters every ``period`` steps.
+
+  Synchronous for the first ``warmup_steps`` steps (post-local SGD), then
+  each worker takes ``period`` steps of ``inner`` on its own gradients and the
+  workers average their parameters, optionally through a compressor with
+  error feedback (what is averaged is each worker's move since the last
+  average). This is :func:`diloco` with the outer optimizer ``sgd(1.0)``.
+
+  With ``period=1`` and a linear inner optimizer (SGD, momentum SGD), it is
+  synchronous data-parallel training: the mean of the workers' steps is the
+  step on the mean gradient.
+
+  Args:
+    inner: the workers' optimizer.
+    axis_name: the data axis (or tuple of axes).
+    period: steps between averages, at least 1.
+    warmup_steps: steps at the start that average every step.
+    compressor, error_feedback, strategy, min_size, seed: as in :func:`diloco`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; state :class:`PeriodicState`.
+
+  References:
+    Stich, Local SGD Converges Fast and Communicates Little, ICLR 2019.
+    Lin et al., Don't Use Large Mini-Batches, Use Local SGD, ICLR 2020.
+  """
+  return diloco(inner, optax.sgd(1.0), axis_name=axis_name, period=period,
+                compressor=compressor, error_feedback=error_feedback, strategy=strategy,
+                warmup_steps=warmup_steps, min_size=min_size, seed=seed)

@@ -1,0 +1,148 @@
+"""Periodic synchronisation (local SGD, DiLoCo): equivalences, when bytes move, conservation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import commopt
+from commopt import wire
+
+STEPS = 6
+
+
+def _problem(seed=0):
+  rng = np.random.default_rng(seed)
+  params = {"w": (rng.normal(size=(64, 48)) * 0.1).astype(np.float32),
+            "b": np.zeros(48, np.float32)}
+  batches = [{"x": rng.normal(size=(32, 64)).astype(np.float32),
+              "y": rng.normal(size=(32, 48)).astype(np.float32)} for _ in range(STEPS)]
+  return params, batches
+
+
+def _loss(p, b):
+  return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+def _bsp(mesh, params, batches, inner):
+  dp = commopt.data_parallel(
+      _loss, optax.chain(commopt.compressed_mean(commopt.compressors.make("identity"), "data"),
+                         inner), mesh)
+  p, s = params, dp.init(params)
+  out = []
+  for b in batches:
+    p, s, _ = dp.step(p, s, b)
+    out.append(jax.tree.map(np.asarray, p))
+  return out
+
+
+def _local(mesh, tx, params, batches):
+  dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
+  p, s = dp.place_params(params), dp.init(params)
+  out = []
+  for b in batches:
+    p, s, _ = dp.step(p, s, b)
+    out.append(jax.tree.map(np.asarray, p))
+  return out, s
+
+
+@pytest.mark.parametrize("make", [
+    lambda inner: commopt.local_sgd(inner, axis_name="data", period=1),
+    lambda inner: commopt.diloco(inner, optax.sgd(1.0), axis_name="data", period=1),
+    lambda inner: commopt.local_sgd(inner, axis_name="data", period=4, warmup_steps=STEPS),
+], ids=["local_sgd(period=1)", "diloco(period=1, outer=sgd(1))", "local_sgd(warm-up)"])
+def test_synchronising_every_step_is_synchronous_data_parallel(make, mesh):
+  params, batches = _problem()
+  inner = optax.sgd(0.1, momentum=0.9)
+  want = _bsp(mesh, params, batches, inner)
+  got, _ = _local(mesh, make(inner), params, batches)
+  for step, (g, w) in enumerate(zip(got, want)):
+    for k in w:
+      # Every worker holds the synchronous parameters.
+      np.testing.assert_allclose(g[k], np.broadcast_to(w[k], g[k].shape), rtol=1e-5, atol=1e-6,
+                                 err_msg=f"step {step} {k}")
+
+
+def test_workers_drift_between_synchronisations_and_agree_after(mesh):
+  params, batches = _problem()
+  tx = commopt.diloco(optax.sgd(0.1), axis_name="data", period=3)
+  got, state = _local(mesh, tx, params, batches)
+  spread = [max(float(np.ptp(p[k], axis=0).max()) for k in p) for p in got]
+  for step, s in enumerate(spread):
+    if (step + 1) % 3 == 0:
+      assert s < 1e-6, (step, spread)       # just synchronised: one copy (to rounding)
+    else:
+      assert s > 1e-4, (step, spread)       # workers on their own data
+  assert int(state.inner_state.syncs) == STEPS // 3
+
+
+@pytest.mark.parametrize("compressor", [None, "top_k", "scaled_sign"])
+def test_bytes_move_only_on_synchronisation_steps(compressor, mesh):
+  params, batches = _problem()
+  c = None if compressor is None else commopt.compressors.make(
+      compressor, **({"ratio": 0.1} if compressor == "top_k" else {}))
+  period = 3
+  tx = commopt.diloco(optax.sgd(0.1), axis_name="data", period=period, compressor=c)
+  plan = wire.comm_plan(commopt.compressors.make("identity") if c is None else c, params, 8)
+  skip_flag = ("all-reduce", 4)                  # data_parallel's agreed non-finite check
+  with wire.record_collectives() as rec:
+    dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
+    p, s = dp.place_params(params), dp.init(params)
+    rec.clear()
+    per_step = []
+    for b in batches:
+      p, s, _ = dp.step(p, s, b)
+      jax.block_until_ready(p)
+      per_step.append(rec.of_worker(0))
+      rec.clear()
+  for step, events in enumerate(per_step):
+    sync = (step + 1) % period == 0
+    assert skip_flag in events, (step, events)
+    payload = sum(b for k, b in events) - skip_flag[1]
+    if sync:
+      assert payload == plan.contributed_bytes, (step, events, plan.contributed_bytes)
+    else:
+      assert events == [skip_flag], (step, events)
+
+
+def test_error_feedback_on_pseudo_gradients_conserves_mass():
+  """Σ over syncs of the averaged sent update + the mean residual = Σ of the mean pseudo-gradient."""
+  n, lr, period = 4, 0.1, 2
+  rng = np.random.default_rng(3)
+  params0 = {"w": rng.normal(size=(32, 16)).astype(np.float32)}
+  tx = commopt.diloco(optax.sgd(lr), optax.sgd(1.0), axis_name="w", period=period,
+                      compressor=commopt.top_k(0.05), min_size=0)
+  init = jax.vmap(tx.init, in_axes=None, axis_size=n, axis_name="w")
+  update = jax.jit(jax.vmap(tx.update, axis_name="w"))
+  state = init(params0)
+  p = jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape).copy(), params0)
+  pseudo = np.zeros((32, 16))
+  for step in range(8):
+    g = {"w": rng.normal(size=(n, 32, 16)).astype(np.float32)}
+    anchor = np.asarray(state.anchor["w"][0], np.float64)
+    moved = np.asarray(p["w"], np.float64) - lr * np.asarray(g["w"], np.float64)
+    u, state = update(g, state, p)
+    p = jax.tree.map(lambda a, b: np.asarray(a + b), p, u)
+    if (step + 1) % period == 0:
+      pseudo += (anchor[None] - moved).mean(0)
+  residual = np.asarray(state.reducer_state.residual["w"], np.float64).mean(0)
+  sent = np.asarray(params0["w"], np.float64) - np.asarray(state.anchor["w"][0], np.float64)
+  assert np.abs(residual).max() > 1e-3                  # top-k left something behind
+  np.testing.assert_allclose(sent + residual, pseudo, atol=2e-5)
+
+
+def test_errors_are_clear(mesh):
+  with pytest.raises(ValueError, match=r"diloco: `period` must be a positive integer, got 0"):
+    commopt.diloco(optax.sgd(0.1), axis_name="data", period=0)
+  with pytest.raises(ValueError, match=r"diloco: `axis_name` must name the data axis, got None"):
+    commopt.local_sgd(optax.sgd(0.1), axis_name=None, period=2)
+  params, batches = _problem()
+  tx = commopt.local_sgd(optax.sgd(0.1), axis_name="data", period=2)
+  dp = commopt.data_parallel(_loss, tx, mesh)
+  with pytest.raises(ValueError, match=r"need data_parallel\(\.\.\., local_params=True\)"):
+    dp.step(params, dp.init(params), batches[0])
+  dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
+  with pytest.raises(ValueError, match=r"with local_params=True the parameters are per worker, "
+                                       r"stacked \[8, \.\.\.\]; parameter \['b'\] has shape \(48,\)"):
+    dp.step(params, dp.init(params), batches[0])
