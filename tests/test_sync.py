@@ -146,3 +146,35 @@ def test_errors_are_clear(mesh):
   with pytest.raises(ValueError, match=r"with local_params=True the parameters are per worker, "
                                        r"stacked \[8, \.\.\.\]; parameter \['b'\] has shape \(48,\)"):
     dp.step(params, dp.init(params), batches[0])
+
+
+def test_easgd_with_its_centre_fixed_is_sgd_plus_the_elastic_term(mesh):
+  params, batches = _problem()
+  lr, alpha, period = 0.1, 0.05, 2
+  tx = commopt.easgd(optax.sgd(lr), axis_name="data", alpha=alpha, period=period, beta=0.0)
+  got, state = _local(mesh, tx, params, batches)
+  # By hand, per worker: its own SGD on its own rows, pulled towards the fixed
+  # centre (the start) on exchange steps.
+  grad = jax.jit(jax.grad(_loss))
+  centre = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  for w in range(8):
+    x = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    for step, b in enumerate(batches):
+      rows = {k: v[w * 4:(w + 1) * 4] for k, v in b.items()}
+      g = grad({k: jnp.asarray(v, jnp.float32) for k, v in x.items()}, rows)
+      pull = alpha if (step + 1) % period == 0 else 0.0
+      x = {k: x[k] - lr * np.asarray(g[k], np.float64) - pull * (x[k] - centre[k]) for k in x}
+      for k in x:
+        np.testing.assert_allclose(got[step][k][w], x[k], rtol=1e-4, atol=1e-6,
+                                   err_msg=f"worker {w} step {step} {k}")
+  np.testing.assert_array_equal(np.asarray(state.inner_state.centre["w"]), params["w"])
+  assert int(state.inner_state.syncs) == STEPS // period
+
+
+def test_easgd_moves_the_centre_to_the_workers(mesh):
+  params, batches = _problem()
+  tx = commopt.easgd(optax.sgd(0.1), axis_name="data", alpha=0.1, period=1)
+  got, state = _local(mesh, tx, params, batches)
+  centre = np.asarray(state.inner_state.centre["w"])
+  start = np.abs(params["w"] - got[-1]["w"].mean(0)).max()
+  assert np.abs(centre - got[-1]["w"].mean(0)).max() < start      # pulled along with them

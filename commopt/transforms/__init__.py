@@ -21,10 +21,17 @@ from commopt.transforms._dgc import (
     warmup_density,
 )
 
-from commopt.transforms._sync import PeriodicState, diloco, is_sync_step, local_sgd
+from commopt.transforms._sync import (
+    EASGDState,
+    PeriodicState,
+    diloco,
+    easgd,
+    is_sync_step,
+    local_sgd,
+)
 
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
-           "DGC_WARMUP_DENSITIES", "DGCLeafState", "DGCState", "MultiStepsState", "PeriodicState",
-           "apply_if_finite", "compressed_mean", "compresses", "dgc", "diloco", "is_sync_step",
+           "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState", "MultiStepsState", "PeriodicState",
+           "apply_if_finite", "compressed_mean", "compresses", "dgc", "diloco", "easgd", "is_sync_step",
            "local_sgd", "multi_steps",
            "scheduled_top_k", "warmup_density"]

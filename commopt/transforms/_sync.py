@@ -189,3 +189,107 @@ def local_sgd(inner: optax.GradientTransformation, *, axis_name, period: int,
   return diloco(inner, optax.sgd(1.0), axis_name=axis_name, period=period,
                 compressor=compressor, error_feedback=error_feedback, strategy=strategy,
                 warmup_steps=warmup_steps, min_size=min_size, seed=seed)
+
+
+class EASGDState(NamedTuple):
+  """State of :func:`easgd`.
+
+  Attributes:
+    count: inner steps so far (int32), the same on every worker.
+    syncs: elastic exchanges so far (int32).
+    centre: the centre variable ``x̃`` (replicated), float32 or wider.
+    inner_state: the inner optimizer's state (per worker).
+    reducer_state: the :func:`~commopt.compressed_mean` state of the exchange.
+  """
+  count: jax.Array
+  syncs: jax.Array
+  centre: Any
+  inner_state: Any
+  reducer_state: Any
+
+
+def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, period: int = 1,
+          beta: Optional[float] = None, compressor: Optional[base.Compressor] = None,
+          error_feedback: bool = True, strategy: str = "auto",
+          min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
+          ) -> optax.GradientTransformationExtraArgs:
+  """Elastic averaging SGD, synchronous all-reduce form: workers tied to a centre by a spring.
+
+  Per worker with parameters ``xᵢ``, the centre ``x̃`` and ``N`` workers, every
+  ``period`` (τ) steps::
+
+    xᵢ ← xᵢ + inner(gᵢ) − α (xᵢ − x̃)
+    x̃ ← x̃ + β · mean_i C(xᵢ − x̃)             compressed_mean, with error feedback
+
+  with ``gᵢ`` the gradient at the ``xᵢ`` before the step (the paper's equations
+  5 and 6; between exchanges, ``xᵢ ← xᵢ + inner(gᵢ)`` alone). ``α = ηρ``
+  for a step size η and elasticity ρ; the paper's symmetric choice is
+  ``β = N·α`` (the default), for which ``β`` about 0.9 works well.
+
+  Args:
+    inner: the workers' optimizer (the paper's: ``optax.sgd(η)``).
+    axis_name: the data axis (or tuple of axes).
+    alpha: the workers' moving rate α = ηρ towards the centre, in (0, 1].
+    period: steps between exchanges (τ), at least 1.
+    beta: the centre's moving rate; None for ``N·α``; 0 fixes the centre.
+    compressor, error_feedback, strategy, min_size, seed: how ``xᵢ − x̃`` is
+      averaged, as in :func:`diloco`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
+    ``params``; state :class:`EASGDState`. Run it under
+    ``data_parallel(..., local_params=True)``.
+
+  References:
+    Zhang, Choromanska and LeCun, Deep Learning with Elastic Averaging SGD,
+    NeurIPS 2015.
+  """
+  fn = "easgd"
+  inner = _check_inner(inner, fn)
+  _check_axes(axis_name, fn)
+  if axis_name is None:
+    raise ValueError(f"{fn}: `axis_name` must name the data axis, got None.")
+  alpha = base.check_number("alpha", alpha, fn=fn, low=0, high=1, high_open=False)
+  if beta is not None:
+    beta = base.check_number("beta", beta, fn=fn, low=0, low_open=False,
+                             what="a number >= 0 (or None)")
+  period = base.check_positive_int("period", period, fn=fn)
+  from commopt.compressors import make
+  reducer = compressed_mean(make("identity") if compressor is None else compressor, axis_name,
+                            error_feedback=error_feedback and compressor is not None,
+                            strategy=strategy, min_size=min_size, seed=seed)
+
+  def init_fn(params):
+    centre = jax.tree.map(_wide, params)
+    return EASGDState(count=jnp.zeros([], jnp.int32), syncs=jnp.zeros([], jnp.int32),
+                      centre=centre, inner_state=inner.init(params),
+                      reducer_state=reducer.init(centre))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(f"{fn}: `update` needs `params` (each worker's own parameters).")
+    local, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    b = alpha * coll.axis_size(axis_name) if beta is None else beta
+
+    def sync(operands):
+      centre, reducer_state = operands
+      diff = jax.tree.map(lambda p, c: _wide(p) - c, params, centre)
+      mean, reducer_state = reducer.update(diff, reducer_state)
+      pull = jax.tree.map(lambda d: -alpha * d, diff)
+      centre = jax.tree.map(lambda c, m: c + b * m, centre, mean)
+      return pull, centre, reducer_state
+
+    def no_sync(operands):
+      centre, reducer_state = operands
+      return jax.tree.map(lambda p: jnp.zeros(p.shape, _wide(p).dtype), params), centre, \
+          reducer_state
+
+    synced = is_sync_step(state.count, period, 0)
+    pull, centre, reducer_state = coll.cond(synced, sync, no_sync,
+                                            (state.centre, state.reducer_state))
+    out = jax.tree.map(lambda u, e, p: (_wide(u) + e).astype(p.dtype), local, pull, params)
+    return out, EASGDState(count=optax.safe_int32_increment(state.count),
+                           syncs=state.syncs + synced.astype(jnp.int32), centre=centre,
+                           inner_state=inner_state, reducer_state=reducer_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
