@@ -64,6 +64,17 @@ def is_sync_step(count, period: int, warmup_steps: int):
   return (count < warmup_steps) | ((after + 1) % period == 0)
 
 
+def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size, seed):
+  """The compressed_mean that averages what the workers exchange (dense without a compressor)."""
+  _check_axes(axis_name, fn)
+  if axis_name is None:
+    raise ValueError(f"{fn}: `axis_name` must name the data axis, got None.")
+  from commopt.compressors import make
+  return compressed_mean(make("identity") if compressor is None else compressor, axis_name,
+                         error_feedback=error_feedback and compressor is not None,
+                         strategy=strategy, min_size=min_size, seed=seed)
+
+
 def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTransformation] = None,
            *, axis_name, period: int, compressor: Optional[base.Compressor] = None,
            error_feedback: bool = True, strategy: str = "auto", warmup_steps: int = 0,
@@ -108,15 +119,9 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
   inner = _check_inner(inner, fn)
   outer = _check_inner(optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer,
                        fn)
-  _check_axes(axis_name, fn)
-  if axis_name is None:
-    raise ValueError(f"{fn}: `axis_name` must name the data axis, got None.")
+  reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
   period = base.check_positive_int("period", period, fn=fn)
   warmup_steps = base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0)
-  from commopt.compressors import make
-  reducer = compressed_mean(make("identity") if compressor is None else compressor, axis_name,
-                            error_feedback=error_feedback and compressor is not None,
-                            strategy=strategy, min_size=min_size, seed=seed)
 
   def init_fn(params):
     anchor = jax.tree.map(_wide, params)
@@ -246,18 +251,12 @@ def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, perio
   """
   fn = "easgd"
   inner = _check_inner(inner, fn)
-  _check_axes(axis_name, fn)
-  if axis_name is None:
-    raise ValueError(f"{fn}: `axis_name` must name the data axis, got None.")
+  reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
   alpha = base.check_number("alpha", alpha, fn=fn, low=0, high=1, high_open=False)
   if beta is not None:
     beta = base.check_number("beta", beta, fn=fn, low=0, low_open=False,
                              what="a number >= 0 (or None)")
   period = base.check_positive_int("period", period, fn=fn)
-  from commopt.compressors import make
-  reducer = compressed_mean(make("identity") if compressor is None else compressor, axis_name,
-                            error_feedback=error_feedback and compressor is not None,
-                            strategy=strategy, min_size=min_size, seed=seed)
 
   def init_fn(params):
     centre = jax.tree.map(_wide, params)
