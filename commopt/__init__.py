@@ -82,6 +82,8 @@ from commopt.transforms import (
     EASGDState,
     local_sgd,
     PeriodicState,
+    stale,
+    StaleState,
     scheduled_top_k,
 )
 
@@ -138,6 +140,8 @@ __all__ = [
     "scaled_sign",
     "scheduled_top_k",
     "sign",
+    "stale",
+    "StaleState",
     "terngrad",
     "testing",
     "threshold",

@@ -178,3 +178,51 @@ def test_easgd_moves_the_centre_to_the_workers(mesh):
   centre = np.asarray(state.inner_state.centre["w"])
   start = np.abs(params["w"] - got[-1]["w"].mean(0)).max()
   assert np.abs(centre - got[-1]["w"].mean(0)).max() < start      # pulled along with them
+
+
+def test_stale_with_no_staleness_is_synchronous_data_parallel(mesh):
+  params, batches = _problem()
+  inner = optax.sgd(0.1, momentum=0.9)
+  want = _bsp(mesh, params, batches, inner)
+  got, state = _local(mesh, commopt.stale(inner, axis_name="data", max_staleness=0), params,
+                      batches)
+  for step, (g, w) in enumerate(zip(got, want)):
+    for k in w:
+      np.testing.assert_allclose(g[k], np.broadcast_to(w[k], g[k].shape), rtol=1e-5, atol=1e-6,
+                                 err_msg=f"step {step} {k}")
+
+
+@pytest.mark.parametrize("kw", [dict(max_staleness=3),
+                                dict(max_staleness=8, distribution="geometric",
+                                     mean_staleness=2.0)])
+def test_stale_workers_read_parameters_at_most_s_steps_old(kw, mesh):
+  params, batches = _problem()
+  tx = commopt.stale(optax.sgd(0.1), axis_name="data", **kw)
+  dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
+  p, s = dp.place_params(params), dp.init(params)
+  server = [params]                      # θ_0, θ_1, ...
+  delays = []
+  for b in batches * 2:
+    p, s, _ = dp.step(p, s, b)
+    server.append(jax.tree.map(np.asarray, s.inner_state.params))
+    t = len(server) - 1
+    local = jax.tree.map(np.asarray, p)
+    for w in range(8):
+      # Worker w holds θ_{t-d} for some 0 <= d <= min(s, t) (to the rounding of
+      # params + (θ_{t-d} - params); successive θ differ by ~1e-2).
+      ds = [d for d in range(min(kw["max_staleness"], t) + 1)
+            if all(np.allclose(local[k][w], server[t - d][k], rtol=0, atol=1e-6)
+                   for k in params)]
+      assert ds, (t, w)
+      delays.append(ds[0])
+  assert max(delays) > 0 and min(delays) == 0          # stale, and sometimes fresh
+  assert len(set(delays)) > 2
+
+
+def test_stale_checks_its_arguments():
+  with pytest.raises(ValueError, match=r"stale: `max_staleness` must be"):
+    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=-1)
+  with pytest.raises(ValueError, match=r"stale: `distribution` must be one of"):
+    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=2, distribution="poisson")
+  with pytest.raises(ValueError, match=r"stale: `mean_staleness` is for distribution='geometric'"):
+    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=2, mean_staleness=1.0)

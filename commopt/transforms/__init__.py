@@ -24,14 +24,16 @@ from commopt.transforms._dgc import (
 from commopt.transforms._sync import (
     EASGDState,
     PeriodicState,
+    StaleState,
     diloco,
     easgd,
     is_sync_step,
     local_sgd,
+    stale,
 )
 
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
            "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState", "MultiStepsState", "PeriodicState",
            "apply_if_finite", "compressed_mean", "compresses", "dgc", "diloco", "easgd", "is_sync_step",
-           "local_sgd", "multi_steps",
+           "local_sgd", "multi_steps", "stale", "StaleState",
            "scheduled_top_k", "warmup_density"]

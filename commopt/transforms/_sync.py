@@ -292,3 +292,118 @@ def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, perio
                            inner_state=inner_state, reducer_state=reducer_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+STALENESS = ("uniform", "geometric")
+
+
+class StaleState(NamedTuple):
+  """State of :func:`stale`.
+
+  Attributes:
+    count: steps so far (int32).
+    params: the current parameters ``θₜ`` (replicated: the parameter server's).
+    history: the last ``max_staleness + 1`` parameters, a ring buffer with a
+      leading axis (``θₜ`` at ``count % (max_staleness + 1)``).
+    key: the base key of the staleness draws (raw uint32[2]).
+    inner_state: the optimizer's state (replicated: it steps on the mean).
+    reducer_state: the :func:`~commopt.compressed_mean` state of the gradients.
+  """
+  count: jax.Array
+  params: Any
+  history: Any
+  key: jax.Array
+  inner_state: Any
+  reducer_state: Any
+
+
+def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
+          distribution: str = "uniform", mean_staleness: Optional[float] = None,
+          compressor: Optional[base.Compressor] = None, error_feedback: bool = True,
+          strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
+          ) -> optax.GradientTransformationExtraArgs:
+  """Stale-synchronous (SSP) and asynchronous (ASP) training, simulated in one SPMD program.
+
+  A parameter server holds ``θₜ``; worker ``i`` computes its gradient at the
+  parameters it last read, ``θ_{t−dᵢ}``, with a delay ``dᵢ ≤ s`` drawn per
+  worker and step. Each step the server averages the workers' gradients
+  (through ``compressor``, with error feedback) and steps ``inner`` on the
+  mean: ``θₜ₊₁ = θₜ + inner(mean_i gᵢ(θ_{t−dᵢ}))``. Each worker's parameters
+  (under ``data_parallel(..., local_params=True)``) are the stale copy it
+  computes its next gradient at; the server's are ``state.params``.
+
+  ``max_staleness=0`` is BSP. A bounded ``s`` is SSP (Ho et al.). ASP has no
+  bound; it is simulated with ``distribution="geometric"`` (delays with the
+  given ``mean_staleness``) truncated at a large ``max_staleness``, the
+  length of the buffer of past parameters kept (``s + 1`` copies).
+
+  What this captures: how stale gradients change convergence per step, for
+  any optimizer and compressor. What it does not: wall-clock time, a real
+  server's queueing or workers of different speeds (delays are drawn, not
+  caused), nor the server's own bandwidth.
+
+  Args:
+    inner: the server's optimizer, stepped on the mean gradient.
+    axis_name: the data axis (or tuple of axes).
+    max_staleness: the bound ``s`` on the delay, >= 0.
+    distribution: ``"uniform"`` (``dᵢ`` uniform on ``0..s``) or
+      ``"geometric"`` (mean ``mean_staleness``, truncated at ``s``).
+    mean_staleness: the geometric distribution's mean (> 0).
+    compressor, error_feedback, strategy, min_size: how gradients are
+      averaged, as in :func:`diloco`.
+    seed: seeds the delays and the compressor.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; state :class:`StaleState`.
+
+  References:
+    Ho et al., More Effective Distributed ML via a Stale Synchronous Parallel
+    Parameter Server, NeurIPS 2013.
+    Dean et al., Large Scale Distributed Deep Networks, NeurIPS 2012 (ASP).
+  """
+  fn = "stale"
+  inner = _check_inner(inner, fn)
+  reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
+  s = base.check_int("max_staleness", max_staleness, fn=fn, minimum=0)
+  base.check_choice("distribution", distribution, STALENESS, fn)
+  if distribution == "geometric":
+    mean_staleness = base.check_number("mean_staleness", mean_staleness, fn=fn, low=0)
+  elif mean_staleness is not None:
+    raise ValueError(f"{fn}: `mean_staleness` is for distribution='geometric'; got "
+                     f"{mean_staleness!r} with distribution={distribution!r}.")
+  slots = s + 1
+
+  def init_fn(params):
+    wide = jax.tree.map(_wide, params)
+    return StaleState(count=jnp.zeros([], jnp.int32), params=wide,
+                      history=jax.tree.map(lambda x: jnp.broadcast_to(x, (slots,) + x.shape),
+                                           wide),
+                      key=jax.random.key_data(jax.random.key(seed)),
+                      inner_state=inner.init(wide), reducer_state=reducer.init(wide))
+
+  def delay(key_data, count):
+    """This worker's delay for the parameters it reads after step ``count``."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key_data), count),
+                             coll.axis_index(axis_name))
+    if distribution == "uniform":
+      d = jax.random.randint(key, (), 0, slots)
+    else:
+      p = 1.0 / (1.0 + mean_staleness)          # failures before a success: mean (1-p)/p
+      d = jax.random.geometric(key, p) - 1
+    return jnp.minimum(jnp.minimum(d, s), count).astype(jnp.int32)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(f"{fn}: `update` needs `params` (each worker's own, stale, copy).")
+    mean, reducer_state = reducer.update(updates, state.reducer_state)
+    step, inner_state = inner.update(mean, state.inner_state, state.params, **extra_args)
+    new = optax.apply_updates(state.params, step)
+    count = optax.safe_int32_increment(state.count)
+    history = jax.tree.map(lambda h, x: h.at[count % slots].set(x), state.history, new)
+    read = (count - delay(state.key, count)) % slots
+    view = jax.tree.map(lambda h: h[read], history)
+    out = jax.tree.map(lambda v, p: (v - _wide(p)).astype(p.dtype), view, params)
+    return out, StaleState(count=count, params=new, history=history, key=state.key,
+                           inner_state=inner_state, reducer_state=reducer_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
