@@ -84,6 +84,8 @@ from commopt.transforms import (
     PeriodicState,
     stale,
     StaleState,
+    streaming_diloco,
+    StreamingDiLoCoState,
     scheduled_top_k,
 )
 
@@ -142,6 +144,8 @@ __all__ = [
     "sign",
     "stale",
     "StaleState",
+    "streaming_diloco",
+    "StreamingDiLoCoState",
     "terngrad",
     "testing",
     "threshold",

@@ -140,7 +140,9 @@ def restore(directory, dp: DataParallel, params, *, model_state=None) -> Restore
     same = all(shapes.get(path_key(p)) == tuple(t.shape)
                for p, t in jax.tree_util.tree_flatten_with_path(state_t)[0])
     as_saved = lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated)
-    target = {"params": params_t,
+    params_same = all(tuple(m.shape) == tuple(t.shape) for m, t in zip(
+        jax.tree.leaves(saved["params"]), jax.tree.leaves(params_t)))
+    target = {"params": params_t if params_same else jax.tree.map(as_saved, saved["params"]),
               "opt_state": state_t if same else jax.tree.map(as_saved, saved["opt_state"])}
     if model_state is not None:
       target["model_state"] = jax.tree.map(
@@ -149,8 +151,14 @@ def restore(directory, dp: DataParallel, params, *, model_state=None) -> Restore
     if "step" in saved:
       target["step"] = as_saved(saved["step"])
     got = ckpt.restore(path, target)
-  opt_state = got["opt_state"] if same else dp.resize_state(got["opt_state"], params_t)
-  flags = jax.tree.leaves(dp.per_worker(params_t))
+  opt_state = got["opt_state"] if same else dp.resize_state(got["opt_state"], params)
+  if not params_same:
+    if not dp.local_params:
+      raise ValueError("checkpoint.restore: the saved parameters' shapes differ from `params`' "
+                       "(a checkpoint of per-worker parameters, local_params=True, restores "
+                       "onto a data_parallel(..., local_params=True) step).")
+    got["params"] = dp.resize_params(got["params"], params)
+  flags = jax.tree.leaves(dp.per_worker(params))
   leads = {shapes[path_key(p)][0] for (p, _), f in
            zip(jax.tree_util.tree_flatten_with_path(state_t)[0], flags)
            if f and shapes.get(path_key(p))}

@@ -198,3 +198,35 @@ def test_resize_errors_name_the_problem(tmp_path):
     checkpoint.restore(tmp_path / "nothing", dp8, params)
   with pytest.raises(ValueError, match=r"checkpoint.save: `step` must be an int or None, got 1.5"):
     checkpoint.save(tmp_path / "x", params, s, step=1.5)
+
+
+def test_per_worker_parameters_restore_onto_half_the_workers(tmp_path):
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+
+  def run(n):
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    tx = commopt.diloco(optax.sgd(0.2), axis_name="data", period=3, compressor=commopt.top_k(0.1),
+                        min_size=0)
+    return commopt.data_parallel(_loss, tx, mesh, local_params=True, donate=False)
+
+  dp8, dp4 = run(8), run(4)
+  batches = _batches(10)
+  p, s = dp8.place_params(params), dp8.init(params)
+  for b in batches[:4]:                      # one synchronisation, then a step apart
+    p, s, _ = dp8.step(p, s, b)
+  checkpoint.save(tmp_path / "ck", p, s, step=4)
+  got = checkpoint.restore(tmp_path / "ck", dp4, params)
+  assert got.saved_workers == 8 and got.params["w"].shape == (4, 64, 48)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(got.params[k]).mean(0), np.asarray(p[k]).mean(0),
+                               rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(got.opt_state.inner_state.anchor["w"]),
+                                np.asarray(s.inner_state.anchor["w"]))
+  p4, s4, losses = got.params, got.opt_state, []
+  for b in batches[4:]:
+    p4, s4, l = dp4.step(p4, s4, b)
+    losses.append(float(np.mean(l)))
+  assert losses[-1] < losses[0], losses
+  with pytest.raises(ValueError, match=r"resize_params: parameters are per worker only with "
+                                       r"local_params=True"):
+    _run((4,), ("data",), REDUCERS["scaled_sign"]).resize_params(p, params)

@@ -277,6 +277,24 @@ class DataParallel:
     Returns:
       The state with this run's shapes, placed on the mesh like :meth:`init`'s.
     """
+    _, target = self.abstract_state(params)
+    return self._resized(saved_state, target, self.per_worker(params), "resize_state")
+
+  def resize_params(self, saved_params, params) -> Any:
+    """With ``local_params=True``: per-worker parameters saved by another number of workers.
+
+    The same rule as :meth:`resize_state` for per-worker float state: each new
+    worker's parameters are the overlap-weighted average of the old workers'
+    (halving the workers averages pairs), so their mean over workers, the model
+    a synchronisation would produce, is kept.
+    """
+    if not self.local_params:
+      raise ValueError("data_parallel.resize_params: parameters are per worker only with "
+                       "local_params=True; replicated parameters need no resizing.")
+    target, _ = self.abstract_state(params)
+    return self._resized(saved_params, target, jax.tree.map(lambda _: True, target), "resize_params")
+
+  def _resized(self, saved, target, per_worker, name: str):
     from jax.experimental import multihost_utils
 
     from commopt.parallel import _resize
@@ -288,12 +306,10 @@ class DataParallel:
         x = jax.random.key_data(x)
       return np.asarray(x)
 
-    saved = {_resize.path_key(p): host(x)
-             for p, x in jax.tree_util.tree_flatten_with_path(saved_state)[0]}
-    _, target = self.abstract_state(params)
-    leaves = _resize.resize(saved, target, self.per_worker(params),
+    saved = {_resize.path_key(p): host(x) for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    leaves = _resize.resize(saved, target, per_worker,
                             data_sizes=tuple(self.mesh.shape[a] for a in self.axes),
-                            fn="data_parallel.resize_state")
+                            fn=f"data_parallel.{name}")
     flat, treedef = jax.tree_util.tree_flatten(target)
     placed = [jax.make_array_from_callback(t.shape, t.sharding, lambda idx, v=v: v[idx])
               for t, v in zip(flat, leaves)]

@@ -25,15 +25,18 @@ from commopt.transforms._sync import (
     EASGDState,
     PeriodicState,
     StaleState,
+    StreamingDiLoCoState,
     diloco,
     easgd,
     is_sync_step,
     local_sgd,
     stale,
+    streaming_diloco,
 )
 
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
            "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState", "MultiStepsState", "PeriodicState",
            "apply_if_finite", "compressed_mean", "compresses", "dgc", "diloco", "easgd", "is_sync_step",
-           "local_sgd", "multi_steps", "stale", "StaleState",
+           "local_sgd", "multi_steps", "stale", "StaleState", "streaming_diloco",
+           "StreamingDiLoCoState",
            "scheduled_top_k", "warmup_density"]

@@ -29,6 +29,7 @@ import optax
 
 from commopt._src import base
 from commopt.comm import _collectives as coll
+from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE, compressed_mean
 from commopt.transforms._control import _check_axes, _check_inner
 
@@ -75,6 +76,11 @@ def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size,
                          strategy=strategy, min_size=min_size, seed=seed)
 
 
+def _outer(outer, fn: str):
+  """The outer optimizer: DiLoCo's Nesterov SGD (learning rate 0.7, momentum 0.9) by default."""
+  return _check_inner(optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer, fn)
+
+
 def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTransformation] = None,
            *, axis_name, period: int, compressor: Optional[base.Compressor] = None,
            error_feedback: bool = True, strategy: str = "auto", warmup_steps: int = 0,
@@ -116,9 +122,7 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
     Language Models, 2023.
   """
   fn = "diloco"
-  inner = _check_inner(inner, fn)
-  outer = _check_inner(optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer,
-                       fn)
+  inner, outer = _check_inner(inner, fn), _outer(outer, fn)
   reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
   period = base.check_positive_int("period", period, fn=fn)
   warmup_steps = base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0)
@@ -157,7 +161,14 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
                               inner_state=inner_state, reducer_state=reducer_state,
                               outer_state=outer_state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _planned(init_fn, update_fn, reducer)
+
+
+def _planned(init_fn, update_fn, reducer):
+  """The transform, with :func:`commopt.wire.comm_plan` giving its exchange's collectives
+  (what one synchronisation step sends; other steps send nothing)."""
+  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                            _plan.planner_of(reducer))
 
 
 def local_sgd(inner: optax.GradientTransformation, *, axis_name, period: int,
@@ -291,7 +302,7 @@ def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, perio
                            syncs=state.syncs + synced.astype(jnp.int32), centre=centre,
                            inner_state=inner_state, reducer_state=reducer_state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _planned(init_fn, update_fn, reducer)
 
 
 STALENESS = ("uniform", "geometric")
@@ -406,4 +417,146 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
     return out, StaleState(count=count, params=new, history=history, key=state.key,
                            inner_state=inner_state, reducer_state=reducer_state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _planned(init_fn, update_fn, reducer)
+
+
+class StreamingDiLoCoState(NamedTuple):
+  """State of :func:`streaming_diloco`.
+
+  Attributes:
+    count: inner steps so far (int32).
+    syncs: fragment synchronisations so far (int32).
+    anchor: the global parameters (replicated), float32 or wider.
+    inner_state: the inner optimizer's state (per worker).
+    reducer_states: one :func:`~commopt.compressed_mean` state per fragment.
+    outer_states: one outer-optimizer state per fragment (replicated).
+  """
+  count: jax.Array
+  syncs: jax.Array
+  anchor: Any
+  inner_state: Any
+  reducer_states: tuple
+  outer_states: tuple
+
+
+def fragment_of(num_leaves: int, fragments: int) -> list[int]:
+  """Leaf ``i``'s fragment: ``fragments`` consecutive blocks of leaves, as even as they come."""
+  return [i * fragments // num_leaves for i in range(num_leaves)]
+
+
+def streaming_diloco(inner: optax.GradientTransformation,
+                     outer: Optional[optax.GradientTransformation] = None, *, axis_name,
+                     period: int, fragments: int = 2, delay: int = 0, mixing: float = 0.5,
+                     compressor: Optional[base.Compressor] = None, error_feedback: bool = True,
+                     strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
+                     ) -> optax.GradientTransformationExtraArgs:
+  """Streaming DiLoCo: fragments synchronised on a staggered schedule, applied ``delay`` steps late.
+
+  The parameter leaves are split into ``fragments`` consecutive blocks
+  (:func:`fragment_of`). Fragment ``p`` synchronises every ``period`` steps,
+  ``p·period/fragments`` steps after fragment 0, so each exchange carries
+  about ``1/fragments`` of the model and the peak bandwidth drops by that
+  factor. At its step the fragment's pseudo-gradient ``anchor − local`` is
+  averaged (through ``compressor``, e.g. ``int_quant(bits=4)``, with error
+  feedback) and the outer optimizer updates the fragment's anchor, as in
+  :func:`diloco`. The result is merged ``delay`` steps later (τ: the
+  exchange overlaps that many inner steps), as
+  ``local ← mixing·local + (1 − mixing)·anchor``.
+
+  With ``fragments=1, delay=0, mixing=0`` it is :func:`diloco`.
+
+  Args:
+    inner, outer, axis_name, period, compressor, error_feedback, strategy,
+    min_size, seed: as in :func:`diloco`.
+    fragments: number of fragments (P), from 1 to the number of leaves.
+    delay: inner steps between a fragment's exchange and its merge (τ),
+      ``0 <= delay < period``.
+    mixing: the weight α of the local parameters in the merge, in [0, 1).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
+    ``params``; state :class:`StreamingDiLoCoState`.
+
+  References:
+    Douillard et al., Streaming DiLoCo with overlapping communication:
+    Towards a Distributed Free Lunch, 2025.
+  """
+  fn = "streaming_diloco"
+  inner, outer = _check_inner(inner, fn), _outer(outer, fn)
+  reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
+  period = base.check_positive_int("period", period, fn=fn)
+  fragments = base.check_positive_int("fragments", fragments, fn=fn)
+  delay = base.check_int("delay", delay, fn=fn, minimum=0)
+  if delay >= period:
+    raise ValueError(f"{fn}: `delay` must be below `period` ({period}), got {delay}: a "
+                     "fragment's merge must come before its next exchange.")
+  mixing = base.check_number("mixing", mixing, fn=fn, low=0, high=1, low_open=False)
+
+  def split(tree):
+    """The leaves of ``tree`` grouped by fragment, and how to put them back."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(leaves) < fragments:
+      raise ValueError(f"{fn}: `fragments` ({fragments}) must not exceed the number of "
+                       f"parameter leaves ({len(leaves)}).")
+    owner = fragment_of(len(leaves), fragments)
+    groups = tuple([x for x, o in zip(leaves, owner) if o == p] for p in range(fragments))
+
+    def join(parts):
+      it = [iter(g) for g in parts]
+      return jax.tree.unflatten(treedef, [next(it[o]) for o in owner])
+    return groups, join
+
+  def offset(p):
+    return p * period // fragments
+
+  def init_fn(params):
+    anchor = jax.tree.map(_wide, params)
+    groups, _ = split(anchor)
+    return StreamingDiLoCoState(
+        count=jnp.zeros([], jnp.int32), syncs=jnp.zeros([], jnp.int32), anchor=anchor,
+        inner_state=inner.init(params),
+        reducer_states=tuple(reducer.init(g) for g in groups),
+        outer_states=tuple(outer.init(g) for g in groups))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(f"{fn}: `update` needs `params` (each worker's own parameters).")
+    local, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    moved = jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local)
+    moved_groups, join = split(moved)
+    anchor_groups, _ = split(state.anchor)
+    t = state.count
+    new_anchor, reducer_states, outer_states, targets, synced = [], [], [], [], 0
+    for p in range(fragments):
+      send = (t + 1 + offset(p)) % period == 0
+
+      def sync(ops, p=p):
+        moved_p, anchor_p, red, out_s = ops
+        delta = [a - m for a, m in zip(anchor_p, moved_p)]
+        mean, red = reducer.update(delta, red)
+        step, out_s = outer.update(mean, out_s, anchor_p)
+        return optax.apply_updates(anchor_p, step), red, out_s
+
+      def keep(ops):
+        _, anchor_p, red, out_s = ops
+        return anchor_p, red, out_s
+
+      anchor_p, red, out_s = coll.cond(
+          send, sync, keep,
+          (moved_groups[p], anchor_groups[p], state.reducer_states[p], state.outer_states[p]))
+      # The merge, `delay` steps after the exchange (the anchor does not move in between).
+      merge = ((t + 1 + offset(p) - delay) % period == 0) & (t >= delay)
+      w = jnp.where(merge, mixing, 1.0)
+      targets.append([w * m + (1 - w) * a for m, a in zip(moved_groups[p], anchor_p)])
+      new_anchor.append(anchor_p)
+      reducer_states.append(red)
+      outer_states.append(out_s)
+      synced = synced + send.astype(jnp.int32)
+    target = join(targets)
+    out = jax.tree.map(lambda x, p: (x - _wide(p)).astype(p.dtype), target, params)
+    return out, StreamingDiLoCoState(
+        count=optax.safe_int32_increment(t), syncs=state.syncs + synced,
+        anchor=join(new_anchor), inner_state=inner_state,
+        reducer_states=tuple(reducer_states), outer_states=tuple(outer_states))
+
+  return _planned(init_fn, update_fn, reducer)
