@@ -271,8 +271,13 @@ def run_job(ns: Namespace, processes: int, cfg: dict, timeout: float) -> dict:
     try:
       out, _ = proc.communicate(timeout=timeout + 60)
     except BaseException:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
+      # The launcher ends its processes on SIGTERM; SIGKILL if it has not within 30 s.
+      os.killpg(proc.pid, signal.SIGTERM)
+      try:
+        proc.wait(30)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
       raise
     for line in out.splitlines():
       if line.startswith("  "):

@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -133,6 +134,10 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
                                   stderr=subprocess.STDOUT, start_new_session=True))
   deadline = time.monotonic() + timeout
   failed, stop_at, reason = None, None, None
+  # Ended by SIGTERM (a benchmark's driver, a scheduler): end the processes too.
+  previous = None
+  if threading.current_thread() is threading.main_thread():
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
     while True:
       codes = [p.poll() for p in procs]   # every process, each time
@@ -152,6 +157,8 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
   finally:
     for p in procs:
       _end(p)
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
   results = []
   for i, (p, log) in enumerate(zip(procs, logs)):
     log.seek(0)
@@ -171,6 +178,10 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
     tail = results[failed].output[-3000:] if failed is not None else ""
     raise LaunchError(f"launch: {reason}.\n{tail}", results)
   return results
+
+
+def _raise_interrupt(signum, frame):
+  raise KeyboardInterrupt(f"launch: ended by signal {signum}")
 
 
 def _log_path(i: int) -> str:
@@ -238,6 +249,9 @@ def main(argv=None) -> int:
   except (LaunchError, ValueError) as e:
     print(e, file=sys.stderr)
     return 1
+  except KeyboardInterrupt as e:
+    print(f"{e or 'launch: interrupted'}; every process was ended.", file=sys.stderr)
+    return 130
   for r in results:
     print(f"--- process {r.process_id} ---\n{r.output}", end="" if r.output.endswith("\n") else "\n")
   return 0

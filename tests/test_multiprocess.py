@@ -152,3 +152,52 @@ def test_a_checkpoint_across_processes_resumes_bit_identically_and_onto_half_the
                              rtol=1e-6, atol=1e-8)
   losses = resized["losses"]
   assert losses[-1] < losses[0] / 2, losses
+
+
+SLEEPS = """
+import os, pathlib, sys
+from commopt import launch
+ctx = launch.initialize()
+pathlib.Path(sys.argv[1], f"{os.getpid()}.pid").write_text("")
+import time
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+  import os
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # A zombie (ended, not yet reaped by its parent) counts as ended.
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split(")")[-1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+def test_ending_the_launcher_ends_its_processes(tmp_path):
+  import os
+  import signal
+  import subprocess
+  script = tmp_path / "sleeps.py"
+  script.write_text(SLEEPS)
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "commopt.launch", "--processes", "2", "--cpu-devices", "1",
+       "--timeout", "300", str(script), str(tmp_path)],
+      cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  deadline = time.monotonic() + 90
+  while time.monotonic() < deadline and len(list(tmp_path.glob("*.pid"))) < 2:
+    time.sleep(0.5)
+  pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+  assert len(pids) == 2, proc.poll()
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=60)
+  assert proc.returncode == 130 and "ended by signal 15; every process was ended" in out, out
+  deadline = time.monotonic() + 15
+  while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    time.sleep(0.2)
+  assert not any(_alive(p) for p in pids)
