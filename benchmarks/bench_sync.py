@@ -17,7 +17,8 @@ modes that keep parameters per worker):
 
 Bytes are what one worker sends (ring model, ``commopt.wire.comm_plan`` of
 the mode's exchange) summed over the steps that exchange, counted from the
-state's own synchronisation counter. The table gives the final training loss
+state's own synchronisation counter (for Streaming DiLoCo, each fragment's
+share on its own steps). The table gives the final training loss
 (mean of the last 10 steps), test accuracy of the global model (the anchor,
 centre or server parameters; the synchronised parameters for BSP), the
 synchronisations and the megabytes sent; the plot, loss against bytes and
@@ -37,6 +38,9 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+FRAGMENTS = 2
+"""Streaming DiLoCo's fragments."""
 
 MODES = ("dense BSP", "local SGD H", "DiLoCo H", "DiLoCo H top_k", "DiLoCo H int4",
          "Streaming DiLoCo H int4", "EASGD H", "SSP s=1", "SSP s=4", "SSP s=16")
@@ -81,10 +85,14 @@ def make(mode: str, args):
   elif mode.startswith("DiLoCo H"):
     c = {"DiLoCo H": None, "DiLoCo H top_k": commopt.top_k(args.top_k),
          "DiLoCo H int4": commopt.int_quant(bits=4)}[mode]
-    tx = commopt.diloco(inner, axis_name="data", period=h, compressor=c)
+    # 4-bit payloads gathered from 8 workers would cost half a dense all-reduce;
+    # two_phase sends about two payloads whatever the number of workers.
+    tx = commopt.diloco(inner, axis_name="data", period=h, compressor=c,
+                        strategy="two_phase" if mode.endswith("int4") else "auto")
   elif mode == "Streaming DiLoCo H int4":
-    tx = commopt.streaming_diloco(inner, axis_name="data", period=h, fragments=2, delay=1,
-                                  mixing=0.5, compressor=commopt.int_quant(bits=4))
+    tx = commopt.streaming_diloco(inner, axis_name="data", period=h, fragments=FRAGMENTS,
+                                  delay=1, mixing=0.5, compressor=commopt.int_quant(bits=4),
+                                  strategy="two_phase")
   elif mode == "EASGD H":
     tx = commopt.easgd(inner, axis_name="data", period=h, alpha=0.9 / args.workers)
   else:
@@ -109,6 +117,27 @@ def syncs(mode, state, steps):
   if mode == "dense BSP" or mode.startswith("SSP"):
     return steps
   return int(state.inner_state.syncs)
+
+
+def fragment_bytes(plan, params) -> list[float]:
+  """Bytes one worker sends per exchange of each Streaming DiLoCo fragment (ring model)."""
+  import jax
+
+  import commopt
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  owner = dict(zip(names, commopt.transforms.fragment_of(len(names), FRAGMENTS)))
+  out = [0.0] * FRAGMENTS
+  for c in plan.collectives:
+    out[owner[c.leaf]] += c.sent_bytes
+  return out
+
+
+def sent_at(mode, step, synced, per_sync, per_fragment, period):
+  """Bytes one worker sends at ``step`` (0-based): what the exchanges that ran carry."""
+  if mode.startswith("Streaming"):
+    return sum(b for p, b in enumerate(per_fragment)
+               if (step + 1 + p * period // FRAGMENTS) % period == 0)
+  return per_sync if synced else 0.0
 
 
 def main(argv=None):
@@ -139,15 +168,17 @@ def main(argv=None):
     dp = commopt.data_parallel(loss_fn, tx, mesh, local_params=local)
     reducer_plan = wire.comm_plan(planned, params, args.workers)
     per_sync = reducer_plan.sent_bytes
+    per_fragment = fragment_bytes(reducer_plan, params)
     p = dp.place_params(params)
     state = dp.init(params)
-    losses, sent, count = [], [], 0
+    losses, sent, count, total = [], [], 0, 0.0
     for step in tqdm(range(args.steps), desc=mode, leave=False, file=sys.stdout):
       idx = order[step]
       p, state, loss = dp.step(p, state, {"x": x_train[idx], "y": y_train[idx]})
       losses.append(float(np.mean(loss)))
-      count = syncs(mode, state, step + 1)
-      sent.append(count * per_sync)
+      before, count = count, syncs(mode, state, step + 1)
+      total += sent_at(mode, step, count > before, per_sync, per_fragment, args.period)
+      sent.append(total)
     model = jax.tree.map(lambda x: np.asarray(x, np.float32), global_params(mode, p, state))
     acc = float(accuracy(model))
     results[mode] = {"losses": losses, "bytes_sent": sent, "syncs": count,

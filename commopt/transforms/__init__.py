@@ -28,6 +28,7 @@ from commopt.transforms._sync import (
     StreamingDiLoCoState,
     diloco,
     easgd,
+    fragment_of,
     is_sync_step,
     local_sgd,
     stale,
@@ -36,7 +37,7 @@ from commopt.transforms._sync import (
 
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
            "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState", "MultiStepsState", "PeriodicState",
-           "apply_if_finite", "compressed_mean", "compresses", "dgc", "diloco", "easgd", "is_sync_step",
+           "apply_if_finite", "compressed_mean", "compresses", "dgc", "diloco", "easgd", "fragment_of", "is_sync_step",
            "local_sgd", "multi_steps", "stale", "StaleState", "streaming_diloco",
            "StreamingDiLoCoState",
            "scheduled_top_k", "warmup_density"]
