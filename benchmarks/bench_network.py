@@ -347,7 +347,8 @@ def plot(results: dict, bandwidths, processes, target: float, path: pathlib.Path
              if m in by_bw.get(b, {}) and by_bw[b][m]["time_to_target_s"] is not None]
       if pts:
         pts.sort()
-        ax.plot(*zip(*pts), marker="o", label=m)
+        # One colour per method in every panel.
+        ax.plot(*zip(*pts), marker="o", label=m, color=f"C{list(METHODS).index(m) % 10}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ticks = sorted(xs.values()) + ([top] if "unlimited" in bandwidths else [])
@@ -432,19 +433,29 @@ def render(report: dict, target: float, out: pathlib.Path) -> None:
 
 
 def verdicts(results: dict, bandwidths, processes) -> str:
-  """Per process count and bandwidth: the fastest method per step against dense."""
+  """Per process count and bandwidth: the fastest compressed method per step against dense,
+  and the soonest to the target loss, among the runs that reached it."""
   lines = []
+  times = lambda a, b: f"{a / b:.2f}x faster" if a >= b else f"{b / a:.2f}x slower"
   for n in processes:
     for bw in bandwidths:
       rows = results.get(str(n), {}).get(bw, {})
-      if "dense" not in rows or len(rows) < 2:
+      dense = rows.get("dense")
+      others = [m for m in rows if m != "dense"]
+      if dense is None or not others:
         continue
-      best = min((m for m in rows if m != "dense"), key=lambda m: rows[m]["step_s"])
-      ratio = rows["dense"]["step_s"] / rows[best]["step_s"]
-      word = "faster" if ratio >= 1 else "slower"
-      lines.append(f"- {n} processes, {bw}: the fastest compressed method per step is {best}, "
-                   f"{ratio if ratio >= 1 else 1 / ratio:.2f}x {word} than dense "
-                   f"({rows[best]['step_s'] * 1e3:.1f} against {rows['dense']['step_s'] * 1e3:.1f} ms).")
+      best = min(others, key=lambda m: rows[m]["step_s"])
+      line = (f"- {n} processes, {bw}: per step, {best} is {times(dense['step_s'], rows[best]['step_s'])} "
+              f"than dense ({rows[best]['step_s'] * 1e3:.1f} against {dense['step_s'] * 1e3:.1f} ms)")
+      reached = [m for m in others if rows[m]["time_to_target_s"] is not None]
+      if reached and dense["time_to_target_s"] is not None:
+        soon = min(reached, key=lambda m: rows[m]["time_to_target_s"])
+        line += (f"; to the target loss, {soon} is {times(dense['time_to_target_s'], rows[soon]['time_to_target_s'])} "
+                 f"({rows[soon]['time_to_target_s']:.1f} against {dense['time_to_target_s']:.1f} s)")
+      slower = [m for m in others if rows[m]["step_s"] > dense["step_s"]]
+      if slower:
+        line += f"; slower than dense per step: {', '.join(slower)}"
+      lines.append(line + ".")
   return "\n".join(lines)
 
 

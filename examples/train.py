@@ -14,10 +14,32 @@ against cumulative bytes sent per worker, and the metrics as JSON.
     python examples/train.py --compressors power_sgd --rank 4 --workers 4
     python examples/train.py --compressors identity,qsgd,int_quant,natural,signum --epochs 4
     python examples/train.py --strategy two_phase       # ~2 payloads per worker, not N-1
+    python examples/train.py --processes 2              # 2 processes x 4 devices, gloo
+    python examples/train.py --checkpoint-dir ckpt      # a checkpoint per epoch and run
+    python examples/train.py --checkpoint-dir ckpt --resume   # continue where it stopped
 
 Besides the registry's compressors (run through compressed_mean with error
 feedback, then SGD with momentum), ``signum`` runs signSGD with majority vote
 on each worker's momentum: only sign bits cross the wire.
+
+``--processes N`` runs the same training as N processes of this machine, each
+simulating ``--workers / N`` CPU devices, joined by ``jax.distributed`` over
+gloo (started by ``commopt.launch``): each process feeds only its rows of
+every global batch, and the losses equal the one-process run's to float
+rounding (all-reduces add in another order across processes; over many steps
+training amplifies such differences). Process 0 prints (its output shows when
+the run ends) and writes the files.
+
+``--checkpoint-dir DIR`` saves each compressor's run in ``DIR/<compressor>``
+at the end of every epoch, and where ``--max-steps`` stops it
+(``commopt.checkpoint``: parameters, optimizer
+state with every worker's residuals, batch statistics and dropout RNG state),
+with ``progress.json`` beside it (the position in the data and the history so
+far). ``--resume`` continues each run from there: the skipped epochs' data
+permutations are drawn again, so a run stopped and resumed gives the losses
+of an uninterrupted one; a finished run is reported, not retrained. Resuming
+onto another ``--workers`` resizes the optimizer state (the global batch may
+change with it).
 """
 
 from __future__ import annotations
@@ -26,8 +48,16 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROGRESS = "progress.json"
+# Flags a resumed run may change; every other flag must be the saved run's.
+RESUMABLE = frozenset({"compressors", "workers", "processes", "epochs", "max_steps", "out",
+                       "checkpoint_dir", "resume"})
+LAUNCH_TIMEOUT = 6 * 3600.0   # seconds a --processes run may take in all
 
 
 def parse_args(argv=None):
@@ -38,8 +68,13 @@ def parse_args(argv=None):
                       "signum (majority vote of worker momentum signs) or dgc (deep "
                       "gradient compression with its sparsity warm-up)")
   p.add_argument("--workers", type=int, default=8, help="simulated CPU devices (data axis size)")
+  p.add_argument("--processes", type=int, default=1,
+                 help="run as this many processes on this machine, each with --workers / "
+                      "--processes CPU devices, joined by jax.distributed over gloo")
   p.add_argument("--epochs", type=int, default=12)
   p.add_argument("--batch-size", type=int, default=128, help="global batch, split over workers")
+  p.add_argument("--steps-per-epoch", type=int, default=None,
+                 help="at most this many steps per epoch (default: the whole training set)")
   p.add_argument("--lr", type=float, default=0.05)
   p.add_argument("--momentum", type=float, default=0.9)
   p.add_argument("--ratio", type=float, default=None, help="top_k: fraction of each leaf sent")
@@ -65,40 +100,152 @@ def parse_args(argv=None):
   p.add_argument("--dropout", type=float, default=0.25, help="dropout rate before the last layer")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs", help="folder for the plot and metrics")
-  p.add_argument("--max-steps", type=int, default=None, help="stop each run early (smoke tests)")
+  p.add_argument("--max-steps", type=int, default=None,
+                 help="stop each run after this many steps in all (smoke tests); with "
+                      "--checkpoint-dir the stopping point is saved and --resume continues it")
+  p.add_argument("--checkpoint-dir", default=None,
+                 help="save each compressor's run in DIR/<compressor> at the end of every epoch")
+  p.add_argument("--resume", action="store_true",
+                 help="with --checkpoint-dir: continue each run from its last checkpoint "
+                      "(runs without one start afresh; finished ones are not retrained)")
   return p.parse_args(argv)
+
+
+def run_config(args) -> dict:
+  """The flags that define a run's trajectory: a resumed run must have the saved ones."""
+  return {k: v for k, v in sorted(vars(args).items()) if k not in RESUMABLE}
+
+
+def read_progress(run_dir: pathlib.Path):
+  """The saved progress of one compressor's run, or None when it has none."""
+  path = run_dir / PROGRESS
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+def finished(saved: dict, args) -> bool:
+  """Whether a saved run already has what this command asks for (its epochs, or steps)."""
+  return saved["epochs_done"] >= args.epochs or bool(args.max_steps
+                                                     and saved["step"] >= args.max_steps)
+
+
+def check_flags(args, valid) -> list[str]:
+  """The compressor names to run; exits with a message naming the flag on a bad combination."""
+  for flag, value in (("--workers", args.workers), ("--processes", args.processes),
+                      ("--epochs", args.epochs), ("--batch-size", args.batch_size),
+                      ("--steps-per-epoch", args.steps_per_epoch),
+                      ("--max-steps", args.max_steps)):
+    if value is not None and value < 1:
+      sys.exit(f"{flag} must be >= 1, got {value}")
+  if args.batch_size < args.workers:
+    sys.exit(f"--batch-size {args.batch_size} is smaller than --workers {args.workers}: the "
+             "global batch needs at least one row per worker")
+  if args.workers % args.processes:
+    sys.exit(f"--workers {args.workers} is not divisible by --processes {args.processes}: "
+             f"each process hosts --workers / --processes devices (valid --processes for "
+             f"--workers {args.workers}: "
+             f"{[n for n in range(1, args.workers + 1) if args.workers % n == 0]})")
+  names = list(dict.fromkeys(n.strip() for n in args.compressors.split(",") if n.strip()))
+  for n in names:
+    if n not in valid:
+      sys.exit(f"--compressors: unknown {n!r}; valid: {valid}")
+  if not names:
+    sys.exit(f"--compressors: no compressor named in {args.compressors!r}; valid: {valid}")
+  if args.resume and not args.checkpoint_dir:
+    sys.exit("--resume needs --checkpoint-dir DIR, the folder the runs to continue were "
+             "saved in")
+  if args.checkpoint_dir:
+    import importlib.util
+    if importlib.util.find_spec("orbax") is None:
+      sys.exit("--checkpoint-dir needs orbax-checkpoint (`pip install orbax-checkpoint`, or "
+               "commopt's `examples` or `checkpoint` extra)")
+    root = pathlib.Path(args.checkpoint_dir)
+    if root.exists() and not root.is_dir():
+      sys.exit(f"--checkpoint-dir {args.checkpoint_dir!r} is a file; it must be a folder "
+               "(new or from an earlier run)")
+    config = run_config(args)
+    for n in names:
+      saved = read_progress(root / n)
+      if saved is None:
+        continue
+      if not args.resume:
+        sys.exit(f"--checkpoint-dir {args.checkpoint_dir!r} already holds a {n} run (step "
+                 f"{saved['step']}); pass --resume to continue it, or use a new "
+                 "--checkpoint-dir")
+      for k, v in saved["config"].items():
+        if config.get(k) != v:
+          flag = "--" + k.replace("_", "-")
+          shown = lambda v: f"{flag} {'on' if v else 'off'}" if isinstance(v, bool) else (
+              f"{flag} unset" if v is None else f"{flag} {v}")
+          sys.exit(f"--resume: {root / n} was saved with {shown(v)}, this run has "
+                   f"{shown(config.get(k))}; resume with the saved flags or use a new "
+                   "--checkpoint-dir")
+      if not finished(saved, args) and not (root / n / saved["checkpoint"]).is_dir():
+        sys.exit(f"--resume: {root / n / PROGRESS} names the checkpoint {saved['checkpoint']}, "
+                 "which is missing; use a new --checkpoint-dir")
+  return names
+
+
+def relaunch(args, argv):
+  """Runs this script as ``--processes`` processes of one job; prints process 0's output."""
+  from commopt import launch
+  argv = sys.argv[1:] if argv is None else list(argv)
+  n = args.processes
+  print(f"{n} processes x {args.workers // n} CPU devices, jax.distributed over gloo; "
+        "process 0's output follows when they end", flush=True)
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+  try:
+    results = launch.launch([str(pathlib.Path(__file__).resolve()), *argv], processes=n,
+                            devices_per_process=args.workers // n, timeout=LAUNCH_TIMEOUT,
+                            env={"PYTHONPATH": path})
+  except launch.LaunchError as e:
+    sys.exit(f"--processes {n}: {e}")
+  # Process 0's output, less gloo's connection notices.
+  sys.stdout.write("".join(line for line in results[0].output.splitlines(keepends=True)
+                           if not line.startswith("[Gloo] ")))
+  sys.stdout.flush()
+  return json.loads((pathlib.Path(args.out) / "train_metrics.json").read_text())
 
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.workers < 1:
-    sys.exit(f"--workers must be >= 1, got {args.workers}")
   os.environ.setdefault("XLA_FLAGS", "")
+  import commopt
+  from commopt import launch
+  names = check_flags(args, sorted(commopt.compressors.REGISTRY) + ["signum", "dgc"])
+  if args.processes > 1 and launch.ENV_PROCESS_ID not in os.environ:
+    return relaunch(args, argv)
+  ctx = launch.initialize()          # joins the job (and sets its CPU devices) when launched
   import jax
-  jax.config.update("jax_num_cpu_devices", args.workers)
+  if ctx.num_processes == 1:
+    jax.config.update("jax_num_cpu_devices", args.workers)
   import jax.numpy as jnp
   import numpy as np
   import optax
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding, PartitionSpec as P
   from tqdm.auto import tqdm
 
-  import commopt
-  from commopt import wire
+  from commopt import checkpoint, wire
+  from commopt.parallel import NnxTrainState
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
   from flax import nnx
   from digits_cnn import CNN, cross_entropy, load_digits_split
 
+  say = print if ctx.is_main else (lambda *a, **k: None)
+  if ctx.num_processes > 1 and jax.device_count() != args.workers:
+    sys.exit(f"--workers {args.workers}: this job has {jax.device_count()} devices in "
+             f"{ctx.num_processes} processes; across processes --workers must be all of them")
   if len(jax.devices()) < args.workers:
     sys.exit(f"--workers {args.workers} needs that many devices; this backend has "
              f"{len(jax.devices())} ({jax.default_backend()}).")
-  names = [n.strip() for n in args.compressors.split(",") if n.strip()]
-  valid = sorted(commopt.compressors.REGISTRY) + ["signum", "dgc"]
-  for n in names:
-    if n not in valid:
-      sys.exit(f"--compressors: unknown {n!r}; valid: {valid}")
 
   x_train, y_train, x_test, y_test = load_digits_split(args.seed)
   batch = args.batch_size - args.batch_size % args.workers
   steps_per_epoch = len(x_train) // batch
+  if args.steps_per_epoch:
+    steps_per_epoch = min(steps_per_epoch, args.steps_per_epoch)
+  mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[:args.workers])
+  replicated = NamedSharding(mesh, P())
   model = CNN(nnx.Rngs(args.seed), batch_norm=True, dropout=args.dropout)
   model.train()
   graphdef = nnx.graphdef(model)
@@ -109,12 +256,31 @@ def main(argv=None):
     trained.eval()                                  # running statistics, no dropout
     return jnp.mean(jnp.argmax(trained(images), -1) == labels)
 
-  mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[:args.workers])
+  # The test set, replicated on the mesh beside the (global) train state.
+  test_x, test_y = (jax.make_array_from_process_local_data(replicated, a)
+                    for a in (x_test, y_test))
+
+  def host(x):
+    """A global array's value, on every process (unless replicated, a collective)."""
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    if x.is_fully_addressable:
+      return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  def rows(a):
+    """This process's rows of a global batch (process p hosts the p-th block of workers)."""
+    return np.split(a, ctx.num_processes)[ctx.process_id]
+
   out_dir = pathlib.Path(args.out)
-  out_dir.mkdir(parents=True, exist_ok=True)
+  if ctx.is_main:
+    out_dir.mkdir(parents=True, exist_ok=True)
+  ckpt_root = pathlib.Path(args.checkpoint_dir).resolve() if args.checkpoint_dir else None
+  config = run_config(args)
   results = {}
-  print(f"{len(x_train)} training images, {len(x_test)} test; {args.workers} workers, "
-        f"global batch {batch}, {steps_per_epoch} steps/epoch, {args.epochs} epochs")
+  where = f" in {ctx.num_processes} processes" if ctx.num_processes > 1 else ""
+  say(f"{len(x_train)} training images, {len(x_test)} test; {args.workers} workers{where}, "
+      f"global batch {batch}, {steps_per_epoch} steps/epoch, {args.epochs} epochs")
 
   def optimizer(name):
     """(label, optax transform, the reducing transform inside it, DGC's schedule)."""
@@ -145,8 +311,8 @@ def main(argv=None):
     # two_phase re-encodes chunks (per-leaf payloads); psum sums payloads (linear ones).
     needs = {"two_phase": "per_leaf", "psum": "linear"}.get(strategy)
     if needs and needs not in compressor.capabilities:
-      print(f"{compressor.name}: strategy {strategy!r} needs a {needs} compressor, and its "
-            f"capabilities are {sorted(compressor.capabilities)}; using 'auto'")
+      say(f"{compressor.name}: strategy {strategy!r} needs a {needs} compressor, and its "
+          f"capabilities are {sorted(compressor.capabilities)}; using 'auto'")
       strategy = "auto"
     label = compressor.name if strategy == "auto" else f"{compressor.name} [{strategy}]"
     reducer = commopt.compressed_mean(compressor, "data", error_feedback=ef, strategy=strategy)
@@ -154,15 +320,26 @@ def main(argv=None):
     return label, tx, reducer, None
 
   for name in names:
+    run_dir = ckpt_root / name if ckpt_root else None
+    saved = read_progress(run_dir) if args.resume else None
+    if saved and finished(saved, args):
+      h = saved["history"]
+      say(f"\n== {h['compressor']}: already trained ({len(h['epoch_acc'])} epochs, "
+          f"{saved['step']} steps) in {run_dir}; not retrained")
+      results[name] = h
+      continue
     label, tx, reducer, schedule = optimizer(name)
     trainer = commopt.nnx_data_parallel(model, cross_entropy, tx, mesh)
     state = trainer.init(model)                     # every run starts from the same model
     params = state.params
-    first = {"x": x_train[:batch], "y": y_train[:batch]}
+
+    def feed(idx):
+      """The global batch of rows ``idx``; this process passes only its own rows of it."""
+      return trainer.dp.local_batch({"x": rows(x_train[idx]), "y": rows(y_train[idx])})
 
     # What the reduction plans to send, before anything compiles; the audit checks it.
     report = wire.comm_plan(reducer, params, args.workers)
-    audit = wire.hlo_collectives(trainer, state, first)
+    audit = wire.hlo_collectives(trainer, state, feed(np.arange(batch)))
     # Besides the payload: the batch statistics' mean over workers (dense) and
     # the int32 flag that makes every worker agree to skip a non-finite step.
     stats_bytes = sum(x.size * x.dtype.itemsize
@@ -171,13 +348,13 @@ def main(argv=None):
     dense_sent = report.dense_sent
     payload = report.contributed_bytes
     sent = wire.total_bytes(audit, "sent_bytes")
-    print(f"\n== {label}: payload {payload / 1e3:,.1f} kB/worker/step "
-          f"(HLO audit {wire.total_bytes(audit) / 1e3:,.1f} kB in {len(audit)} collectives = "
-          f"payload + {stats_bytes} B batch statistics + {skip_flag_bytes} B skip flag) "
-          f"vs dense {report.dense_bytes / 1e3:,.1f} kB: "
-          f"{report.dense_bytes / payload:.1f}x smaller; "
-          f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
-          f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
+    say(f"\n== {label}: payload {payload / 1e3:,.1f} kB/worker/step "
+        f"(HLO audit {wire.total_bytes(audit) / 1e3:,.1f} kB in {len(audit)} collectives = "
+        f"payload + {stats_bytes} B batch statistics + {skip_flag_bytes} B skip flag) "
+        f"vs dense {report.dense_bytes / 1e3:,.1f} kB: "
+        f"{report.dense_bytes / payload:.1f}x smaller; "
+        f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
+        f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
     sent_at = lambda step: sent
     if schedule:
       # The compiled step holds every warm-up stage's collectives (one switch
@@ -185,8 +362,8 @@ def main(argv=None):
       stage_sent = {d: wire.comm_plan(commopt.top_k(d), params, args.workers).sent_bytes
                     for d in schedule[0]}
       sent_at = lambda step: stage_sent[commopt.transforms.warmup_density(step, *schedule)]
-      print("   dgc: the audit above sums all warm-up stages; per step, the stage that runs sends "
-            + ", ".join(f"{d:g}: {b / 1e3:,.1f} kB" for d, b in stage_sent.items()))
+      say("   dgc: the audit above sums all warm-up stages; per step, the stage that runs sends "
+          + ", ".join(f"{d:g}: {b / 1e3:,.1f} kB" for d, b in stage_sent.items()))
     if name == "qsgd":
       opts = dict(commopt.compressors.DEFAULTS["qsgd"])
       opts.update({k: v for k, v in (("levels", args.levels), ("bucket_size", args.bucket_size))
@@ -195,23 +372,81 @@ def main(argv=None):
       elias = sum(commopt.compressors.qsgd_elias_bits(p.shape, **opts)
                   for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
                   if jax.tree_util.keystr(path) in packed)
-      print(f"   qsgd: Elias coding of the compressed leaves would cost at most "
-            f"{elias / 8e3:,.1f} kB (paper's bound) against the fixed-width packing sent")
+      say(f"   qsgd: Elias coding of the compressed leaves would cost at most "
+          f"{elias / 8e3:,.1f} kB (paper's bound) against the fixed-width packing sent")
 
     history = {"step": [], "loss": [], "bytes_sent": [], "epoch_acc": [], "epoch_loss": []}
     rng = np.random.default_rng(args.seed)
-    step, total_sent, t0 = 0, 0.0, time.perf_counter()
-    for epoch in range(args.epochs):
+    step, total_sent, seconds = 0, 0.0, 0.0
+    start_epoch, start_batch = 0, 0
+    if saved:
+      got = checkpoint.restore(run_dir / saved["checkpoint"], trainer.dp, state.params,
+                               model_state=state.model_state)
+      assert got.step == saved["step"], (got.step, saved["step"])
+      state = NnxTrainState(got.params, got.model_state, got.opt_state)
+      history = {k: saved["history"][k] for k in history}
+      step, total_sent, seconds = saved["step"], saved["total_sent"], saved["history"]["seconds"]
+      start_epoch, start_batch = saved["epochs_done"], saved["batches_done"]
+      if start_batch:               # stopped inside that epoch: its summary comes at its end
+        del history["epoch_acc"][-1], history["epoch_loss"][-1]
+      for _ in range(start_epoch):  # the finished epochs' data orders, drawn again
+        rng.permutation(len(x_train))
+      within = f" after {start_batch} of its steps" if start_batch else ""
+      say(f"   resumed from {run_dir / saved['checkpoint']}: epoch {start_epoch + 1}{within}, "
+          f"step {step}")
+      saved_workers = got.saved_workers or saved["workers"]
+      if saved_workers != args.workers:
+        change = (f"global batch {saved['batch']} -> {batch}" if saved["batch"] != batch
+                  else f"global batch {batch} as saved")
+        say(f"   saved by {saved_workers} workers, restored onto {args.workers}: optimizer "
+            f"state resized; {change}")
+    elif run_dir is not None and args.resume:
+      say(f"   no checkpoint in {run_dir}: starting afresh")
+
+    def save(epochs_done, batches_done):
+      """A checkpoint of the run where it stands, then (process 0) its progress beside it."""
+      nonlocal seconds
+      began = time.perf_counter()
+      ckpt = f"step_{step:08d}"
+      run_dir.mkdir(parents=True, exist_ok=True)
+      skipped = int(host(state.opt_state.total_notfinite))
+      checkpoint.save(run_dir / ckpt, state.params, state.opt_state,
+                      model_state=state.model_state, step=step, force=True)
+      seconds -= time.perf_counter() - began      # the run's time is training time
+      if not ctx.is_main:
+        return
+      progress = dict(config=config, workers=args.workers, batch=batch, checkpoint=ckpt,
+                      epochs_done=epochs_done, batches_done=batches_done, step=step,
+                      total_sent=total_sent, history=dict(history, **summary(skipped)))
+      tmp = run_dir / (PROGRESS + ".tmp")
+      tmp.write_text(json.dumps(progress, indent=1))
+      tmp.replace(run_dir / PROGRESS)
+      for old in run_dir.glob("step_*"):            # only the latest checkpoint is kept
+        if old.name != ckpt:
+          shutil.rmtree(old, ignore_errors=True)
+
+    def summary(skipped):
+      return dict(seconds=seconds + time.perf_counter() - t0, payload_bytes=payload,
+                  dense_bytes=report.dense_bytes, audited_bytes=wire.total_bytes(audit),
+                  model_state_sync_bytes=stats_bytes, skip_flag_bytes=skip_flag_bytes,
+                  skipped_steps=skipped, sent_bytes_per_step=sent,
+                  dense_sent_bytes_per_step=dense_sent, compressor=label)
+
+    t0 = time.perf_counter()
+    for epoch in range(start_epoch, args.epochs):
       perm = rng.permutation(len(x_train))
-      losses = []
-      bar = tqdm(range(steps_per_epoch), desc=f"{name} epoch {epoch + 1}/{args.epochs}",
-                 leave=False, file=sys.stdout, dynamic_ncols=True)
+      first = start_batch if epoch == start_epoch else 0
+      losses = history["loss"][len(history["loss"]) - first:] if first else []
+      bar = tqdm(range(first, steps_per_epoch), desc=f"{name} epoch {epoch + 1}/{args.epochs}",
+                 leave=False, file=sys.stdout, dynamic_ncols=True,
+                 disable=ctx.num_processes > 1)   # other processes' output is a log file
+      done = first
       for i in bar:
-        idx = perm[i * batch:(i + 1) * batch]
-        state, loss = trainer.step(state, {"x": x_train[idx], "y": y_train[idx]})
+        state, loss = trainer.step(state, feed(perm[i * batch:(i + 1) * batch]))
         total_sent += sent_at(step)
         step += 1
-        loss = float(np.mean(loss))
+        done = i + 1
+        loss = float(host(jnp.mean(loss)))      # the workers' mean, on the mesh
         losses.append(loss)
         history["step"].append(step)
         history["loss"].append(loss)
@@ -219,21 +454,21 @@ def main(argv=None):
         bar.set_postfix(loss=f"{loss:.3f}")
         if args.max_steps and step >= args.max_steps:
           break
-      acc = float(accuracy(state, x_test, y_test))
+      acc = float(host(accuracy(state, test_x, test_y)))
       history["epoch_acc"].append(acc)
       history["epoch_loss"].append(float(np.mean(losses)))
-      print(f"{name:>12} epoch {epoch + 1:3d}  loss {np.mean(losses):.4f}  test acc {acc:.4f}  "
-            f"sent {total_sent / 1e6:8.2f} MB/worker")
+      say(f"{name:>12} epoch {epoch + 1:3d}  loss {np.mean(losses):.4f}  test acc {acc:.4f}  "
+          f"sent {total_sent / 1e6:8.2f} MB/worker")
+      if run_dir is not None:
+        whole = done >= steps_per_epoch
+        save(epoch + 1 if whole else epoch, 0 if whole else done)
       if args.max_steps and step >= args.max_steps:
         break
-    history.update(seconds=time.perf_counter() - t0, payload_bytes=payload,
-                   dense_bytes=report.dense_bytes, audited_bytes=wire.total_bytes(audit),
-                   model_state_sync_bytes=stats_bytes, skip_flag_bytes=skip_flag_bytes,
-                   skipped_steps=int(state.opt_state.total_notfinite),
-                   sent_bytes_per_step=sent, dense_sent_bytes_per_step=dense_sent,
-                   compressor=label)
+    history.update(summary(int(host(state.opt_state.total_notfinite))))
     results[name] = history
 
+  if not ctx.is_main:
+    return results
   (out_dir / "train_metrics.json").write_text(json.dumps(results, indent=1))
   import matplotlib
   matplotlib.use("Agg")

@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -46,6 +47,79 @@ def test_demo_runs_quantizers_and_signum(tmp_path):
     assert h["audited_bytes"] == (h["payload_bytes"] + h["model_state_sync_bytes"]
                                   + h["skip_flag_bytes"])
   assert metrics["signum"]["dense_bytes"] / metrics["signum"]["payload_bytes"] > 30
+
+
+# A short demo run: two epochs of three steps on 4 workers, one compressor.
+SHORT = ["examples/train.py", "--compressors", "scaled_sign", "--workers", "4",
+         "--steps-per-epoch", "3"]
+
+
+def metrics(out):
+  return json.loads((out / "train_metrics.json").read_text())["scaled_sign"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """Two epochs in one process, without checkpoints: the reference."""
+  out = tmp_path_factory.mktemp("uninterrupted")
+  run([*SHORT, "--epochs", "2", "--out", str(out)], out)
+  return metrics(out)
+
+
+def test_demo_two_processes_match_one(uninterrupted, tmp_path):
+  out = run([*SHORT, "--epochs", "2", "--processes", "2", "--out", str(tmp_path)], tmp_path)
+  assert "4 workers in 2 processes" in out and "HLO audit" in out and "[Gloo]" not in out
+  got = metrics(tmp_path)
+  assert got["step"] == uninterrupted["step"] == list(range(1, 7))
+  # The batch statistics' mean adds across processes in another order: float rounding.
+  np.testing.assert_allclose(got["loss"], uninterrupted["loss"], rtol=1e-5, atol=1e-6)
+  assert got["audited_bytes"] == uninterrupted["audited_bytes"]
+  assert got["bytes_sent"] == uninterrupted["bytes_sent"]
+
+
+def test_demo_resumes_as_if_never_stopped(uninterrupted, tmp_path):
+  ckpt = str(tmp_path / "ckpt")
+  run([*SHORT, "--epochs", "1", "--checkpoint-dir", ckpt, "--out", str(tmp_path / "a")],
+      tmp_path)
+  saved = json.loads((tmp_path / "ckpt" / "scaled_sign" / "progress.json").read_text())
+  assert (saved["epochs_done"], saved["step"], saved["checkpoint"]) == (1, 3, "step_00000003")
+  out = run([*SHORT, "--epochs", "2", "--checkpoint-dir", ckpt, "--resume",
+             "--out", str(tmp_path / "b")], tmp_path)
+  assert "resumed from" in out and "epoch   1" not in out
+  resumed = metrics(tmp_path / "b")
+  # Restored onto the same workers, with the same data order and dropout keys: bit for bit.
+  for key in ("step", "loss", "bytes_sent", "epoch_loss", "epoch_acc"):
+    assert resumed[key] == uninterrupted[key], key
+  assert sorted(p.name for p in (tmp_path / "ckpt" / "scaled_sign").iterdir()) == [
+      "progress.json", "step_00000006"]                  # only the latest checkpoint is kept
+  out = run([*SHORT, "--epochs", "2", "--checkpoint-dir", ckpt, "--resume",
+             "--out", str(tmp_path / "c")], tmp_path)
+  assert "already trained (2 epochs, 6 steps)" in out
+  assert metrics(tmp_path / "c")["loss"] == uninterrupted["loss"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--workers", "5", "--processes", "2"],
+     "--workers 5 is not divisible by --processes 2"),
+])
+def test_demo_rejects_bad_flag_combinations(args, message):
+  proc = subprocess.run([sys.executable, "examples/train.py", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_demo_refuses_to_overwrite_or_change_a_saved_run(tmp_path):
+  ckpt = tmp_path / "ckpt" / "scaled_sign"
+  ckpt.mkdir(parents=True)
+  (ckpt / "progress.json").write_text(json.dumps(
+      {"step": 3, "epochs_done": 1, "checkpoint": "step_00000003",
+       "config": {"lr": 0.1}}))
+  for extra, message in (([], "already holds a scaled_sign run (step 3); pass --resume"),
+                         (["--resume"], "was saved with --lr 0.1, this run has --lr 0.05")):
+    proc = subprocess.run([sys.executable, *SHORT, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                           *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
 
 
 def test_demo_rejects_unknown_compressor(tmp_path):

@@ -324,6 +324,11 @@ class DataParallel:
       if isinstance(x, jax.Array) and not compat.is_tracer(x):
         if x.sharding == target:
           return x
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+          # device_put refuses typed keys on a mesh that spans processes: place
+          # their data (a trailing key axis, replicated) and wrap it again.
+          data = put(jax.random.key_data(x), P(*lay.full_spec(spec, x.ndim), None))
+          return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
       return jax.device_put(x, target)
 
     return lay.map_specs(put, tree, specs)
