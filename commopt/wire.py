@@ -17,7 +17,8 @@ import numpy as np
 
 from commopt._src import base
 from commopt.comm import _collectives, _strategies
-from commopt.comm._plan import Planned, axis_sizes, planner_of, ring_sent_bytes
+from commopt.comm._plan import (Planned, axis_sizes, planner_of, ring_sent_bytes,
+                                step_planner_of)
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "hlo_collectives",
     "payload_bytes",
     "record_collectives",
+    "ring_sent_bytes",
     "total_bytes",
 ]
 
@@ -148,12 +150,20 @@ class CommPlan(NamedTuple):
 
 
 def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
-              inner_strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE) -> CommPlan:
+              inner_strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE,
+              step: Optional[int] = None) -> CommPlan:
   """The collectives a reducing transform runs per step, predicted before anything compiles.
 
   Each reduction predicts its own collectives (kind, axis, bytes in, bytes
   sent under the ring model), so a run's traffic can be read before it is
   compiled and compared with :func:`hlo_collectives` after.
+
+  The synchronisation modes (``local_sgd``, ``diloco``, ``streaming_diloco``,
+  ``easgd``, ``stale``) exchange only on some steps: without ``step`` their
+  plan is what one full synchronisation sends; with ``step`` it is what runs
+  at that step (empty on a step without an exchange; one fragment's share for
+  ``streaming_diloco``; the level that synchronises for a hierarchical
+  ``local_sgd``).
 
   Args:
     tx: a reducing transform made by commopt (``compressed_mean``, ``dgc``,
@@ -167,6 +177,8 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
       transform knows its own.
     strategy, inner_strategy, min_size: with a compressor, as given to
       ``compressed_mean``.
+    step: the 0-based optimizer step whose exchange to plan (None: a step
+      that synchronises everything).
 
   Returns:
     A :class:`CommPlan`.
@@ -188,13 +200,17 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
     entries = _strategies.plan_reduction(tx, reduction, params, axis_sizes(axis_name, workers),
                                          axis_name, min_size)
   else:
-    planner = planner_of(tx)
+    planner = planner_of(tx) if step is None else step_planner_of(tx)
     if planner is None:
       raise ValueError(
           "comm_plan: `tx` must be a commopt Compressor or a reducing transform made by "
           f"commopt (compressed_mean, dgc, majority_vote, a robust rule), got {tx!r}; a "
           "chain's plan is the plan of the reducing transform inside it.")
-    entries = planner(params, workers)
+    if step is not None:
+      step = base.check_int("step", step, fn="comm_plan", minimum=0)
+      entries = planner(params, workers, step)
+    else:
+      entries = planner(params, workers)
   total = math.prod(workers) if isinstance(workers, tuple) else workers
   dense = sum(base.leaf_size(l.shape) * np.dtype(l.dtype).itemsize
               for l in jax.tree.leaves(params))

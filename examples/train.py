@@ -17,6 +17,8 @@ against cumulative bytes sent per worker, and the metrics as JSON.
     python examples/train.py --processes 2              # 2 processes x 4 devices, gloo
     python examples/train.py --checkpoint-dir ckpt      # a checkpoint per epoch and run
     python examples/train.py --checkpoint-dir ckpt --resume   # continue where it stopped
+    python examples/train.py --sync diloco --period 8 --compressors identity,top_k,int_quant
+    python examples/train.py --sync stale --staleness 4 --compressors identity
 
 Besides the registry's compressors (run through compressed_mean with error
 feedback, then SGD with momentum), ``signum`` runs signSGD with majority vote
@@ -29,6 +31,16 @@ every global batch, and the losses equal the one-process run's to float
 rounding (all-reduces add in another order across processes; over many steps
 training amplifies such differences). Process 0 prints (its output shows when
 the run ends) and writes the files.
+
+``--sync MODE`` exchanges less often than every step: ``local_sgd``,
+``diloco``, ``streaming_diloco`` and ``easgd`` every ``--period`` steps,
+``stale`` every step but with gradients up to ``--staleness`` steps old
+(simulated SSP). Each worker keeps its own parameters
+(``data_parallel(..., local_params=True)``), what the workers exchange goes
+through each ``--compressors`` entry (``identity``: dense) with error
+feedback, the bytes count only the steps that exchange, and test accuracy is
+the mode's global model (``commopt.global_params``: the anchor, centre or
+server parameters).
 
 ``--checkpoint-dir DIR`` saves each compressor's run in ``DIR/<compressor>``
 at the end of every epoch, and where ``--max-steps`` stops it
@@ -58,6 +70,7 @@ PROGRESS = "progress.json"
 RESUMABLE = frozenset({"compressors", "workers", "processes", "epochs", "max_steps", "out",
                        "checkpoint_dir", "resume"})
 LAUNCH_TIMEOUT = 6 * 3600.0   # seconds a --processes run may take in all
+SYNC_MODES = ("bsp", "local_sgd", "diloco", "streaming_diloco", "easgd", "stale")
 
 
 def parse_args(argv=None):
@@ -95,6 +108,26 @@ def parse_args(argv=None):
                  help="dgc: epochs of sparsity warm-up (0: none)")
   p.add_argument("--clip-norm", type=float, default=None, help="dgc: global gradient clip norm")
   p.add_argument("--no-error-feedback", action="store_true")
+  p.add_argument("--sync", default="bsp", choices=SYNC_MODES,
+                 help="when workers exchange: every step (bsp), or a mode of commopt's "
+                      "(the compressor then compresses what the mode exchanges)")
+  p.add_argument("--period", type=int, default=8,
+                 help="local_sgd, diloco, streaming_diloco, easgd: steps between exchanges")
+  p.add_argument("--sync-warmup", type=int, default=0,
+                 help="local_sgd, diloco: steps at the start that exchange every step")
+  p.add_argument("--outer-lr", type=float, default=0.7, help="diloco, streaming_diloco: "
+                 "outer Nesterov SGD's learning rate (momentum 0.9)")
+  p.add_argument("--fragments", type=int, default=2, help="streaming_diloco: fragments")
+  p.add_argument("--delay", type=int, default=1,
+                 help="streaming_diloco: steps between a fragment's exchange and its merge")
+  p.add_argument("--mixing", type=float, default=0.5,
+                 help="streaming_diloco: weight of the local parameters in the merge")
+  p.add_argument("--alpha", type=float, default=None,
+                 help="easgd: the workers' pull towards the centre (default 0.9 / workers)")
+  p.add_argument("--staleness", type=int, default=4, help="stale: the bound s on the delay")
+  p.add_argument("--byte-budget", type=int, default=None,
+                 help="stale: bytes each worker sends per step, largest entries first "
+                      "(instead of a compressor; needs --compressors identity)")
   p.add_argument("--strategy", default="auto", choices=["auto", "psum", "gather", "two_phase"],
                  help="compressed_mean's reduction (compressors that cannot use it run 'auto')")
   p.add_argument("--dropout", type=float, default=0.25, help="dropout rate before the last layer")
@@ -150,6 +183,18 @@ def check_flags(args, valid) -> list[str]:
       sys.exit(f"--compressors: unknown {n!r}; valid: {valid}")
   if not names:
     sys.exit(f"--compressors: no compressor named in {args.compressors!r}; valid: {valid}")
+  if args.sync != "bsp":
+    special = [n for n in names if n in ("signum", "dgc")]
+    if special:
+      sys.exit(f"--sync {args.sync}: {special} reduce every step by their own rule; with a "
+               "synchronisation mode use a registry compressor (identity: dense)")
+    for flag, value in (("--period", args.period), ("--fragments", args.fragments)):
+      if value < 1:
+        sys.exit(f"{flag} must be >= 1, got {value}")
+  if args.byte_budget is not None and (args.sync != "stale" or names != ["identity"]):
+    sys.exit(f"--byte-budget {args.byte_budget} is for --sync stale with --compressors "
+             f"identity (the budget chooses what is sent), got --sync {args.sync} and "
+             f"--compressors {args.compressors}")
   if args.resume and not args.checkpoint_dir:
     sys.exit("--resume needs --checkpoint-dir DIR, the folder the runs to continue were "
              "saved in")
@@ -251,8 +296,8 @@ def main(argv=None):
   graphdef = nnx.graphdef(model)
 
   @jax.jit
-  def accuracy(state, images, labels):
-    trained = nnx.merge(graphdef, state.params, state.model_state)
+  def accuracy(params, model_state, images, labels):
+    trained = nnx.merge(graphdef, params, model_state)
     trained.eval()                                  # running statistics, no dropout
     return jnp.mean(jnp.argmax(trained(images), -1) == labels)
 
@@ -299,6 +344,18 @@ def main(argv=None):
       tx = optax.chain(reducer, optax.sgd(args.lr))
       # Bytes are reported for the final (steady-state) density.
       return f"dgc(density {densities[-1]})", tx, reducer, (densities, boundaries)
+    if args.sync != "bsp":
+      return sync_optimizer(name)
+    compressor, strategy = make_compressor(name)
+    label = compressor.name if strategy == "auto" else f"{compressor.name} [{strategy}]"
+    reducer = commopt.compressed_mean(compressor, "data", error_feedback=ef, strategy=strategy)
+    tx = optax.chain(reducer, optax.sgd(args.lr, momentum=args.momentum))
+    return label, tx, reducer, None
+
+  ef = not args.no_error_feedback
+
+  def make_compressor(name):
+    """The registry compressor with the flags it takes, and the strategy it can run."""
     flags = dict(ratio=args.ratio, rank=args.rank, dtype=args.dtype, levels=args.levels,
                  bits=args.bits, block_size=args.block_size, bucket_size=args.bucket_size,
                  clip=args.clip, tau=args.tau, drop_ratio=args.drop_ratio,
@@ -306,7 +363,6 @@ def main(argv=None):
     # Each compressor gets the flags it takes (the others are for other compressors).
     compressor = commopt.compressors.make(
         name, **{k: v for k, v in flags.items() if k in commopt.compressors.options(name)})
-    ef = not args.no_error_feedback
     strategy = args.strategy
     # two_phase re-encodes chunks (per-leaf payloads); psum sums payloads (linear ones).
     needs = {"two_phase": "per_leaf", "psum": "linear"}.get(strategy)
@@ -314,10 +370,36 @@ def main(argv=None):
       say(f"{compressor.name}: strategy {strategy!r} needs a {needs} compressor, and its "
           f"capabilities are {sorted(compressor.capabilities)}; using 'auto'")
       strategy = "auto"
-    label = compressor.name if strategy == "auto" else f"{compressor.name} [{strategy}]"
-    reducer = commopt.compressed_mean(compressor, "data", error_feedback=ef, strategy=strategy)
-    tx = optax.chain(reducer, optax.sgd(args.lr, momentum=args.momentum))
-    return label, tx, reducer, None
+    return compressor, strategy
+
+  def sync_optimizer(name):
+    """(label, the synchronisation mode's transform, the same, no schedule)."""
+    compressor, strategy = make_compressor(name)
+    dense = name == "identity"
+    common = dict(axis_name="data", compressor=None if dense else compressor,
+                  error_feedback=ef, strategy=strategy)
+    inner = optax.sgd(args.lr, momentum=args.momentum)
+    outer = optax.sgd(args.outer_lr, momentum=0.9, nesterov=True)
+    h = args.period
+    if args.sync == "local_sgd":
+      tx = commopt.local_sgd(inner, period=h, warmup_steps=args.sync_warmup, **common)
+    elif args.sync == "diloco":
+      tx = commopt.diloco(inner, outer, period=h, warmup_steps=args.sync_warmup, **common)
+    elif args.sync == "streaming_diloco":
+      tx = commopt.streaming_diloco(inner, outer, period=h, fragments=args.fragments,
+                                    delay=args.delay, mixing=args.mixing, **common)
+    elif args.sync == "easgd":
+      alpha = 0.9 / args.workers if args.alpha is None else args.alpha
+      tx = commopt.easgd(inner, alpha=alpha, period=h, **common)
+    else:
+      if args.byte_budget is not None:
+        common.update(compressor=None, byte_budget=args.byte_budget)
+      tx = commopt.stale(inner, max_staleness=args.staleness, **common)
+    what = {"stale": f"s={args.staleness}" + (f", {args.byte_budget} B/step"
+                                              if args.byte_budget else "")}.get(args.sync,
+                                                                                f"H={h}")
+    label = f"{args.sync}({what}) {'dense' if dense else compressor.name}"
+    return label, tx, tx, None
 
   for name in names:
     run_dir = ckpt_root / name if ckpt_root else None
@@ -329,9 +411,18 @@ def main(argv=None):
       results[name] = h
       continue
     label, tx, reducer, schedule = optimizer(name)
-    trainer = commopt.nnx_data_parallel(model, cross_entropy, tx, mesh)
+    local = args.sync != "bsp"                      # each worker keeps its own parameters
+    trainer = commopt.nnx_data_parallel(model, cross_entropy, tx, mesh, local_params=local)
     state = trainer.init(model)                     # every run starts from the same model
-    params = state.params
+    params = trainer.split(model)[0]                # one worker's parameters
+
+    def global_model(state):
+      """The parameters to evaluate: the synchronisation mode's global model, or the
+      (replicated) parameters themselves."""
+      if not local:
+        return state.params
+      return jax.tree.map(lambda g, p: g.astype(p.dtype), commopt.global_params(state.opt_state),
+                          params)
 
     def feed(idx):
       """The global batch of rows ``idx``; this process passes only its own rows of it."""
@@ -348,14 +439,28 @@ def main(argv=None):
     dense_sent = report.dense_sent
     payload = report.contributed_bytes
     sent = wire.total_bytes(audit, "sent_bytes")
-    say(f"\n== {label}: payload {payload / 1e3:,.1f} kB/worker/step "
+    sent_at = lambda step: sent
+    if local:
+      # The exchange runs on some steps only (the compiled step holds it in a
+      # cond): each step counts the plan of what runs then, besides the batch
+      # statistics and the skip flag, which every step all-reduces.
+      every_step = sum(wire.ring_sent_bytes("all-reduce", b, args.workers)
+                       for b in (stats_bytes, skip_flag_bytes))
+      sent_at = lambda step: (wire.comm_plan(reducer, params, args.workers, step=step).sent_bytes
+                              + every_step)
+      say(f"\n== {label}: {payload / 1e3:,.1f} kB/worker per exchange (dense "
+          f"{report.dense_bytes / 1e3:,.1f} kB: {report.dense_bytes / max(payload, 1):.1f}x "
+          f"smaller); ring-model bytes sent per exchange {report.sent_bytes / 1e3:,.1f} kB, "
+          f"against a dense all-reduce every step {dense_sent / 1e3:,.1f} kB; the compiled "
+          f"step holds {len(audit)} collectives, each exchange in a cond")
+    else:
+      say(f"\n== {label}: payload {payload / 1e3:,.1f} kB/worker/step "
         f"(HLO audit {wire.total_bytes(audit) / 1e3:,.1f} kB in {len(audit)} collectives = "
         f"payload + {stats_bytes} B batch statistics + {skip_flag_bytes} B skip flag) "
         f"vs dense {report.dense_bytes / 1e3:,.1f} kB: "
         f"{report.dense_bytes / payload:.1f}x smaller; "
         f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
         f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
-    sent_at = lambda step: sent
     if schedule:
       # The compiled step holds every warm-up stage's collectives (one switch
       # branch each) but runs one per step: count the stage that runs.
@@ -380,7 +485,7 @@ def main(argv=None):
     step, total_sent, seconds = 0, 0.0, 0.0
     start_epoch, start_batch = 0, 0
     if saved:
-      got = checkpoint.restore(run_dir / saved["checkpoint"], trainer.dp, state.params,
+      got = checkpoint.restore(run_dir / saved["checkpoint"], trainer.dp, params,
                                model_state=state.model_state)
       assert got.step == saved["step"], (got.step, saved["step"])
       state = NnxTrainState(got.params, got.model_state, got.opt_state)
@@ -454,7 +559,7 @@ def main(argv=None):
         bar.set_postfix(loss=f"{loss:.3f}")
         if args.max_steps and step >= args.max_steps:
           break
-      acc = float(host(accuracy(state, test_x, test_y)))
+      acc = float(host(accuracy(global_model(state), state.model_state, test_x, test_y)))
       history["epoch_acc"].append(acc)
       history["epoch_loss"].append(float(np.mean(losses)))
       say(f"{name:>12} epoch {epoch + 1:3d}  loss {np.mean(losses):.4f}  test acc {acc:.4f}  "

@@ -98,8 +98,52 @@ def test_demo_resumes_as_if_never_stopped(uninterrupted, tmp_path):
   assert metrics(tmp_path / "c")["loss"] == uninterrupted["loss"]
 
 
+SYNC = ["examples/train.py", "--sync", "diloco", "--period", "2", "--compressors",
+        "identity,top_k", "--workers", "4", "--steps-per-epoch", "3"]
+
+
+def test_demo_synchronises_less_often_and_resumes(tmp_path):
+  whole = tmp_path / "whole"
+  out = run([*SYNC, "--epochs", "2", "--out", str(whole)], tmp_path)
+  assert "diloco(H=2) dense" in out and "each exchange in a cond" in out
+  got = json.loads((whole / "train_metrics.json").read_text())
+  for name, h in got.items():
+    # Bytes grow by the exchange on steps 2, 4, 6 only; every step all-reduces
+    # the batch statistics and the skip flag, the same few bytes.
+    per_step = np.diff([0.0] + h["bytes_sent"])
+    small, big = per_step[0::2], per_step[1::2]
+    assert np.all(small == small[0]) and np.all(big == big[0]), (name, per_step)
+    assert big[0] - small[0] > 100 * small[0], (name, per_step)
+    assert 0 < h["epoch_acc"][-1] <= 1
+  assert got["identity"]["bytes_sent"][-1] > 20 * got["top_k"]["bytes_sent"][-1]
+  # Stopped after an epoch and resumed: the per-worker parameters, anchor and
+  # residuals come back bit for bit.
+  ckpt = str(tmp_path / "ckpt")
+  run([*SYNC, "--epochs", "1", "--checkpoint-dir", ckpt, "--out", str(tmp_path / "a")], tmp_path)
+  out = run([*SYNC, "--epochs", "2", "--checkpoint-dir", ckpt, "--resume",
+             "--out", str(tmp_path / "b")], tmp_path)
+  assert "resumed from" in out
+  resumed = json.loads((tmp_path / "b" / "train_metrics.json").read_text())
+  for name in got:
+    for key in ("loss", "bytes_sent", "epoch_acc"):
+      assert resumed[name][key] == got[name][key], (name, key)
+
+
+def test_demo_runs_stale_with_a_byte_budget(tmp_path):
+  out = run(["examples/train.py", "--sync", "stale", "--staleness", "2", "--byte-budget",
+             "20000", "--compressors", "identity", "--workers", "4", "--epochs", "1",
+             "--max-steps", "3", "--out", str(tmp_path)], tmp_path)
+  h = json.loads((tmp_path / "train_metrics.json").read_text())["identity"]
+  assert h["compressor"] == "stale(s=2, 20000 B/step) dense"
+  assert 20000 - 8 * 20 <= h["payload_bytes"] <= 20000
+
+
 @pytest.mark.parametrize("args, message", [
     (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--sync", "diloco", "--compressors", "signum"],
+     "--sync diloco: ['signum'] reduce every step by their own rule"),
+    (["--byte-budget", "1000"], "--byte-budget 1000 is for --sync stale with --compressors "
+                                "identity"),
     (["--workers", "5", "--processes", "2"],
      "--workers 5 is not divisible by --processes 2"),
 ])

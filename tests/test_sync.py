@@ -37,13 +37,14 @@ def _bsp(mesh, params, batches, inner):
   return out
 
 
-def _local(mesh, tx, params, batches):
+def _local(mesh, tx, params, batches, record=lambda p, s: p):
+  """Trains with per-worker parameters; ``record(params, state)`` of every step, the last state."""
   dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
   p, s = dp.place_params(params), dp.init(params)
   out = []
   for b in batches:
     p, s, _ = dp.step(p, s, b)
-    out.append(jax.tree.map(np.asarray, p))
+    out.append(jax.tree.map(np.asarray, record(p, s)))
   return out, s
 
 
@@ -104,6 +105,8 @@ def test_bytes_move_only_on_synchronisation_steps(compressor, mesh):
       assert payload == plan.contributed_bytes, (step, events, plan.contributed_bytes)
     else:
       assert events == [skip_flag], (step, events)
+    # The plan of the step itself: the exchange on sync steps, nothing on the others.
+    assert wire.comm_plan(tx, params, 8, step=step).contributed_bytes == payload, step
 
 
 def test_error_feedback_on_pseudo_gradients_conserves_mass():
@@ -264,6 +267,7 @@ def test_streaming_diloco_staggers_fragments_and_merges_them_late(mesh):
   for t, n in enumerate(payload):
     sends = {"b": (t + 1) % period == 0, "w": (t + 1 + period // 2) % period == 0}
     assert n == sum(sizes[k] for k, on in sends.items() if on), (t, n)
+    assert wire.comm_plan(tx, params, 8, step=t).contributed_bytes == n, t
     for k, shift in (("b", 0), ("w", period // 2)):
       merged = (t + 1 + shift - delay) % period == 0 and t >= delay
       if merged:
@@ -272,6 +276,196 @@ def test_streaming_diloco_staggers_fragments_and_merges_them_late(mesh):
         assert spread[t][k] > 1e-5, (t, k, spread[t])
   assert int(s.inner_state.syncs) == sum(
       ((t + 1) % period == 0) + ((t + 1 + 2) % period == 0) for t in range(len(payload)))
+
+
+def _by_hand_local_sgd(params, batches, lr, groups_at):
+  """Per-worker SGD on each worker's rows (8 workers, 4 rows each), then at each step the
+  workers averaged within the groups ``groups_at(step)`` returns (None: no average)."""
+  grad = jax.jit(jax.grad(_loss))
+  xs = [{k: np.asarray(v, np.float64) for k, v in params.items()} for _ in range(8)]
+  out = []
+  for step, b in enumerate(batches):
+    for w in range(8):
+      rows = {k: v[w * 4:(w + 1) * 4] for k, v in b.items()}
+      g = grad({k: jnp.asarray(v, jnp.float32) for k, v in xs[w].items()}, rows)
+      xs[w] = {k: xs[w][k] - lr * np.asarray(g[k], np.float64) for k in xs[w]}
+    for group in groups_at(step) or ():
+      mean = {k: np.mean([xs[w][k] for w in group], axis=0) for k in params}
+      for w in group:
+        xs[w] = dict(mean)
+    out.append({k: np.stack([x[k] for x in xs]) for k in params})
+  return out
+
+
+NODE_GROUPS = [list(range(0, 4)), list(range(4, 8))]      # mesh2d: worker = node * 4 + local
+ALL = [list(range(8))]
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_hierarchical_local_sgd_averages_each_level_on_its_period(warmup, mesh2d):
+  params, batches = _problem()
+  batches = batches + batches
+  lr, axes = 0.1, ("node", "local")
+  tx = commopt.local_sgd(optax.sgd(lr), axis_name=axes, period={"local": 2, "node": 4},
+                         warmup_steps=warmup)
+
+  def groups_at(step):
+    if step < warmup:
+      return ALL
+    after = step - warmup + 1
+    return ALL if after % 4 == 0 else NODE_GROUPS if after % 2 == 0 else None
+
+  want = _by_hand_local_sgd(params, batches, lr, groups_at)
+  dp = commopt.data_parallel(_loss, tx, mesh2d, axis_name=axes, local_params=True)
+  p, s = dp.place_params(params), dp.init(params)
+  for step, b in enumerate(batches):
+    p, s, _ = dp.step(p, s, b)
+    for k in params:
+      np.testing.assert_allclose(np.asarray(p[k]), want[step][k], rtol=1e-5, atol=1e-6,
+                                 err_msg=f"step {step} {k}")
+  levels = [sum(groups_at(t) is g for t in range(len(batches))) for g in (NODE_GROUPS, ALL)]
+  np.testing.assert_array_equal(np.asarray(s.inner_state.level_syncs), levels)
+  assert int(s.inner_state.syncs) == sum(levels)
+  # The global model is the last all-worker average.
+  last = max(t for t in range(len(batches)) if groups_at(t) is ALL)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(commopt.global_params(s)[k]), want[last][k][0],
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compressor", [None, "scaled_sign"])
+def test_hierarchical_local_sgd_moves_bytes_on_its_levels_only(compressor, mesh2d):
+  params, batches = _problem()
+  axes = ("node", "local")
+  c = None if compressor is None else commopt.compressors.make(compressor)
+  tx = commopt.local_sgd(optax.sgd(0.1), axis_name=axes, period={"node": 4, "local": 2},
+                         compressor=c)
+  plans = [wire.comm_plan(tx, params, (2, 4), step=t) for t in range(len(batches))]
+  # Node-level averages stay inside a node; the global one crosses nodes packed
+  # when compressed (dense only inside the node, and for leaves under min_size).
+  for t, plan in enumerate(plans):
+    axes_used = {e.axis for e in plan.collectives}
+    if (t + 1) % 4 == 0:
+      assert "node" in axes_used, (t, plan)
+      if c is not None:
+        assert all(e.packed for e in plan.collectives if e.axis == "node" and e.leaf == "['w']")
+    elif (t + 1) % 2 == 0:
+      assert axes_used == {"local"}, (t, plan)
+    else:
+      assert plan.collectives == [], (t, plan)
+  with wire.record_collectives() as rec:
+    dp = commopt.data_parallel(_loss, tx, mesh2d, axis_name=axes, local_params=True)
+    p, s = dp.place_params(params), dp.init(params)
+    rec.clear()
+    for t, b in enumerate(batches):
+      p, s, _ = dp.step(p, s, b)
+      jax.block_until_ready(p)
+      # Every device logs each collective it runs once: the bytes per device.
+      per_device = sum(n for _, n, _ in rec.events) / 8
+      assert per_device == plans[t].contributed_bytes + 4, (t, rec.events)   # + skip flag
+      rec.clear()
+
+
+def test_hierarchical_periods_are_checked():
+  with pytest.raises(ValueError, match=r"local_sgd: a `period` per axis needs .* one entry per "
+                                       r"axis, got axis_name=\('node', 'local'\) and keys \['local'\]"):
+    commopt.local_sgd(optax.sgd(0.1), axis_name=("node", "local"), period={"local": 2})
+  with pytest.raises(ValueError, match=r"the longer period must be a multiple of the shorter, .*; "
+                                       r"got \{'node': 6, 'local': 4\}"):
+    commopt.local_sgd(optax.sgd(0.1), axis_name=("node", "local"), period={"node": 6, "local": 4})
+  with pytest.raises(ValueError, match=r"local_sgd: `period\['node'\]` must be a positive integer"):
+    commopt.local_sgd(optax.sgd(0.1), axis_name=("node", "local"), period={"node": 0, "local": 4})
+  assert commopt.transforms.sync_levels(("local", "node"), {"node": 16, "local": 4}) == [
+      (("local",), 4), (("node", "local"), 16)]
+
+
+def _server(p, s):
+  """What stale's runs record: the server's parameters."""
+  return s.inner_state.params
+
+
+def test_stale_byte_budget_sends_at_most_the_budget_largest_first(mesh):
+  params, batches = _problem()
+  budget = 2000
+  tx = commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=2, byte_budget=budget)
+  plan = wire.comm_plan(tx, params, 8)
+  assert budget - 8 * 3 <= plan.contributed_bytes <= budget
+  assert all(c.packed for c in plan.collectives)
+  dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
+  p, s = dp.place_params(params), dp.init(params)
+  for b in batches:
+    p, s, _ = dp.step(p, s, b)
+  audit = wire.hlo_collectives(dp, p, s, batches[0])
+  moved = [c for c in audit if c.contributed_bytes > 4]          # less the skip flag
+  assert sum(c.contributed_bytes for c in moved) == plan.contributed_bytes
+  assert all(c.dtypes in (("s32",), ("f32",), ("u32",)) for c in moved), moved
+  # What is held back waits in the residual.
+  assert float(np.abs(np.asarray(s.inner_state.reducer_state.residual["w"])).max()) > 1e-3
+
+
+def test_stale_byte_budget_conserves_what_it_holds_back():
+  """Σ over steps of the mean sent + the mean residual = Σ of the mean gradients."""
+  n = 4
+  rng = np.random.default_rng(5)
+  params0 = {"w": rng.normal(size=(32, 16)).astype(np.float32),
+             "b": rng.normal(size=(16,)).astype(np.float32)}
+  tx = commopt.stale(optax.sgd(1.0), axis_name="w", max_staleness=0, byte_budget=400)
+  init = jax.vmap(tx.init, in_axes=None, axis_size=n, axis_name="w")
+  update = jax.jit(jax.vmap(tx.update, axis_name="w"))
+  state = init(params0)
+  p = jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape).copy(), params0)
+  total = jax.tree.map(lambda x: np.zeros(x.shape), params0)
+  for _ in range(6):
+    g = jax.tree.map(lambda x: rng.normal(size=(n,) + x.shape).astype(np.float32), params0)
+    total = jax.tree.map(lambda t, x: t + np.asarray(x, np.float64).mean(0), total, g)
+    u, state = update(g, state, p)
+    p = jax.tree.map(lambda a, b: np.asarray(a + b), p, u)
+  for k in params0:
+    sent = params0[k] - np.asarray(state.params[k][0], np.float64)     # sgd(1): θ0 − Σ mean sent
+    residual = np.asarray(state.reducer_state.residual[k], np.float64).mean(0)
+    np.testing.assert_allclose(sent + residual, total[k], atol=2e-5, err_msg=k)
+
+
+def test_stale_with_a_budget_for_everything_is_stale_without_one(mesh):
+  params, batches = _problem()
+  inner = optax.sgd(0.1, momentum=0.9)
+  want, _ = _local(mesh, commopt.stale(inner, axis_name="data", max_staleness=3), params,
+                   batches, _server)
+  got, _ = _local(mesh, commopt.stale(inner, axis_name="data", max_staleness=3,
+                                      byte_budget=10**6), params, batches, _server)
+  for step, (g, w) in enumerate(zip(got, want)):
+    for k in w:
+      np.testing.assert_allclose(g[k], w[k], rtol=1e-6, atol=1e-7, err_msg=f"step {step} {k}")
+
+
+def test_stale_byte_budget_errors():
+  with pytest.raises(ValueError, match=r"stale: give `byte_budget` or `compressor`, not both"):
+    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=1000,
+                  compressor=commopt.top_k(0.1))
+  with pytest.raises(ValueError, match=r"stale: `byte_budget` must be a positive integer"):
+    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=0)
+  tx = commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=16)
+  with pytest.raises(ValueError, match=r"stale: `byte_budget` \(16 bytes\) must exceed 8 bytes .* "
+                                       r"the model has 2 leaves, so at least 24 bytes"):
+    tx.init({"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)})
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: commopt.diloco(optax.sgd(0.1), axis_name="data", period=2), "anchor"),
+    (lambda: commopt.streaming_diloco(optax.sgd(0.1), axis_name="data", period=2), "anchor"),
+    (lambda: commopt.easgd(optax.sgd(0.1), axis_name="data", alpha=0.1), "centre"),
+    (lambda: commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=2), "params"),
+], ids=["diloco", "streaming_diloco", "easgd", "stale"])
+def test_global_params_is_the_modes_global_model(make, field, mesh):
+  params, batches = _problem()
+  tx = make()
+  _, s = _local(mesh, tx, params, batches[:3])
+  got = commopt.global_params(s)                      # found inside data_parallel's state
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(got[k]),
+                                  np.asarray(getattr(s.inner_state, field)[k]))
+  with pytest.raises(ValueError, match=r"global_params: `opt_state` holds no synchronisation"):
+    commopt.global_params(optax.sgd(0.1).init(params))
 
 
 @pytest.mark.slow

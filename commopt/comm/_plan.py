@@ -71,24 +71,47 @@ def planned(leaf: str, kind: str, axis: str, n: int, contributed: int, packed: b
 _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def with_planner(tx, planner):
+_STEP_PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def with_planner(tx, planner, step_planner=None):
   """Registers ``planner(params, workers) -> [Planned]`` for transform ``tx``; returns ``tx``.
 
   ``workers`` counts the workers on the transform's axis (an int), or on each
   of its axes (a tuple, see :func:`axis_sizes`). :func:`commopt.wire.comm_plan`
   looks the planner up by ``tx.init``.
+
+  A transform that does not exchange the same thing every step (the
+  synchronisation modes) also registers ``step_planner(params, workers, step)
+  -> [Planned]``: what runs at its 0-based ``step`` (nothing on a step without
+  an exchange). Without one, every step runs ``planner``'s collectives.
   """
   _PLANNERS[tx.init] = planner
+  if step_planner is not None:
+    _STEP_PLANNERS[tx.init] = step_planner
   return tx
+
+
+def _lookup(table, tx):
+  init = getattr(tx, "init", None)
+  try:
+    return table.get(init)
+  except TypeError:
+    return None
 
 
 def planner_of(tx):
   """The planner registered for ``tx`` (see :func:`with_planner`), or None."""
-  init = getattr(tx, "init", None)
-  try:
-    return _PLANNERS.get(init)
-  except TypeError:
+  return _lookup(_PLANNERS, tx)
+
+
+def step_planner_of(tx):
+  """The per-step planner registered for ``tx`` (see :func:`with_planner`), else one that
+  plans ``planner_of(tx)``'s collectives on every step; None for an unregistered ``tx``."""
+  planner = planner_of(tx)
+  if planner is None:
     return None
+  return _lookup(_STEP_PLANNERS, tx) or (lambda params, workers, step: planner(params, workers))
 
 
 def axis_sizes(axis_name, workers) -> dict:

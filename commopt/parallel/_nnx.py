@@ -49,8 +49,9 @@ class NnxDataParallel:
     # Copies: the step donates the train state, and placing an array can share
     # its buffer, which donation would then take from the model.
     params, state = jax.tree.map(jnp.copy, self.split(model))
-    params = self.dp.place_params(params)
-    return NnxTrainState(params, self.dp.place_model_state(state), self.dp.init(params))
+    opt_state = self.dp.init(params)            # from one worker's parameters
+    return NnxTrainState(self.dp.place_params(params), self.dp.place_model_state(state),
+                         opt_state)
 
   def merge(self, state: NnxTrainState) -> nnx.Module:
     """A model holding copies of the train state's variables (e.g. to evaluate it after

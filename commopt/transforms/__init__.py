@@ -23,21 +23,27 @@ from commopt.transforms._dgc import (
 
 from commopt.transforms._sync import (
     EASGDState,
+    HierarchicalLocalSGDState,
     PeriodicState,
     StaleState,
     StreamingDiLoCoState,
     diloco,
+    budget_top_k,
     easgd,
     fragment_of,
+    global_params,
     is_sync_step,
     local_sgd,
     stale,
     streaming_diloco,
+    sync_levels,
 )
 
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
-           "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState", "MultiStepsState", "PeriodicState",
-           "apply_if_finite", "compressed_mean", "compresses", "dgc", "diloco", "easgd", "fragment_of", "is_sync_step",
+           "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState",
+           "HierarchicalLocalSGDState", "MultiStepsState", "PeriodicState",
+           "apply_if_finite", "budget_top_k", "compressed_mean", "compresses", "dgc", "diloco",
+           "easgd", "fragment_of", "global_params", "is_sync_step", "sync_levels",
            "local_sgd", "multi_steps", "stale", "StaleState", "streaming_diloco",
            "StreamingDiLoCoState",
            "scheduled_top_k", "warmup_density"]

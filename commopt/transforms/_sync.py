@@ -21,7 +21,8 @@ workers, or in your own ``shard_map`` with per-worker parameters.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +72,14 @@ def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size,
   if axis_name is None:
     raise ValueError(f"{fn}: `axis_name` must name the data axis, got None.")
   from commopt.compressors import make
+  inner_strategy = "auto"
+  if isinstance(axis_name, tuple) and len(axis_name) == 2 and strategy != "hierarchical":
+    # (slow, fast): dense inside the fast axis, `strategy` across the slow one.
+    strategy, inner_strategy = "hierarchical", strategy
   return compressed_mean(make("identity") if compressor is None else compressor, axis_name,
                          error_feedback=error_feedback and compressor is not None,
-                         strategy=strategy, min_size=min_size, seed=seed)
+                         strategy=strategy, inner_strategy=inner_strategy, min_size=min_size,
+                         seed=seed)
 
 
 def _outer(outer, fn: str):
@@ -161,20 +167,25 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
                               inner_state=inner_state, reducer_state=reducer_state,
                               outer_state=outer_state)
 
-  return _planned(init_fn, update_fn, reducer)
+  return _planned(init_fn, update_fn, reducer,
+                  lambda step: bool(is_sync_step(step, period, warmup_steps)))
 
 
-def _planned(init_fn, update_fn, reducer):
-  """The transform, with :func:`commopt.wire.comm_plan` giving its exchange's collectives
-  (what one synchronisation step sends; other steps send nothing)."""
+def _planned(init_fn, update_fn, reducer, synced=None):
+  """The transform, with :func:`commopt.wire.comm_plan` giving its exchange's collectives:
+  what one synchronisation sends, and with ``step``, what runs at that step
+  (everything when ``synced(step)``, else nothing; every step without ``synced``)."""
+  planner = _plan.planner_of(reducer)
+  step_planner = None if synced is None else (
+      lambda params, workers, step: planner(params, workers) if synced(step) else [])
   return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn),
-                            _plan.planner_of(reducer))
+                            planner, step_planner)
 
 
-def local_sgd(inner: optax.GradientTransformation, *, axis_name, period: int,
-              warmup_steps: int = 0, compressor: Optional[base.Compressor] = None,
-              error_feedback: bool = True, strategy: str = "auto",
-              min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
+def local_sgd(inner: optax.GradientTransformation, *, axis_name,
+              period: Union[int, Mapping[str, int]], warmup_steps: int = 0,
+              compressor: Optional[base.Compressor] = None, error_feedback: bool = True,
+              strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
               ) -> optax.GradientTransformationExtraArgs:
   """Local SGD / post-local SGD: workers step alone and average parameters every ``period`` steps.
 
@@ -188,23 +199,163 @@ def local_sgd(inner: optax.GradientTransformation, *, axis_name, period: int,
   synchronous data-parallel training: the mean of the workers' steps is the
   step on the mean gradient.
 
+  **Hierarchical local SGD** on a mesh of several data axes: ``period`` maps
+  each axis of ``axis_name`` to its own period, e.g. ``axis_name=("node",
+  "local"), period={"local": 4, "node": 16}``. Every 4 steps the workers of
+  a node average among themselves (over ``local``, the fast links); every 16
+  all workers average (over ``node`` and every axis with a shorter period).
+  The longer period must be a multiple of the shorter, so a wide average
+  always falls on a narrow one's step and takes its place. The wide average
+  runs as ``compressed_mean``'s ``"hierarchical"`` strategy: dense inside
+  the node, ``compressor`` (with ``strategy``) across nodes. Each level has
+  its own anchor and its own error-feedback residuals; the state is
+  :class:`HierarchicalLocalSGDState`.
+
   Args:
     inner: the workers' optimizer.
     axis_name: the data axis (or tuple of axes).
-    period: steps between averages, at least 1.
-    warmup_steps: steps at the start that average every step.
+    period: steps between averages, at least 1; or ``{axis: period}`` for
+      every axis of ``axis_name`` (hierarchical).
+    warmup_steps: steps at the start that average every step (over all axes).
     compressor, error_feedback, strategy, min_size, seed: as in :func:`diloco`.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``; state :class:`PeriodicState`.
+    An ``optax.GradientTransformationExtraArgs``; state :class:`PeriodicState`
+    (:class:`HierarchicalLocalSGDState` with a period per axis).
 
   References:
     Stich, Local SGD Converges Fast and Communicates Little, ICLR 2019.
-    Lin et al., Don't Use Large Mini-Batches, Use Local SGD, ICLR 2020.
+    Lin et al., Don't Use Large Mini-Batches, Use Local SGD, ICLR 2020
+    (post-local SGD, hierarchical local SGD).
   """
+  if isinstance(period, Mapping):
+    return _hierarchical_local_sgd(inner, axis_name, period, warmup_steps, compressor,
+                                   error_feedback, strategy, min_size, seed)
   return diloco(inner, optax.sgd(1.0), axis_name=axis_name, period=period,
                 compressor=compressor, error_feedback=error_feedback, strategy=strategy,
                 warmup_steps=warmup_steps, min_size=min_size, seed=seed)
+
+
+class HierarchicalLocalSGDState(NamedTuple):
+  """State of :func:`local_sgd` with a period per axis.
+
+  Attributes:
+    count: inner steps so far (int32), the same on every worker.
+    syncs: averages so far, at any level (int32).
+    level_syncs: averages so far per level, narrowest first (int32 ``[levels]``).
+    anchors: per level, narrowest first, the parameters at that level's last
+      average (float32 or wider); the last, all workers' average, is the
+      global model.
+    inner_state: the inner optimizer's state (per worker).
+    reducer_states: per level, the :func:`~commopt.compressed_mean` state of
+      its average (error-feedback residuals per worker).
+  """
+  count: jax.Array
+  syncs: jax.Array
+  level_syncs: jax.Array
+  anchors: tuple
+  inner_state: Any
+  reducer_states: tuple
+
+
+def sync_levels(axis_name, period: Mapping, fn: str = "local_sgd"
+                ) -> list[tuple[tuple[str, ...], int]]:
+  """``[(axes, period), ...]`` narrowest first: each level averages over its axis and every
+  axis with a shorter period, the axes ordered ``(slow, fast)`` (longer period first; equal
+  periods in ``axis_name``'s order)."""
+  _check_axes(axis_name, fn)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if axis_name is None or len(names) > 2 or set(period) != set(names):
+    raise ValueError(f"{fn}: a `period` per axis needs `axis_name` to be one axis or a pair "
+                     f"such as ('node', 'local') and one entry per axis, got axis_name="
+                     f"{axis_name!r} and keys {sorted(period, key=str)!r}.")
+  periods = {a: base.check_positive_int(f"period[{a!r}]", period[a], fn=fn) for a in names}
+  if max(periods.values()) % min(periods.values()):
+    raise ValueError(f"{fn}: the longer period must be a multiple of the shorter, so a wide "
+                     f"average falls on a narrow one's step and takes its place; got "
+                     f"{periods!r}.")
+  order = sorted(names, key=lambda a: -periods[a])          # stable: equal periods keep order
+  return [(tuple(a for a in order if periods[a] <= p), p)
+          for p in sorted(set(periods.values()))]
+
+
+def _hierarchical_local_sgd(inner, axis_name, period, warmup_steps, compressor, error_feedback,
+                            strategy, min_size, seed):
+  fn = "local_sgd"
+  inner = _check_inner(inner, fn)
+  levels = sync_levels(axis_name, period, fn)
+  warmup_steps = base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0)
+  # Two axes average hierarchically: dense inside the fast one, `strategy` across the slow.
+  reducers = [_reducer(fn, axes if len(axes) > 1 else axes[0], compressor, error_feedback,
+                       strategy, min_size, seed + i)
+              for i, (axes, _) in enumerate(levels)]
+  top = len(levels) - 1
+
+  def level_at(count):
+    """The widest level that averages after inner step ``count`` (-1: none); traced or not."""
+    out = -1
+    for i, (_, p) in enumerate(levels):    # during the warm-up every level is due: the widest
+      d = is_sync_step(count, p, warmup_steps)
+      out = jnp.where(d, i, out) if isinstance(d, jax.Array) else (i if d else out)
+    return out
+
+  def init_fn(params):
+    anchor = jax.tree.map(_wide, params)
+    return HierarchicalLocalSGDState(
+        count=jnp.zeros([], jnp.int32), syncs=jnp.zeros([], jnp.int32),
+        level_syncs=jnp.zeros([len(levels)], jnp.int32), anchors=(anchor,) * len(levels),
+        inner_state=inner.init(params), reducer_states=tuple(r.init(anchor) for r in reducers))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(f"{fn}: `update` needs `params` (each worker's own parameters).")
+    local, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    moved = jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local)
+    level = level_at(state.count)
+
+    def average(i, operands):
+      """Level i averages: its anchor and every narrower one become the level's mean."""
+      moved, anchors, reducer_states = operands
+      delta = jax.tree.map(lambda a, m: a - m, anchors[i], moved)
+      mean, red = reducers[i].update(delta, reducer_states[i])
+      new = jax.tree.map(lambda a, d: a - d, anchors[i], mean)
+      return (new, tuple(new if j <= i else a for j, a in enumerate(anchors)),
+              tuple(red if j == i else r for j, r in enumerate(reducer_states)))
+
+    def from_level(i, operands):
+      """Average at the widest level from ``i`` down that is due; none: keep the moves."""
+      if i < 0:
+        moved, anchors, reducer_states = operands
+        return moved, anchors, reducer_states
+      return coll.cond(level == i, lambda ops: average(i, ops),
+                       lambda ops: from_level(i - 1, ops), operands)
+
+    target, anchors, reducer_states = from_level(
+        top, (moved, state.anchors, state.reducer_states))
+    out = jax.tree.map(lambda t, p: (t - _wide(p)).astype(p.dtype), target, params)
+    hit = (jnp.arange(len(levels)) == level).astype(jnp.int32)
+    return out, HierarchicalLocalSGDState(
+        count=optax.safe_int32_increment(state.count),
+        syncs=state.syncs + (level >= 0).astype(jnp.int32),
+        level_syncs=state.level_syncs + hit, anchors=anchors, inner_state=inner_state,
+        reducer_states=reducer_states)
+
+  planners = [_plan.planner_of(r) for r in reducers]
+
+  def sizes_of(axes, workers):
+    """The worker counts of ``axes`` from the counts of ``axis_name``'s axes."""
+    counts = _plan.axis_sizes(axis_name, workers)
+    got = tuple(counts[a] for a in axes)
+    return got if len(got) > 1 else got[0]
+
+  def step_planner(params, workers, step):
+    i = level_at(step)
+    return [] if i < 0 else planners[i](params, sizes_of(levels[i][0], workers))
+
+  return _plan.with_planner(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn),
+      lambda params, workers: planners[top](params, sizes_of(levels[top][0], workers)),
+      step_planner)
 
 
 class EASGDState(NamedTuple):
@@ -302,7 +453,7 @@ def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, perio
                            syncs=state.syncs + synced.astype(jnp.int32), centre=centre,
                            inner_state=inner_state, reducer_state=reducer_state)
 
-  return _planned(init_fn, update_fn, reducer)
+  return _planned(init_fn, update_fn, reducer, lambda step: bool(is_sync_step(step, period, 0)))
 
 
 STALENESS = ("uniform", "geometric")
@@ -328,11 +479,35 @@ class StaleState(NamedTuple):
   reducer_state: Any
 
 
+BUDGET_BYTES_PER_VALUE = 8
+"""What :func:`stale`'s byte budget pays per coordinate sent: a float32 value and an int32 index."""
+
+
+def budget_top_k(byte_budget: int, tree, fn: str = "stale") -> base.Compressor:
+  """Top-k over the whole of ``tree`` whose payload fits ``byte_budget`` bytes.
+
+  The largest-magnitude coordinates across every leaf, as float32 values and
+  int32 indices (8 bytes each), at most ``byte_budget // 8`` of them: the
+  ratio is chosen so that the leaves' rounded-up shares add up to no more.
+  """
+  from commopt.compressors import top_k
+  sizes = [base.leaf_size(jnp.shape(x)) for x in jax.tree.leaves(tree)]
+  k = byte_budget // BUDGET_BYTES_PER_VALUE
+  if k <= len(sizes):
+    raise ValueError(
+        f"{fn}: `byte_budget` ({byte_budget} bytes) must exceed {BUDGET_BYTES_PER_VALUE} bytes "
+        f"(a float32 value and an int32 index) per parameter leaf: the model has "
+        f"{len(sizes)} leaves, so at least {BUDGET_BYTES_PER_VALUE * (len(sizes) + 1)} bytes.")
+  # Σ ⌈r·sᵢ⌉ < r·Σsᵢ + leaves = k.
+  ratio = min(1.0, (k - len(sizes)) / sum(sizes))
+  return top_k(ratio, scope="global", value_dtype="float32")
+
+
 def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
           distribution: str = "uniform", mean_staleness: Optional[float] = None,
           compressor: Optional[base.Compressor] = None, error_feedback: bool = True,
-          strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
-          ) -> optax.GradientTransformationExtraArgs:
+          strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0,
+          byte_budget: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """Stale-synchronous (SSP) and asynchronous (ASP) training, simulated in one SPMD program.
 
   A parameter server holds ``θₜ``; worker ``i`` computes its gradient at the
@@ -347,6 +522,12 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
   bound; it is simulated with ``distribution="geometric"`` (delays with the
   given ``mean_staleness``) truncated at a large ``max_staleness``, the
   length of the buffer of past parameters kept (``s + 1`` copies).
+
+  With ``byte_budget`` each worker sends at most that many bytes per step,
+  the largest entries of its update first (Bösen's bandwidth-managed
+  communication): the top coordinates of gradient plus what it held back,
+  over the whole model, as float32 values with int32 indices; the rest stays
+  in its error-feedback residual and goes out on later steps.
 
   What this captures: how stale gradients change convergence per step, for
   any optimizer and compressor. What it does not: wall-clock time, a real
@@ -363,6 +544,10 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
     compressor, error_feedback, strategy, min_size: how gradients are
       averaged, as in :func:`diloco`.
     seed: seeds the delays and the compressor.
+    byte_budget: bytes each worker may put on the wire per step (its payload,
+      before the collective multiplies it), spent on the largest entries of
+      its update; the rest is kept (error feedback). At least 8 bytes per
+      parameter leaf plus 8. Not with ``compressor``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; state :class:`StaleState`.
@@ -371,10 +556,26 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
     Ho et al., More Effective Distributed ML via a Stale Synchronous Parallel
     Parameter Server, NeurIPS 2013.
     Dean et al., Large Scale Distributed Deep Networks, NeurIPS 2012 (ASP).
+    Wei et al., Managed Communication and Consistency for Fast Data-Parallel
+    Iterative Analytics, SoCC 2015 (Bösen).
   """
   fn = "stale"
   inner = _check_inner(inner, fn)
-  reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
+  if byte_budget is None:
+    fixed = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
+    reducer_for = lambda tree: fixed
+  else:
+    byte_budget = base.check_positive_int("byte_budget", byte_budget, fn=fn)
+    if compressor is not None:
+      raise ValueError(f"{fn}: give `byte_budget` or `compressor`, not both: the budget sends "
+                       f"the largest entries (a top-k over the model), got compressor "
+                       f"{compressor.name!r}.")
+    if not error_feedback:
+      raise ValueError(f"{fn}: `byte_budget` keeps what it does not send for later steps and "
+                       "needs error_feedback=True.")
+    _check_axes(axis_name, fn)
+    reducer_for = lambda tree: _reducer(fn, axis_name, budget_top_k(byte_budget, tree, fn), True,
+                                        strategy, 0, seed)
   s = base.check_int("max_staleness", max_staleness, fn=fn, minimum=0)
   base.check_choice("distribution", distribution, STALENESS, fn)
   if distribution == "geometric":
@@ -390,7 +591,7 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
                       history=jax.tree.map(lambda x: jnp.broadcast_to(x, (slots,) + x.shape),
                                            wide),
                       key=jax.random.key_data(jax.random.key(seed)),
-                      inner_state=inner.init(wide), reducer_state=reducer.init(wide))
+                      inner_state=inner.init(wide), reducer_state=reducer_for(wide).init(wide))
 
   def delay(key_data, count):
     """This worker's delay for the parameters it reads after step ``count``."""
@@ -406,7 +607,7 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f"{fn}: `update` needs `params` (each worker's own, stale, copy).")
-    mean, reducer_state = reducer.update(updates, state.reducer_state)
+    mean, reducer_state = reducer_for(updates).update(updates, state.reducer_state)
     step, inner_state = inner.update(mean, state.inner_state, state.params, **extra_args)
     new = optax.apply_updates(state.params, step)
     count = optax.safe_int32_increment(state.count)
@@ -417,7 +618,9 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
     return out, StaleState(count=count, params=new, history=history, key=state.key,
                            inner_state=inner_state, reducer_state=reducer_state)
 
-  return _planned(init_fn, update_fn, reducer)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _plan.with_planner(
+      tx, lambda params, workers: _plan.planner_of(reducer_for(params))(params, workers))
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -559,4 +762,46 @@ def streaming_diloco(inner: optax.GradientTransformation,
         anchor=join(new_anchor), inner_state=inner_state,
         reducer_states=tuple(reducer_states), outer_states=tuple(outer_states))
 
-  return _planned(init_fn, update_fn, reducer)
+  planner = _plan.planner_of(reducer)
+
+  def step_planner(params, workers, step):
+    """The collectives of the fragments that exchange at ``step``."""
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    owner = dict(zip(paths, fragment_of(len(paths), fragments)))
+    return [c for c in planner(params, workers)
+            if (step + 1 + offset(owner[c.leaf])) % period == 0]
+
+  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn), planner,
+                            step_planner)
+
+
+def global_params(opt_state):
+  """The global model a synchronisation mode holds in ``opt_state``.
+
+  Between synchronisations the workers' parameters differ; the model to
+  evaluate or ship is the mode's own: the anchor of :func:`diloco`,
+  :func:`local_sgd` and :func:`streaming_diloco` (the all-worker anchor of a
+  hierarchical ``local_sgd``), the centre of :func:`easgd`, the server's
+  parameters of :func:`stale`. ``opt_state`` may be the whole state of a
+  chain (or of :func:`~commopt.data_parallel`) holding one of these.
+
+  Raises:
+    ValueError: when ``opt_state`` holds no synchronisation mode's state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, commopt
+    >>> tx = commopt.local_sgd(optax.sgd(0.1), axis_name="data", period=4)
+    >>> state = tx.init({"w": jnp.ones(3)})
+    >>> commopt.transforms.global_params(state)["w"].tolist()
+    [1.0, 1.0, 1.0]
+  """
+  fields = {PeriodicState: lambda s: s.anchor, StreamingDiLoCoState: lambda s: s.anchor,
+            EASGDState: lambda s: s.centre, StaleState: lambda s: s.params,
+            HierarchicalLocalSGDState: lambda s: s.anchors[-1]}
+  kinds = tuple(fields)
+  for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
+    if isinstance(node, kinds):
+      return fields[type(node)](node)
+  raise ValueError("global_params: `opt_state` holds no synchronisation mode's state "
+                   "(local_sgd, diloco, streaming_diloco, easgd or stale); with every-step "
+                   "synchronisation the parameters themselves are the global model.")
