@@ -21,8 +21,9 @@ state's own synchronisation counter (for Streaming DiLoCo, each fragment's
 share on its own steps). The table gives the final training loss
 (mean of the last 10 steps), test accuracy of the global model (the anchor,
 centre or server parameters; the synchronised parameters for BSP), the
-synchronisations and the megabytes sent; the plot, loss against bytes and
-against steps.
+synchronisations, the megabytes sent, and dense BSP's loss when it had sent
+as many bytes (the comparison at equal bytes); the plot, loss against bytes
+and against steps.
 
     python benchmarks/bench_sync.py                    # ~5 min on 2 cores
     python benchmarks/bench_sync.py --steps 40 --modes "dense BSP,DiLoCo H"
@@ -140,6 +141,18 @@ def sent_at(mode, step, synced, per_sync, per_fragment, period):
   return per_sync if synced else 0.0
 
 
+def bsp_loss_at(bsp, sent: float):
+  """Dense BSP's training loss (mean of its last 10 steps) once it had sent ``sent`` bytes
+  per worker, or None without a BSP run or before its first step's bytes."""
+  if not bsp:
+    return None
+  steps = sum(1 for b in bsp["bytes_sent"] if b <= sent)
+  if steps == 0:
+    return None
+  part = bsp["losses"][max(0, steps - 10):steps]
+  return sum(part) / len(part)
+
+
 def main(argv=None):
   args = parse_args(argv)
   os.environ.setdefault("XLA_FLAGS", "")
@@ -189,17 +202,20 @@ def main(argv=None):
 
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "sync.json").write_text(json.dumps(
-      {"config": vars(args), "results": results, "seconds": time.perf_counter() - t0}, indent=1))
   dense = results.get("dense BSP", {}).get("bytes_sent", [None])[-1]
-  lines = ["| mode | final loss | test acc | exchanges | MB sent/worker | × dense bytes |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| mode | final loss | test acc | exchanges | MB sent/worker | × dense bytes | "
+           "dense BSP's loss at these bytes |", "|---|---|---|---|---|---|---|"]
   for mode, r in results.items():
     ratio = f"{r['bytes_sent'][-1] / dense:.3f}" if dense else "-"
+    at = bsp_loss_at(results.get("dense BSP"), r["bytes_sent"][-1])
+    r["dense_bsp_loss_at_these_bytes"] = at
     lines.append(f"| {mode} | {r['final_loss']:.4f} | {r['test_accuracy']:.4f} | {r['syncs']} | "
-                 f"{r['bytes_sent'][-1] / 1e6:.2f} | {ratio} |")
+                 f"{r['bytes_sent'][-1] / 1e6:.2f} | {ratio} | "
+                 f"{'-' if at is None else f'{at:.4f}'} |")
   table = "\n".join(lines)
   print(table)
+  (out / "sync.json").write_text(json.dumps(
+      {"config": vars(args), "results": results, "seconds": time.perf_counter() - t0}, indent=1))
   (out / "sync.md").write_text(
       f"Digits CNN, {args.workers} workers, {args.steps} steps, H = {args.period}, global "
       f"batch {args.batch}.\n\n{table}\n")

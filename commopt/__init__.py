@@ -8,7 +8,7 @@ step around it; :mod:`commopt.wire` accounts for and audits the bytes.
 The package is built in layers; a module imports only from its own layer or
 the ones below it (``tests/test_layering.py`` walks the import graph):
 
-Layers, lowest first: _src < kernels < compressors < comm < transforms < aggregators < parallel < wire, testing, launch, checkpoint
+Layers, lowest first: _src < kernels < compressors < comm < transforms < aggregators < parallel < wire, testing, launch, checkpoint, sim
 
 - ``_src``: the compressor protocol, argument checks, bit and block helpers.
 - ``kernels``: bit packing and top-k selection, a jnp reference beside each
@@ -25,9 +25,11 @@ Layers, lowest first: _src < kernels < compressors < comm < transforms < aggrega
   workers.
 - ``launch`` and ``checkpoint``: multi-process runs on one machine; orbax
   checkpoints, restorable onto another number of workers.
+- ``sim``: research models: an α-β cost model of collectives that prices a
+  communication plan on a network.
 """
 
-from commopt import aggregators, compressors, parallel, testing, transforms, wire
+from commopt import aggregators, compressors, parallel, sim, testing, transforms, wire
 from commopt.aggregators import (
     CenteredClipState,
     RobustState,
@@ -83,6 +85,8 @@ from commopt.transforms import (
     global_params,
     HierarchicalLocalSGDState,
     local_sgd,
+    onebit_adam,
+    OneBitAdamState,
     PeriodicState,
     stale,
     StaleState,
@@ -145,7 +149,10 @@ __all__ = [
     "RobustState",
     "scaled_sign",
     "scheduled_top_k",
+    "onebit_adam",
+    "OneBitAdamState",
     "sign",
+    "sim",
     "stale",
     "StaleState",
     "streaming_diloco",

@@ -22,7 +22,9 @@ against cumulative bytes sent per worker, and the metrics as JSON.
 
 Besides the registry's compressors (run through compressed_mean with error
 feedback, then SGD with momentum), ``signum`` runs signSGD with majority vote
-on each worker's momentum: only sign bits cross the wire.
+on each worker's momentum: only sign bits cross the wire; ``onebit_adam`` is
+1-bit Adam (dense Adam for ``--freeze-step`` steps, then 1-bit momentum with
+the variance frozen).
 
 ``--processes N`` runs the same training as N processes of this machine, each
 simulating ``--workers / N`` CPU devices, joined by ``jax.distributed`` over
@@ -78,7 +80,7 @@ def parse_args(argv=None):
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--compressors", default="identity,scaled_sign,top_k,power_sgd",
                  help="comma-separated registry names (identity is the dense baseline), "
-                      "signum (majority vote of worker momentum signs) or dgc (deep "
+                      "signum (majority vote of worker momentum signs), onebit_adam, or dgc (deep "
                       "gradient compression with its sparsity warm-up)")
   p.add_argument("--workers", type=int, default=8, help="simulated CPU devices (data axis size)")
   p.add_argument("--processes", type=int, default=1,
@@ -100,6 +102,9 @@ def parse_args(argv=None):
   p.add_argument("--bucket-size", type=int, default=None, help="qsgd: coordinates per norm")
   p.add_argument("--clip", type=float, default=None, help="terngrad: clipping factor")
   p.add_argument("--sign-lr", type=float, default=1e-3, help="signum: step size")
+  p.add_argument("--adam-lr", type=float, default=1e-3, help="onebit_adam: learning rate")
+  p.add_argument("--freeze-step", type=int, default=20,
+                 help="onebit_adam: dense Adam steps before the variance freezes")
   p.add_argument("--tau", type=float, default=None, help="threshold: the threshold tau")
   p.add_argument("--drop-ratio", type=float, default=None,
                  help="gradient_dropping: fraction of coordinates dropped")
@@ -184,7 +189,7 @@ def check_flags(args, valid) -> list[str]:
   if not names:
     sys.exit(f"--compressors: no compressor named in {args.compressors!r}; valid: {valid}")
   if args.sync != "bsp":
-    special = [n for n in names if n in ("signum", "dgc")]
+    special = [n for n in names if n in ("signum", "dgc", "onebit_adam")]
     if special:
       sys.exit(f"--sync {args.sync}: {special} reduce every step by their own rule; with a "
                "synchronisation mode use a registry compressor (identity: dense)")
@@ -256,7 +261,8 @@ def main(argv=None):
   os.environ.setdefault("XLA_FLAGS", "")
   import commopt
   from commopt import launch
-  names = check_flags(args, sorted(commopt.compressors.REGISTRY) + ["signum", "dgc"])
+  names = check_flags(args, sorted(commopt.compressors.REGISTRY)
+                      + ["signum", "dgc", "onebit_adam"])
   if args.processes > 1 and launch.ENV_PROCESS_ID not in os.environ:
     return relaunch(args, argv)
   ctx = launch.initialize()          # joins the job (and sets its CPU devices) when launched
@@ -333,6 +339,9 @@ def main(argv=None):
       vote = commopt.majority_vote("data")
       tx = optax.chain(optax.trace(decay=args.momentum), vote, optax.scale(-args.sign_lr))
       return "signum(majority vote)", tx, vote, None
+    if name == "onebit_adam":
+      tx = commopt.onebit_adam(args.adam_lr, args.freeze_step, axis_name="data")
+      return f"onebit_adam(freeze {args.freeze_step})", tx, tx, None
     if name == "dgc":
       e = args.dgc_warmup_epochs
       densities = commopt.transforms.DGC_WARMUP_DENSITIES
@@ -412,6 +421,9 @@ def main(argv=None):
       continue
     label, tx, reducer, schedule = optimizer(name)
     local = args.sync != "bsp"                      # each worker keeps its own parameters
+    # What these exchange changes from step to step (a synchronisation
+    # schedule; 1-bit Adam's dense warm-up): count each step's own plan.
+    stepwise = local or name == "onebit_adam"
     trainer = commopt.nnx_data_parallel(model, cross_entropy, tx, mesh, local_params=local)
     state = trainer.init(model)                     # every run starts from the same model
     params = trainer.split(model)[0]                # one worker's parameters
@@ -440,14 +452,15 @@ def main(argv=None):
     payload = report.contributed_bytes
     sent = wire.total_bytes(audit, "sent_bytes")
     sent_at = lambda step: sent
-    if local:
-      # The exchange runs on some steps only (the compiled step holds it in a
-      # cond): each step counts the plan of what runs then, besides the batch
-      # statistics and the skip flag, which every step all-reduces.
+    if stepwise:
+      # The exchange differs between steps (the compiled step holds each form
+      # in a cond): each step counts the plan of what runs then, besides the
+      # batch statistics and the skip flag, which every step all-reduces.
       every_step = sum(wire.ring_sent_bytes("all-reduce", b, args.workers)
                        for b in (stats_bytes, skip_flag_bytes))
       sent_at = lambda step: (wire.comm_plan(reducer, params, args.workers, step=step).sent_bytes
                               + every_step)
+    if local:
       say(f"\n== {label}: {payload / 1e3:,.1f} kB/worker per exchange (dense "
           f"{report.dense_bytes / 1e3:,.1f} kB: {report.dense_bytes / max(payload, 1):.1f}x "
           f"smaller); ring-model bytes sent per exchange {report.sent_bytes / 1e3:,.1f} kB, "
@@ -461,6 +474,11 @@ def main(argv=None):
         f"{report.dense_bytes / payload:.1f}x smaller; "
         f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
         f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
+    if name == "onebit_adam":
+      warm = wire.comm_plan(reducer, params, args.workers, step=0)
+      say(f"   onebit_adam: the audit above holds both phases (a cond); the first "
+          f"{args.freeze_step} steps all-reduce {warm.contributed_bytes / 1e3:,.1f} kB dense, "
+          f"then the 1-bit momentum")
     if schedule:
       # The compiled step holds every warm-up stage's collectives (one switch
       # branch each) but runs one per step: count the stage that runs.

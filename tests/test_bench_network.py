@@ -49,3 +49,15 @@ def test_bench_network_measures_a_shaped_link_and_cleans_up(tmp_path):
                           "--out", str(tmp_path / "re")], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
   assert again.returncode == 0 and "| 2 | 1gbit | scaled_sign/gather |" in again.stdout
+  # The α-β model beside the measurement: a bandwidth-bound dense step is priced
+  # by its bytes over the shared link (the link check above bounds the error).
+  model = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "network_model.py"),
+                          "--from-json", str(tmp_path / "network.json"), "--out",
+                          str(tmp_path / "model")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+  assert model.returncode == 0, model.stdout[-3000:] + model.stderr[-3000:]
+  rows = json.loads((tmp_path / "model" / "network_model.json").read_text())["rows"]
+  assert {r["method"] for r in rows} == {"dense", "scaled_sign/gather"}
+  dense_row = next(r for r in rows if r["method"] == "dense")
+  assert abs(dense_row["comm_error"]) < 0.7, dense_row
+  assert "The α that fits" in model.stdout

@@ -138,6 +138,19 @@ def test_demo_runs_stale_with_a_byte_budget(tmp_path):
   assert 20000 - 8 * 20 <= h["payload_bytes"] <= 20000
 
 
+def test_demo_runs_onebit_adam(tmp_path):
+  out = run(["examples/train.py", "--compressors", "onebit_adam", "--freeze-step", "2",
+             "--workers", "4", "--epochs", "1", "--max-steps", "5", "--out", str(tmp_path)],
+            tmp_path)
+  assert "the first 2 steps all-reduce" in out
+  h = json.loads((tmp_path / "train_metrics.json").read_text())["onebit_adam"]
+  per_step = np.diff([0.0] + h["bytes_sent"])
+  # Two dense warm-up steps, then the 1-bit momentum: far fewer bytes.
+  assert per_step[0] == per_step[1] and np.all(per_step[2:] == per_step[2])
+  assert per_step[0] > 15 * per_step[2], per_step
+  assert np.isfinite(h["loss"]).all()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--sync", "diloco", "--compressors", "signum"],

@@ -21,6 +21,7 @@ from commopt.transforms._dgc import (
     warmup_density,
 )
 
+from commopt.transforms._onebit import OneBitAdamState, onebit_adam
 from commopt.transforms._sync import (
     EASGDState,
     HierarchicalLocalSGDState,
@@ -41,9 +42,9 @@ from commopt.transforms._sync import (
 
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
            "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState",
-           "HierarchicalLocalSGDState", "MultiStepsState", "PeriodicState",
+           "HierarchicalLocalSGDState", "MultiStepsState", "OneBitAdamState", "PeriodicState",
            "apply_if_finite", "budget_top_k", "compressed_mean", "compresses", "dgc", "diloco",
            "easgd", "fragment_of", "global_params", "is_sync_step", "sync_levels",
-           "local_sgd", "multi_steps", "stale", "StaleState", "streaming_diloco",
+           "local_sgd", "multi_steps", "onebit_adam", "stale", "StaleState", "streaming_diloco",
            "StreamingDiLoCoState",
            "scheduled_top_k", "warmup_density"]
