@@ -158,12 +158,15 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
   sent under the ring model), so a run's traffic can be read before it is
   compiled and compared with :func:`hlo_collectives` after.
 
-  The synchronisation modes (``local_sgd``, ``diloco``, ``streaming_diloco``,
-  ``easgd``, ``stale``) exchange only on some steps: without ``step`` their
-  plan is what one full synchronisation sends; with ``step`` it is what runs
-  at that step (empty on a step without an exchange; one fragment's share for
-  ``streaming_diloco``; the level that synchronises for a hierarchical
-  ``local_sgd``).
+  The periodic synchronisation modes (``local_sgd``, ``diloco``,
+  ``streaming_diloco``, ``easgd``) exchange only on some steps, and
+  ``onebit_adam`` all-reduces dense before its freeze: without ``step`` their
+  plan is what one full synchronisation (or compressed step) sends; with
+  ``step`` it is what runs at that step (empty on a step without an
+  exchange; one fragment's share for ``streaming_diloco``; the level that
+  synchronises for a hierarchical ``local_sgd``). The step is the
+  transform's own count, which does not advance on a step skipped for a
+  non-finite gradient.
 
   Args:
     tx: a reducing transform made by commopt (``compressed_mean``, ``dgc``,

@@ -200,6 +200,9 @@ def check_flags(args, valid) -> list[str]:
     sys.exit(f"--byte-budget {args.byte_budget} is for --sync stale with --compressors "
              f"identity (the budget chooses what is sent), got --sync {args.sync} and "
              f"--compressors {args.compressors}")
+  if args.byte_budget is not None and args.strategy not in ("auto", "gather"):
+    sys.exit(f"--byte-budget sends a top-k over the whole model, which is gathered: use "
+             f"--strategy auto or gather, not {args.strategy}")
   if args.resume and not args.checkpoint_dir:
     sys.exit("--resume needs --checkpoint-dir DIR, the folder the runs to continue were "
              "saved in")
@@ -212,7 +215,7 @@ def check_flags(args, valid) -> list[str]:
     if root.exists() and not root.is_dir():
       sys.exit(f"--checkpoint-dir {args.checkpoint_dir!r} is a file; it must be a folder "
                "(new or from an earlier run)")
-    config = run_config(args)
+    config, defaults = run_config(args), run_config(parse_args([]))
     for n in names:
       saved = read_progress(root / n)
       if saved is None:
@@ -221,7 +224,8 @@ def check_flags(args, valid) -> list[str]:
         sys.exit(f"--checkpoint-dir {args.checkpoint_dir!r} already holds a {n} run (step "
                  f"{saved['step']}); pass --resume to continue it, or use a new "
                  "--checkpoint-dir")
-      for k, v in saved["config"].items():
+      # A run saved before a flag existed ran with its default.
+      for k, v in {**defaults, **saved["config"]}.items():
         if config.get(k) != v:
           flag = "--" + k.replace("_", "-")
           shown = lambda v: f"{flag} {'on' if v else 'off'}" if isinstance(v, bool) else (
@@ -474,7 +478,7 @@ def main(argv=None):
         f"{report.dense_bytes / payload:.1f}x smaller; "
         f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
         f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
-    if name == "onebit_adam":
+    if name == "onebit_adam" and args.freeze_step:
       warm = wire.comm_plan(reducer, params, args.workers, step=0)
       say(f"   onebit_adam: the audit above holds both phases (a cond); the first "
           f"{args.freeze_step} steps all-reduce {warm.contributed_bytes / 1e3:,.1f} kB dense, "
@@ -552,9 +556,15 @@ def main(argv=None):
       return dict(seconds=seconds + time.perf_counter() - t0, payload_bytes=payload,
                   dense_bytes=report.dense_bytes, audited_bytes=wire.total_bytes(audit),
                   model_state_sync_bytes=stats_bytes, skip_flag_bytes=skip_flag_bytes,
-                  skipped_steps=skipped, sent_bytes_per_step=sent,
+                  skipped_steps=skipped,
+                  # stepwise: the mean over the steps run (the audit holds every branch)
+                  sent_bytes_per_step=total_sent / step if stepwise and step else sent,
                   dense_sent_bytes_per_step=dense_sent, compressor=label)
 
+    # Steps skipped for a non-finite gradient leave the optimizer state, its
+    # step count included, as it was: the schedules (synchronisation, 1-bit
+    # Adam's freeze, DGC's warm-up) follow that count, not this loop's.
+    skipped_so_far = int(host(state.opt_state.total_notfinite))
     t0 = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
       perm = rng.permutation(len(x_train))
@@ -566,7 +576,8 @@ def main(argv=None):
       done = first
       for i in bar:
         state, loss = trainer.step(state, feed(perm[i * batch:(i + 1) * batch]))
-        total_sent += sent_at(step)
+        total_sent += sent_at(step - skipped_so_far)
+        skipped_so_far = int(host(state.opt_state.total_notfinite))
         step += 1
         done = i + 1
         loss = float(host(jnp.mean(loss)))      # the workers' mean, on the mesh

@@ -350,7 +350,8 @@ def test_hierarchical_local_sgd_moves_bytes_on_its_levels_only(compressor, mesh2
       if c is not None:
         assert all(e.packed for e in plan.collectives if e.axis == "node" and e.leaf == "['w']")
     elif (t + 1) % 2 == 0:
-      assert axes_used == {"local"}, (t, plan)
+      # Inside a node, over its fast links: dense.
+      assert axes_used == {"local"} and plan.contributed_bytes == (64 * 48 + 48) * 4, (t, plan)
     else:
       assert plan.collectives == [], (t, plan)
   with wire.record_collectives() as rec:
@@ -377,6 +378,14 @@ def test_hierarchical_periods_are_checked():
     commopt.local_sgd(optax.sgd(0.1), axis_name=("node", "local"), period={"node": 0, "local": 4})
   assert commopt.transforms.sync_levels(("local", "node"), {"node": 16, "local": 4}) == [
       (("local",), 4), (("node", "local"), 16)]
+  # A pair of axes is reduced hierarchically, chunk by chunk: per-leaf compressors only.
+  with pytest.raises(ValueError, match=r"diloco: over a pair of axes \('node', 'local'\) .* "
+                                       r"power_sgd\(rank=1\) keeps per-leaf state"):
+    commopt.diloco(optax.sgd(0.1), axis_name=("node", "local"), period=2,
+                   compressor=commopt.power_sgd())
+  with pytest.raises(ValueError, match=r"stale: `byte_budget` selects over the whole model on "
+                                       r"one data axis"):
+    commopt.stale(optax.sgd(0.1), axis_name=("node", "local"), max_staleness=1, byte_budget=10**4)
 
 
 def _server(p, s):

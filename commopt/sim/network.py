@@ -139,7 +139,10 @@ class Prediction(NamedTuple):
     sent_bytes: bytes one worker sends (ring model).
     comm_s: seconds of communication, the collectives one after another.
     step_s: ``compute_s + comm_s``: nothing overlaps.
-    dense_comm_s: the seconds a dense all-reduce of every leaf would take.
+    dense_comm_s: the seconds a flat dense all-reduce of every leaf over all
+      workers would take on ``network.link`` with ``network.topology`` (the
+      slow links of :meth:`Network.two_level`): a job with no compression
+      and no hierarchy.
   """
   sent_bytes: float
   comm_s: float

@@ -145,18 +145,19 @@ def onebit_adam(learning_rate: Union[float, optax.Schedule], freeze_step: int, *
     return out, OneBitAdamState(count=optax.safe_int32_increment(state.count), mu=mu, nu=nu,
                                 reducer_state=red)
 
-  planner = _plan.planner_of(reducer)
+  reducer_plan = _plan.planner_of(reducer)
+  # Both phases exchange the widened (float32 or wider) gradient or momentum.
+  widened = lambda params: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.promote_types(x.dtype, jnp.float32)),
+      params)
+  planner = lambda params, workers: reducer_plan(widened(params), workers)
 
   def step_planner(params, workers, step):
     if step >= freeze_step:
       return planner(params, workers)
     return [_plan.planned(jax.tree_util.keystr(path), "all-reduce", axis_name, workers,
-                          base.leaf_size(jnp.shape(x)) * _wide_itemsize(x), packed=False)
-            for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+                          base.leaf_size(x.shape) * jnp.dtype(x.dtype).itemsize, packed=False)
+            for path, x in jax.tree_util.tree_flatten_with_path(widened(params))[0]]
 
   return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn), planner,
                             step_planner)
-
-
-def _wide_itemsize(x) -> int:
-  return jnp.dtype(jnp.promote_types(x.dtype, jnp.float32)).itemsize

@@ -75,6 +75,13 @@ def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size,
   inner_strategy = "auto"
   if isinstance(axis_name, tuple) and len(axis_name) == 2 and strategy != "hierarchical":
     # (slow, fast): dense inside the fast axis, `strategy` across the slow one.
+    if compressor is not None and not base.is_stateless_per_leaf(compressor):
+      raise ValueError(
+          f"{fn}: over a pair of axes {axis_name!r} the exchange is reduced hierarchically "
+          f"(dense inside the fast axis, compressed across the slow one), which encodes "
+          f"chunks of each leaf on their own; {compressor.name} keeps per-leaf state, runs its "
+          "own protocol or selects over the whole tree. Use a per-leaf compressor (e.g. "
+          "commopt.scaled_sign(), commopt.top_k(0.01)) or one data axis.")
     strategy, inner_strategy = "hierarchical", strategy
   return compressed_mean(make("identity") if compressor is None else compressor, axis_name,
                          error_feedback=error_feedback and compressor is not None,
@@ -202,13 +209,14 @@ def local_sgd(inner: optax.GradientTransformation, *, axis_name,
   **Hierarchical local SGD** on a mesh of several data axes: ``period`` maps
   each axis of ``axis_name`` to its own period, e.g. ``axis_name=("node",
   "local"), period={"local": 4, "node": 16}``. Every 4 steps the workers of
-  a node average among themselves (over ``local``, the fast links); every 16
-  all workers average (over ``node`` and every axis with a shorter period).
-  The longer period must be a multiple of the shorter, so a wide average
-  always falls on a narrow one's step and takes its place. The wide average
-  runs as ``compressed_mean``'s ``"hierarchical"`` strategy: dense inside
-  the node, ``compressor`` (with ``strategy``) across nodes. Each level has
-  its own anchor and its own error-feedback residuals; the state is
+  a node average among themselves, dense (over ``local``, the fast links);
+  every 16 all workers average (over ``node`` and every axis with a shorter
+  period). The longer period must be a multiple of the shorter, so a wide
+  average always falls on a narrow one's step and takes its place. The wide
+  average runs as ``compressed_mean``'s ``"hierarchical"`` strategy: dense
+  inside the node, ``compressor`` (with ``strategy``) across nodes, so it
+  needs a per-leaf compressor. Each level has its own anchor (and the wide
+  one its error-feedback residuals); the state is
   :class:`HierarchicalLocalSGDState`.
 
   Args:
@@ -248,7 +256,8 @@ class HierarchicalLocalSGDState(NamedTuple):
       global model.
     inner_state: the inner optimizer's state (per worker).
     reducer_states: per level, the :func:`~commopt.compressed_mean` state of
-      its average (error-feedback residuals per worker).
+      its average (the wide level's error-feedback residuals per worker; the
+      node level averages dense).
   """
   count: jax.Array
   syncs: jax.Array
@@ -285,10 +294,14 @@ def _hierarchical_local_sgd(inner, axis_name, period, warmup_steps, compressor, 
   inner = _check_inner(inner, fn)
   levels = sync_levels(axis_name, period, fn)
   warmup_steps = base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0)
-  # Two axes average hierarchically: dense inside the fast one, `strategy` across the slow.
-  reducers = [_reducer(fn, axes if len(axes) > 1 else axes[0], compressor, error_feedback,
-                       strategy, min_size, seed + i)
-              for i, (axes, _) in enumerate(levels)]
+  def level_reducer(i, axes):
+    if len(axes) > 1:          # hierarchical: dense inside the fast axis, compressed across
+      return _reducer(fn, axes, compressor, error_feedback, strategy, min_size, seed + i)
+    if len(levels) > 1:        # inside a node, over its fast links: dense
+      return _reducer(fn, axes[0], None, False, "auto", min_size, seed + i)
+    return _reducer(fn, axes[0], compressor, error_feedback, strategy, min_size, seed + i)
+
+  reducers = [level_reducer(i, axes) for i, (axes, _) in enumerate(levels)]
   top = len(levels) - 1
 
   def level_at(count):
@@ -574,6 +587,9 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
       raise ValueError(f"{fn}: `byte_budget` keeps what it does not send for later steps and "
                        "needs error_feedback=True.")
     _check_axes(axis_name, fn)
+    if not isinstance(axis_name, str):
+      raise ValueError(f"{fn}: `byte_budget` selects over the whole model on one data axis; "
+                       f"`axis_name` must be one axis name, got {axis_name!r}.")
     reducer_for = lambda tree: _reducer(fn, axis_name, budget_top_k(byte_budget, tree, fn), True,
                                         strategy, 0, seed)
   s = base.check_int("max_staleness", max_staleness, fn=fn, minimum=0)
