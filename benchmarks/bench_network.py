@@ -131,33 +131,19 @@ def worker(config_path: str, result_path: str) -> None:
   from commopt import launch
   ctx = launch.initialize()
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax.experimental import multihost_utils
-  from sklearn.datasets import load_digits
 
   import commopt
   from commopt import wire
+  sys.path.insert(0, str(ROOT / "examples"))
+  from digits_cnn import load_digits_flat, mlp_fns
 
   cfg = json.loads(pathlib.Path(config_path).read_text())
-  x_all, y_all = load_digits(return_X_y=True)
-  x_all = ((x_all - x_all.mean(0)) / (x_all.std(0) + 1e-6)).astype(np.float32)
-  y_all = y_all.astype(np.int32)
+  x_all, y_all = load_digits_flat()
   workers, hidden, rows = jax.device_count(), cfg["hidden"], cfg["batch"]
-
-  def init_params():
-    keys = jax.random.split(jax.random.key(0), 3)
-    sizes = [(64, hidden), (hidden, hidden), (hidden, 10)]
-    return {f"l{i}": {"w": jax.random.normal(k, s) * (1 / np.sqrt(s[0])), "b": jnp.zeros(s[1])}
-            for i, (k, s) in enumerate(zip(keys, sizes))}
-
-  def loss_fn(p, b):
-    h = b["x"]
-    for i in range(3):
-      h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
-      h = jax.nn.relu(h) if i < 2 else h
-    return optax.softmax_cross_entropy_with_integer_labels(h, b["y"]).mean()
+  params0, loss_fn = mlp_fns(hidden)      # host copies: every run places its own
 
   def my_rows(step):
     idx = np.random.default_rng([step, 7]).choice(len(x_all), rows * workers, replace=False)
@@ -166,7 +152,6 @@ def worker(config_path: str, result_path: str) -> None:
 
   global_mesh = jax.make_mesh((workers,), ("data",))
   local_mesh = jax.make_mesh((1,), ("data",), devices=jax.local_devices()[:1])
-  params0 = jax.tree.map(np.asarray, init_params())   # host copies: every run places its own
   results = {}
   for label in cfg["methods"]:
     name, opts, strategy, ef = METHODS[label]

@@ -1,4 +1,5 @@
-"""The demo's data and model: sklearn's bundled 8x8 digits and a small Flax nnx CNN."""
+"""The demo's data and models: sklearn's bundled 8x8 digits, a small Flax nnx CNN, and the
+MLP of the network benchmark and the notebooks."""
 
 from __future__ import annotations
 
@@ -63,3 +64,33 @@ def model_fns(seed: int = 0):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
   return params, logits_fn, loss_fn
+
+
+def load_digits_flat():
+  """(x, y): the 1797 digits as standardised rows of 64 features (float32), and their labels."""
+  from sklearn.datasets import load_digits
+  x, y = load_digits(return_X_y=True)
+  return ((x - x.mean(0)) / (x.std(0) + 1e-6)).astype(np.float32), y.astype(np.int32)
+
+
+def mlp_fns(hidden: int):
+  """(params, loss_fn) of the MLP 64 -> hidden -> hidden -> 10 (ReLU), seeded with key 0.
+
+  ``params`` are host arrays ``{"l0": {"w", "b"}, ...}``; ``loss_fn(params, batch)``
+  is the softmax cross-entropy of ``batch["x"]`` against ``batch["y"]``.
+  """
+  import jax
+  keys = jax.random.split(jax.random.key(0), 3)
+  sizes = [(64, hidden), (hidden, hidden), (hidden, 10)]
+  params = {f"l{i}": {"w": np.asarray(jax.random.normal(k, s) / np.sqrt(s[0]), np.float32),
+                      "b": np.zeros(s[1], np.float32)}
+            for i, (k, s) in enumerate(zip(keys, sizes))}
+
+  def loss_fn(p, batch):
+    h = batch["x"]
+    for i in range(3):
+      h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+      h = jax.nn.relu(h) if i < 2 else h
+    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+
+  return params, loss_fn
