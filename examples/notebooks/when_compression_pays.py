@@ -33,7 +33,7 @@
 # same rate. `benchmarks/network_model.py` compares the model with
 # measurements on a shaped loopback.
 #
-# Set `COMMOPT_NOTEBOOK_SMALL=1` for a small MLP and a short run (seconds).
+# Set `COMMOPT_NOTEBOOK_SMALL=1` for a small MLP, three methods and a short run (seconds).
 
 # %%
 import os
@@ -80,6 +80,8 @@ METHODS = {
     "qsgd/two_phase": ("qsgd", {}, "two_phase"),
     "power_sgd(2)": ("power_sgd", {"rank": 2}, "auto"),
 }
+if SMALL:                                      # one of each kind: dense, quantised, low rank
+  METHODS = {k: METHODS[k] for k in ("dense", "scaled_sign/two_phase", "power_sgd(2)")}
 
 
 def reducer(label, axis="data"):
