@@ -1,4 +1,4 @@
-"""1-bit Adam against a step-by-step NumPy transcription of the algorithm, and its wire."""
+"""1-bit Adam against a step-by-step NumPy transcription, its wire, and (with hierarchical local SGD) inside a user's scan."""
 
 import jax
 import jax.numpy as jnp
@@ -133,3 +133,29 @@ def test_onebit_adam_checks_its_arguments():
     commopt.onebit_adam(1e-3, 10, axis_name=None)
   with pytest.raises(ValueError, match=r"onebit_adam: `b1` must be a number in \[0, 1\)"):
     commopt.onebit_adam(1e-3, 10, axis_name="data", b1=1.0)
+
+
+@pytest.mark.parametrize("case", ["onebit_adam", "hierarchical local_sgd"])
+def test_steps_inside_the_users_scan_equal_plain_calls(case, mesh, mesh2d):
+  """Across the freeze (1-bit Adam) and both levels (hierarchical local SGD), a lax.scan of
+  the step inside the user's jit gives the plain calls' parameters and state bit for bit."""
+  params, batch = _problem()
+  if case == "onebit_adam":
+    dp = commopt.data_parallel(_loss, commopt.onebit_adam(1e-3, 2, axis_name="data"), mesh)
+  else:
+    axes = ("node", "local")
+    tx = commopt.local_sgd(optax.sgd(0.05), axis_name=axes, period={"local": 2, "node": 4},
+                           compressor=commopt.scaled_sign())
+    dp = commopt.data_parallel(_loss, tx, mesh2d, axis_name=axes, local_params=True)
+  copy = lambda t: jax.tree.map(jnp.copy, t)
+  p, s = dp.place_params(params), dp.init(params)
+  for _ in range(5):
+    p, s, _ = dp.step(p, s, batch)
+
+  @jax.jit
+  def run(p, s):
+    return jax.lax.scan(lambda c, _: (dp.step(*c, batch)[:2], None), (p, s), None, length=5)[0]
+
+  p2, s2 = run(copy(dp.place_params(params)), dp.init(params))
+  for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p2, s2))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
