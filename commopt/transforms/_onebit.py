@@ -13,6 +13,7 @@ from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE, compressed_mean
 from commopt.transforms._control import _check_axes
+from commopt.transforms._sync import _wide
 
 
 class OneBitAdamState(NamedTuple):
@@ -30,10 +31,6 @@ class OneBitAdamState(NamedTuple):
   mu: Any
   nu: Any
   reducer_state: Any
-
-
-def _wide(x):
-  return jnp.asarray(x).astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
 
 
 def onebit_adam(learning_rate: Union[float, optax.Schedule], freeze_step: int, *, axis_name,
@@ -112,7 +109,8 @@ def onebit_adam(learning_rate: Union[float, optax.Schedule], freeze_step: int, *
                             min_size=min_size, seed=seed)
 
   def init_fn(params):
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _wide(p).dtype), params)
+    zeros = jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(p.dtype, jnp.float32)), params)
     return OneBitAdamState(count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros,
                            reducer_state=reducer.init(zeros))
 
