@@ -50,7 +50,7 @@ def record_collectives():
     A recorder: ``events``, ``of_worker(index)`` (``[(kind, bytes), ...]``) and
     ``clear()``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> with commopt.wire.record_collectives() as rec:
     ...   f = jax.vmap(lambda x: commopt.comm.psum(x, "i"), axis_name="i")
@@ -96,7 +96,7 @@ def payload_bytes(compressor: base.Compressor, params,
   Returns:
     A :class:`PayloadReport`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> r = commopt.wire.payload_bytes(commopt.scaled_sign(), {"w": jnp.zeros((64, 64))})
     >>> r.total, r.dense   # 128 words of signs + one float32 scale
@@ -160,7 +160,8 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
 
   The periodic synchronisation modes (``local_sgd``, ``diloco``,
   ``streaming_diloco``, ``easgd``) exchange only on some steps, and
-  ``onebit_adam`` all-reduces dense before its freeze: without ``step`` their
+  ``onebit_adam`` (and a compressor with dense warm-up steps, ``power_sgd``'s
+  ``start_iter``) all-reduces dense before its freeze: without ``step`` their
   plan is what one full synchronisation (or compressed step) sends; with
   ``step`` it is what runs at that step (empty on a step without an
   exchange; one fragment's share for ``streaming_diloco``; the level that
@@ -178,15 +179,16 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
       of axes (``(slow, fast)`` for ``strategy="hierarchical"``).
     axis_name: with a compressor, the axis name(s) it would reduce over; a
       transform knows its own.
-    strategy, inner_strategy, min_size: with a compressor, as given to
-      ``compressed_mean``.
+    strategy: with a compressor, as given to ``compressed_mean``.
+    inner_strategy: with a compressor, as given to ``compressed_mean``.
+    min_size: with a compressor, as given to ``compressed_mean``.
     step: the 0-based optimizer step whose exchange to plan (None: a step
       that synchronises everything).
 
   Returns:
     A :class:`CommPlan`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> params = {"w": jnp.zeros((256, 256))}
     >>> gather = commopt.wire.comm_plan(commopt.scaled_sign(), params, 64)
@@ -198,10 +200,12 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
     >>> round(gather.ratio, 1), round(two_phase.ratio, 1)
     (1.0, 31.0)
   """
+  if step is not None:
+    step = base.check_int("step", step, fn="comm_plan", minimum=0)
   if isinstance(tx, base.Compressor):
     reduction = _strategies.resolve(strategy, tx, "comm_plan", inner_strategy)
     entries = _strategies.plan_reduction(tx, reduction, params, axis_sizes(axis_name, workers),
-                                         axis_name, min_size)
+                                         axis_name, min_size, step)
   else:
     planner = planner_of(tx) if step is None else step_planner_of(tx)
     if planner is None:
@@ -210,7 +214,6 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
           f"commopt (compressed_mean, dgc, majority_vote, a robust rule), got {tx!r}; a "
           "chain's plan is the plan of the reducing transform inside it.")
     if step is not None:
-      step = base.check_int("step", step, fn="comm_plan", minimum=0)
       entries = planner(params, workers, step)
     else:
       entries = planner(params, workers)
@@ -368,7 +371,7 @@ def hlo_collectives(fn, *args, stage: str = "auto", **kwargs) -> list[Collective
     once as written: a collective inside a loop body is not multiplied by its
     trip count.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> f = jax.jit(lambda x: x * 2)
     >>> commopt.wire.hlo_collectives(f, jnp.ones(3))

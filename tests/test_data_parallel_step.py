@@ -115,6 +115,19 @@ def test_step_donates_params_and_state(mesh):
   assert p["w1"].is_deleted() and jax.tree.leaves(s)[-1].is_deleted()
 
 
+def test_placing_copies_so_the_callers_arrays_survive_donation(mesh):
+  # Arrays on one device are copied, not aliased, when placed: the step
+  # donates the placed ones, and the caller's must still be there for a
+  # second run from the same start.
+  params, batch = jax.device_put(make_params(), jax.devices()[0]), make_batches(1)[0]
+  dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
+  for _ in range(2):
+    p = dp.place_params(params)
+    p, _, _ = dp.step(p, dp.init(params), batch)
+  assert not params["w1"].is_deleted()
+  np.testing.assert_array_equal(np.asarray(params["w1"]), np.asarray(make_params()["w1"]))
+
+
 def test_init_does_not_invalidate_earlier_states(mesh):
   dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
   small, big = make_params(), {"w1": jnp.zeros((16, 128)), "w2": jnp.zeros((128, 4))}

@@ -88,7 +88,7 @@ def majority_vote(axis_name: AxisName = None) -> optax.GradientTransformationExt
     An ``optax.GradientTransformationExtraArgs`` with no state
     (``optax.EmptyState``).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> tx = commopt.majority_vote("workers")
     >>> g = jnp.array([[1.0, -2.0, 3.0], [-1.0, -1.0, 2.0], [2.0, 1.0, -5.0]])

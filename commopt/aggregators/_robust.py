@@ -92,7 +92,7 @@ def krum(axis_name: AxisName, f: int, *, compressor: Optional[base.Compressor] =
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`RobustState`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import krum
     >>> tx = krum("workers", f=1)
@@ -143,7 +143,7 @@ def multi_krum(axis_name: AxisName, f: int, m: Optional[int] = None, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`RobustState`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import multi_krum
     >>> tx = multi_krum("workers", f=1, m=2)
@@ -197,7 +197,7 @@ def coordinate_median(axis_name: AxisName, f: Optional[int] = None, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`RobustState`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import coordinate_median
     >>> tx = coordinate_median("workers")
@@ -251,7 +251,7 @@ def trimmed_mean(axis_name: AxisName, beta: float, f: Optional[int] = None, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`RobustState`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import trimmed_mean
     >>> tx = trimmed_mean("workers", beta=0.25)
@@ -308,7 +308,7 @@ def geometric_median(axis_name: AxisName, iters: int = 8, *, nu: float = 1e-6,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`RobustState`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import geometric_median
     >>> tx = geometric_median("workers", iters=50)
@@ -370,7 +370,7 @@ def centered_clip(axis_name: AxisName, tau: float, iters: int = 1, *,
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`CenteredClipState`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import centered_clip
     >>> tx = centered_clip("workers", tau=1.0, iters=3)

@@ -32,7 +32,7 @@ def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
     The comparators in the order they apply: after each, row ``i`` holds the
     minimum and row ``j`` the maximum of the two.
 
-  Example:
+  Examples:
     >>> from commopt.aggregators._sorting import sorting_network
     >>> len(sorting_network(8)), sorting_network(2)
     (19, ((0, 1),))
@@ -73,7 +73,7 @@ def sort_workers(x: jax.Array) -> jax.Array:
   Returns:
     ``x`` sorted along axis 0, coordinate by coordinate.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators._sorting import sort_workers
     >>> sort_workers(jnp.array([[3.0, 0.0], [1.0, 2.0], [2.0, 1.0]]))[:, 0].tolist()
@@ -97,7 +97,7 @@ def median_workers(x: jax.Array) -> jax.Array:
   Returns:
     ``[...]``: the median of each coordinate over the ``n`` rows, as ``np.median``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators._sorting import median_workers
     >>> median_workers(jnp.array([[4.0], [1.0], [2.0], [9.0]])).tolist()

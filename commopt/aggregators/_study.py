@@ -171,7 +171,7 @@ def convex_runner(rules: tuple[str, ...], compressed: bool, *, steps: int = 150,
 def run_convex(rules=RULES, names=ATTACKS, fs=(1, 2, 3), **kw) -> dict[str, dict[str, float]]:
   """``{rule: {"attack/f": final loss}}`` on the least-squares problem.
 
-  Example:
+  Examples:
     >>> from commopt.aggregators._study import run_convex
     >>> res = run_convex(("mean", "coordinate_median"), ("none", "scaled"), fs=(2,), steps=20)
     >>> sorted(res["coordinate_median"]), res["mean"]["scaled/2"] > res["mean"]["none/0"]

@@ -28,7 +28,7 @@ def check_tolerance(fn: str, n: int, f: Optional[int], *, need: str) -> None:
     f: the number of Byzantine workers to tolerate, or ``None`` (no check).
     need: ``"majority"`` (``f < n/2``) or ``"krum"`` (``n > 2f + 2``).
 
-  Example:
+  Examples:
     >>> from commopt.aggregators._tolerance import check_tolerance
     >>> check_tolerance("krum", 8, 2, need="krum")      # 8 > 2·2 + 2
     >>> check_tolerance("krum", 6, 2, need="krum")
@@ -80,7 +80,7 @@ def stated_factor(spec: FactorSpec, f: int) -> float:
   Returns:
     The factor as a float; NaN when ``spec`` states none for ``f``.
 
-  Example:
+  Examples:
     >>> from commopt.aggregators._tolerance import stated_factor
     >>> stated_factor(1.5, 2), stated_factor({2: 4, 3: 6}, 1), stated_factor({2: 4, 3: 6}, 3)
     (1.5, 4.0, 6.0)
@@ -105,7 +105,7 @@ def loss_ratios(results: dict[str, dict[str, float]], rule: str,
     ``{"attack/f": loss / reference}`` (``inf`` for a non-finite loss); empty
     when the reference run is missing.
 
-  Example:
+  Examples:
     >>> from commopt.aggregators._tolerance import loss_ratios
     >>> loss_ratios({"mean": {"none/0": 2.0}, "krum": {"alie/2": 3.0}}, "krum")
     {'alie/2': 1.5}
@@ -129,7 +129,7 @@ def check_factors(results: dict[str, dict[str, float]],
     One line per failing run, ``"rule attack/f: ratio x > factor x"``; empty
     when every rule meets its factor.
 
-  Example:
+  Examples:
     >>> from commopt.aggregators._tolerance import check_factors
     >>> results = {"mean": {"none/0": 1.0}, "krum": {"none/0": 1.1, "ipm/2": 1.6}}
     >>> check_factors(results, {"krum": 1.5})

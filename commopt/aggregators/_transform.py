@@ -168,7 +168,7 @@ def zero_non_finite_workers(gathered: list) -> list:
   Returns:
     ``gathered`` with the rows of those workers set to zero in every leaf.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators._transform import zero_non_finite_workers
     >>> a, b = zero_non_finite_workers([jnp.array([[1.0], [jnp.nan]]), jnp.array([2.0, 3.0])])
@@ -336,7 +336,7 @@ def robust_aggregate(rule: Rule, *, axis_name: AxisName,
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`RobustState`, or :class:`CenteredClipState` with ``with_previous``.
 
-  Example:
+  Examples:
     >>> import functools, jax, jax.numpy as jnp
     >>> from commopt.aggregators import robust_aggregate, rules
     >>> tx = robust_aggregate(functools.partial(rules.trimmed_mean, beta=0.25),

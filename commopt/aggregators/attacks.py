@@ -140,7 +140,7 @@ def apply_attack(updates: Any, kind: str, *, axis_name: AxisName,
   Returns:
     The update pytree this worker sends.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators.attacks import apply_attack
     >>> g = jnp.array([[1.0], [2.0], [3.0], [4.0]])
@@ -199,7 +199,7 @@ def attack(kind: str, axis_name: AxisName, byzantine: Sequence[int] | jax.Array,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`AttackState`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> from commopt.aggregators.attacks import attack
     >>> from commopt.aggregators import coordinate_median
@@ -264,7 +264,7 @@ def bit_flip(byzantine: Sequence[int] | jax.Array, *, rate: float = 0.05,
   Returns:
     The hook.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> from commopt.aggregators.attacks import bit_flip
     >>> from commopt.aggregators import coordinate_median

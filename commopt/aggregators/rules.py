@@ -17,7 +17,7 @@ treat each column on its own; vector rules (:func:`krum`,
 distances between whole rows. Rows must be finite (the transform replaces
 a worker holding a non-finite value by zeros before any rule sees it).
 
-Example:
+Examples:
   >>> import jax.numpy as jnp
   >>> from commopt.aggregators import rules
   >>> x = jnp.array([[1.0, 1.0], [1.1, 0.9], [0.9, 1.0], [1.0, 1.1], [50.0, -50.0]])
@@ -63,7 +63,7 @@ def pairwise_sq_distances(x: jax.Array) -> jax.Array:
   Computed row by row from differences (not from a Gram matrix, which loses
   the small distances between close vectors), with memory ``O(n·d)``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import pairwise_sq_distances
     >>> pairwise_sq_distances(jnp.array([[0.0, 0.0], [3.0, 4.0]])).tolist()
@@ -75,7 +75,7 @@ def pairwise_sq_distances(x: jax.Array) -> jax.Array:
 def krum_scores(x: jax.Array, f: int) -> jax.Array:
   """Krum score of each row: the sum of its ``n − f − 2`` smallest squared distances to the others.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import krum_scores
     >>> krum_scores(jnp.array([[0.0], [1.0], [3.0], [10.0]]), f=1).tolist()
@@ -108,7 +108,7 @@ def krum(x: jax.Array, f: int) -> jax.Array:
   Returns:
     ``[d]``: the chosen row.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import krum
     >>> x = jnp.array([[1.0, 1.0], [1.1, 0.9], [0.9, 1.0], [1.0, 1.1], [50.0, -50.0]])
@@ -139,7 +139,7 @@ def multi_krum(x: jax.Array, f: int, m: Optional[int] = None) -> jax.Array:
   Returns:
     ``[d]``: the mean of the ``m`` lowest-scoring rows.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import multi_krum
     >>> x = jnp.array([[1.0], [1.2], [0.7], [3.0], [-40.0]])
@@ -178,7 +178,7 @@ def coordinate_median(x: jax.Array, f: Optional[int] = None) -> jax.Array:
   Returns:
     ``[d]``: the coordinate-wise median, as ``np.median(x, 0)``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import coordinate_median
     >>> coordinate_median(jnp.array([[1.0, -1.0], [2.0, 1e9], [3.0, 0.0]])).tolist()
@@ -197,7 +197,7 @@ def coordinate_median(x: jax.Array, f: Optional[int] = None) -> jax.Array:
 def trimmed_count(n: int, beta: float) -> int:
   """Values trimmed from each end by :func:`trimmed_mean`: ``⌊beta·n⌋``.
 
-  Example:
+  Examples:
     >>> from commopt.aggregators.rules import trimmed_count
     >>> trimmed_count(8, 0.25), trimmed_count(10, 0.25)
     (2, 2)
@@ -221,7 +221,7 @@ def trimmed_mean(x: jax.Array, beta: float, f: Optional[int] = None) -> jax.Arra
   Returns:
     ``[d]``: the coordinate-wise trimmed mean.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import trimmed_mean
     >>> trimmed_mean(jnp.array([[1.0], [2.0], [3.0], [-1e9]]), beta=0.25).tolist()
@@ -266,7 +266,7 @@ def weiszfeld(x: jax.Array, iters: int, nu: float,
   Returns:
     The ``[d]`` estimate after ``iters`` iterations.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import weiszfeld
     >>> x = jnp.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0], [2.0, 2.0]])
@@ -301,7 +301,7 @@ def geometric_median(x: jax.Array, iters: int = 8, nu: float = 1e-6,
   Returns:
     ``[d]``: the estimate.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators.rules import geometric_median
     >>> x = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1e6, 1e6]])
@@ -327,7 +327,7 @@ def geometric_median(x: jax.Array, iters: int = 8, nu: float = 1e-6,
 def clip_iterations(x: jax.Array, center: jax.Array, tau: float, iters: int) -> jax.Array:
   """``iters`` centred-clipping steps ``v += mean_i (x_i − v)·min(1, tau/||x_i − v||)``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import clip_iterations
     >>> clip_iterations(jnp.array([[1.0], [1.0], [1.0], [1000.0]]), jnp.zeros(1), 1.0, 1).tolist()
@@ -363,7 +363,7 @@ def centered_clip(x: jax.Array, previous: jax.Array, tau: float, iters: int = 1,
   Returns:
     ``[d]``: the final ``v``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.aggregators.rules import centered_clip
     >>> x = jnp.array([[1.0], [1.0], [1.0], [1000.0]])

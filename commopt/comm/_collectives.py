@@ -172,7 +172,7 @@ def all_gather(tree: Any, axis_name) -> Any:
   ``jax.lax.axis_index(axis_name)`` is ``i``, and the result is invariant over
   all of them (one gather over the tuple would leave it varying).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.comm import all_gather
     >>> x = jnp.arange(6.0).reshape(2, 3)

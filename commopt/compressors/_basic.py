@@ -18,7 +18,7 @@ def identity() -> base.Compressor:
     A linear :class:`~commopt.Compressor`; ``compressed_mean(identity(), axis)``
     is a plain ``pmean``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> c = commopt.compressors.identity()
     >>> payload, _ = c.encode(jnp.ones(3), c.init(jnp.ones(3)), None)
@@ -45,7 +45,7 @@ def cast(dtype="bfloat16") -> base.Compressor:
     A linear :class:`~commopt.Compressor` whose payload is summed in ``dtype``
     by the all-reduce.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> c = commopt.cast("bfloat16")
     >>> payload, _ = c.encode(jnp.ones(4), c.init(jnp.ones(4)), None)

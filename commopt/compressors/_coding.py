@@ -33,7 +33,7 @@ def qsgd_elias_bits(shape, levels: int, bucket_size: Optional[int] = 512) -> flo
   Returns:
     The bound for the whole leaf, summed over buckets.
 
-  Example:
+  Examples:
     >>> from commopt.compressors import qsgd_elias_bits
     >>> round(qsgd_elias_bits((1 << 20,), levels=1, bucket_size=None))   # vs 2 Mbit packed
     20017
@@ -71,7 +71,8 @@ def qsgd_coded_bits(payload, shape, levels: int, bucket_size: Optional[int] = 51
   Args:
     payload: from ``qsgd(levels, bucket_size).encode``.
     shape: the leaf's shape.
-    levels, bucket_size: as given to :func:`qsgd`.
+    levels: as given to :func:`qsgd`.
+    bucket_size: as given to :func:`qsgd`.
 
   Returns:
     An int32 scalar.

@@ -48,7 +48,7 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
   Returns:
     A non-linear, stochastic :class:`~commopt.Compressor`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> c = commopt.terngrad(clip=None)
     >>> x = jnp.array([0.5, -1.0, 0.0, 0.25])
@@ -101,7 +101,7 @@ def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
   Returns:
     A non-linear, stochastic :class:`~commopt.Compressor`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> c = commopt.qsgd(levels=1, bucket_size=None)   # ternary, 2 bits each
     >>> c.payload_bits((64,), jnp.float32)
@@ -148,7 +148,7 @@ def natural() -> base.Compressor:
   Returns:
     A non-linear, stochastic :class:`~commopt.Compressor`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> c = commopt.natural()
     >>> x = jnp.array([1.0, -0.75, 3.0, 0.0])
@@ -222,7 +222,7 @@ def int_quant(bits: int = 8, block_size: Optional[int] = 256,
   Returns:
     A non-linear :class:`~commopt.Compressor` (stochastic with stochastic rounding).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> c = commopt.int_quant(bits=4, block_size=None, rounding="nearest")
     >>> x = jnp.array([7.0, -3.5, 1.2, 0.0])
@@ -281,7 +281,7 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
   Returns:
     A non-linear, stochastic :class:`~commopt.Compressor`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> c = commopt.adaptive_levels(levels=4)
     >>> x = jnp.concatenate([jnp.zeros(60), jnp.array([1.0, 2.0, 3.0, 10.0])])

@@ -64,7 +64,7 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
     A :class:`~commopt.Compressor`, linear with shared randomness when
     ``shared_seed``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.compressors import random_k
     >>> c = random_k(k=3)
@@ -164,7 +164,7 @@ def variance_balanced(ratio: float | None = None, *, k: int | None = None,
   Returns:
     A non-linear, unbiased :class:`~commopt.Compressor`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.compressors import variance_balanced
     >>> c = variance_balanced(k=2)

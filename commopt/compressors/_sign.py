@@ -34,7 +34,7 @@ def sign() -> base.Compressor:
   Returns:
     A non-linear :class:`~commopt.Compressor`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> c = commopt.sign()
     >>> x = jnp.array([0.5, -3.0, 0.0])
@@ -73,7 +73,7 @@ def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
   Returns:
     A non-linear :class:`~commopt.Compressor` (reduced by gather-decode-mean).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> c = commopt.scaled_sign()
     >>> x = jnp.array([1.0, -3.0, 2.0])
@@ -122,7 +122,7 @@ def onebit() -> base.Compressor:
   Returns:
     A non-linear :class:`~commopt.Compressor`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> c = commopt.onebit()
     >>> x = jnp.array([1.0, -3.0, 2.0, -1.0])

@@ -52,7 +52,7 @@ def threshold(tau: float, *, capacity: float = 0.01) -> base.Compressor:
     A non-linear :class:`~commopt.Compressor` with ``32 · ⌈capacity · size⌉``
     payload bits per leaf.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.compressors import threshold
     >>> c = threshold(1.0, capacity=0.5)
@@ -107,7 +107,7 @@ def gradient_dropping(drop_ratio: float = 0.99, *, sample_ratio: float = 0.001,
   Returns:
     A non-linear :class:`~commopt.Compressor`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.compressors import gradient_dropping
     >>> c = gradient_dropping(0.5)
@@ -162,7 +162,7 @@ def adacomp(bin_size: int = 50, *, per_bin: int = 2) -> base.Compressor:
   Returns:
     A non-linear :class:`~commopt.Compressor` with per-leaf state.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.compressors import adacomp
     >>> c = adacomp(bin_size=4, per_bin=1)

@@ -63,7 +63,7 @@ def top_k(ratio: float | None = None, *, k: int | None = None, approx: bool = Fa
     A non-linear :class:`~commopt.Compressor` (a :class:`~commopt.Compressor` with ``encode_tree``
     for ``scope="global"``).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> c = commopt.top_k(k=2)
     >>> x = jnp.array([0.1, -3.0, 2.0, 0.5])

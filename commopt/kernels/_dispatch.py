@@ -91,7 +91,7 @@ def implementation(name: str, *, interpret: bool = False) -> Iterator[Choice]:
     ValueError: ``name`` is not one of the implementations, or ``interpret``
       is not a bool.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> from commopt import kernels
     >>> c = commopt.scaled_sign()

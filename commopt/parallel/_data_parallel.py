@@ -54,8 +54,16 @@ class DataParallel:
   any number of independent runs.
 
   Attributes:
-    loss_fn, tx, mesh, axis_name, has_aux, has_state, model_state_sync,
-    skip_nonfinite, donate, local_params: as given to :func:`data_parallel`.
+    loss_fn: as given to :func:`data_parallel`.
+    tx: as given to :func:`data_parallel`.
+    mesh: as given to :func:`data_parallel`.
+    axis_name: as given to :func:`data_parallel`.
+    has_aux: as given to :func:`data_parallel`.
+    has_state: as given to :func:`data_parallel`.
+    model_state_sync: as given to :func:`data_parallel`.
+    skip_nonfinite: as given to :func:`data_parallel`.
+    donate: as given to :func:`data_parallel`.
+    local_params: as given to :func:`data_parallel`.
   """
   loss_fn: Callable
   tx: optax.GradientTransformation
@@ -329,6 +337,11 @@ class DataParallel:
           # their data (a trailing key axis, replicated) and wrap it again.
           data = put(jax.random.key_data(x), P(*lay.full_spec(spec, x.ndim), None))
           return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        # A copy, never an alias: the step donates what it is given, and the
+        # caller's own arrays (e.g. one device's parameters) must survive that.
+        # (device_put(..., may_alias=False) still aliases onto a mesh in JAX 0.10.)
+        if x.is_fully_addressable:
+          x = jnp.copy(x)
       return jax.device_put(x, target)
 
     return lay.map_specs(put, tree, specs)
@@ -836,7 +849,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
     ``step(params, opt_state, batch) -> (params, opt_state, losses)``, the
     pure ``step_fn`` and the state's ``state_specs(params)``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax, commopt
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"),

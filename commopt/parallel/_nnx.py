@@ -121,7 +121,7 @@ def nnx_data_parallel(model: nnx.Module, loss_fn: Callable, tx: optax.GradientTr
     An :class:`NnxDataParallel` with ``init(model) -> state`` and
     ``step(state, batch) -> (state, metrics)``.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax, commopt
     >>> from flax import nnx
     >>> class Net(nnx.Module):

@@ -72,7 +72,7 @@ def collective_time(kind: str, group_size: int, nbytes: float, link: Link,
     link: the links between them.
     topology: ``"ring"``, ``"tree"`` or ``"shared"``.
 
-  Example:
+  Examples:
     >>> from commopt.sim import network
     >>> link = network.Link(latency=1e-5, bandwidth=1e9)
     >>> round(network.collective_time("all-reduce", 4, 1e6, link), 6)   # 6α + 1.5 S/β
@@ -155,15 +155,19 @@ def predict(tx, params, workers, network: Network, *, compute_s: float = 0.0,
   """Bytes and seconds of one step's communication for a reducing transform or compressor.
 
   Args:
-    tx, params, workers, axis_name, strategy, step: as for :func:`commopt.wire.comm_plan`
-      (``axis_name`` and ``strategy`` for a compressor).
+    tx: as for :func:`commopt.wire.comm_plan`.
+    params: as for :func:`commopt.wire.comm_plan`.
+    workers: as for :func:`commopt.wire.comm_plan`.
+    axis_name: as for :func:`commopt.wire.comm_plan`.
+    strategy: as for :func:`commopt.wire.comm_plan`.
+    step: as for :func:`commopt.wire.comm_plan`.
     network: the links.
     compute_s: the step's compute (gradient, encode and decode), measured.
 
   Returns:
     A :class:`Prediction`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> from commopt.sim import network
     >>> net = network.Network(network.Link.gbit(1.0))

@@ -26,7 +26,7 @@ def vmap_workers(tx: optax.GradientTransformation, num_workers: int,
   size per-worker state for ``num_workers`` workers; each worker's state is
   stacked on a leading axis.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> w = commopt.testing.vmap_workers(commopt.compressed_mean(commopt.compressors.identity(), "workers"), 4)
     >>> state = w.init({"x": jnp.zeros(2)})

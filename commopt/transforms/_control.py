@@ -133,7 +133,7 @@ def apply_if_finite(inner: optax.GradientTransformation,
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`ApplyIfFiniteState`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax, commopt
     >>> tx = commopt.transforms.apply_if_finite(optax.sgd(0.1))
     >>> params = {"w": jnp.ones(3)}
@@ -223,7 +223,7 @@ def multi_steps(inner: optax.GradientTransformation,
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`MultiStepsState`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax, commopt
     >>> tx = commopt.transforms.multi_steps(optax.sgd(1.0), every_k_schedule=2)
     >>> params = {"w": jnp.zeros(2)}

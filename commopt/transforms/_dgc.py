@@ -87,7 +87,7 @@ def warmup_density(step: int, densities: float | Sequence[float] = DGC_WARMUP_DE
   ``densities[i]`` holds from ``boundaries[i - 1]`` (inclusive) until
   ``boundaries[i]``; the last density holds from the last boundary on.
 
-  Example:
+  Examples:
     >>> from commopt.transforms._dgc import warmup_density
     >>> [warmup_density(s, (0.25, 0.01), (10,)) for s in (0, 9, 10, 99)]
     [0.25, 0.25, 0.01, 0.01]
@@ -116,7 +116,7 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
   Returns:
     A :class:`~commopt.Compressor` with a ``reduce`` hook.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, commopt
     >>> from commopt.transforms._dgc import scheduled_top_k
     >>> tx = commopt.compressed_mean(scheduled_top_k((0.5, 0.25), (1,)), min_size=0)
@@ -209,7 +209,7 @@ def dgc(axis_name: Optional[str] = None, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`DGCState`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> from commopt.transforms._dgc import dgc
     >>> tx = optax.chain(dgc(densities=(0.5, 0.25), boundaries=(1,), min_size=0),

@@ -225,7 +225,11 @@ def local_sgd(inner: optax.GradientTransformation, *, axis_name,
     period: steps between averages, at least 1; or ``{axis: period}`` for
       every axis of ``axis_name`` (hierarchical).
     warmup_steps: steps at the start that average every step (over all axes).
-    compressor, error_feedback, strategy, min_size, seed: as in :func:`diloco`.
+    compressor: as in :func:`diloco`.
+    error_feedback: as in :func:`diloco`.
+    strategy: as in :func:`diloco`.
+    min_size: as in :func:`diloco`.
+    seed: as in :func:`diloco`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; state :class:`PeriodicState`
@@ -412,8 +416,11 @@ def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, perio
     alpha: the workers' moving rate α = ηρ towards the centre, in (0, 1].
     period: steps between exchanges (τ), at least 1.
     beta: the centre's moving rate; None for ``N·α``; 0 fixes the centre.
-    compressor, error_feedback, strategy, min_size, seed: how ``xᵢ − x̃`` is
-      averaged, as in :func:`diloco`.
+    compressor: how ``xᵢ − x̃`` is averaged, as in :func:`diloco`.
+    error_feedback: as in :func:`diloco`.
+    strategy: as in :func:`diloco`.
+    min_size: as in :func:`diloco`.
+    seed: as in :func:`diloco`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
@@ -554,8 +561,10 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
     distribution: ``"uniform"`` (``dᵢ`` uniform on ``0..s``) or
       ``"geometric"`` (mean ``mean_staleness``, truncated at ``s``).
     mean_staleness: the geometric distribution's mean (> 0).
-    compressor, error_feedback, strategy, min_size: how gradients are
-      averaged, as in :func:`diloco`.
+    compressor: how gradients are averaged, as in :func:`diloco`.
+    error_feedback: as in :func:`diloco`.
+    strategy: as in :func:`diloco`.
+    min_size: as in :func:`diloco`.
     seed: seeds the delays and the compressor.
     byte_budget: bytes each worker may put on the wire per step (its payload,
       before the collective multiplies it), spent on the largest entries of
@@ -685,8 +694,15 @@ def streaming_diloco(inner: optax.GradientTransformation,
   With ``fragments=1, delay=0, mixing=0`` it is :func:`diloco`.
 
   Args:
-    inner, outer, axis_name, period, compressor, error_feedback, strategy,
-    min_size, seed: as in :func:`diloco`.
+    inner: as in :func:`diloco`.
+    outer: as in :func:`diloco`.
+    axis_name: as in :func:`diloco`.
+    period: as in :func:`diloco`.
+    compressor: as in :func:`diloco`.
+    error_feedback: as in :func:`diloco`.
+    strategy: as in :func:`diloco`.
+    min_size: as in :func:`diloco`.
+    seed: as in :func:`diloco`.
     fragments: number of fragments (P), from 1 to the number of leaves.
     delay: inner steps between a fragment's exchange and its merge (τ),
       ``0 <= delay < period``.
@@ -804,7 +820,7 @@ def global_params(opt_state):
   Raises:
     ValueError: when ``opt_state`` holds no synchronisation mode's state.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax, commopt
     >>> tx = commopt.local_sgd(optax.sgd(0.1), axis_name="data", period=4)
     >>> state = tx.init({"w": jnp.ones(3)})

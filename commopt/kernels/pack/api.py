@@ -57,7 +57,7 @@ def pack_bits(codes: jax.Array, bits: int, *, implementation: Optional[str] = No
   Returns:
     ``⌈n·bits/32⌉`` uint32 words; padding bits are zero.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.kernels import pack_bits
     >>> pack_bits(jnp.array([1, 0, 3, 2]), 2).tolist()
@@ -97,7 +97,7 @@ def unpack_bits(words: jax.Array, bits: int, size: int, *,
   Returns:
     A uint32 array of ``size`` codes.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.kernels import unpack_bits
     >>> unpack_bits(jnp.array([177], jnp.uint32), 2, 4).tolist()
@@ -139,7 +139,7 @@ def sign_bits(x: jax.Array, *, implementation: Optional[str] = None,
   Returns:
     ``⌈d/32⌉`` uint32 words, equal to ``bits.pack(x.ravel() < 0, 1)``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.kernels import sign_bits
     >>> sign_bits(jnp.array([0.5, -3.0, 0.0, -1.0])).tolist()
@@ -178,7 +178,7 @@ def sign_pack(x: jax.Array, block_size: Optional[int] = None, *,
     ``(scales, words)``: float32 ``[⌈d/block_size⌉]`` (``[1]`` for ``None``)
     and uint32 ``[⌈d/32⌉]``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.kernels import sign_pack
     >>> scales, words = sign_pack(jnp.array([1.0, -3.0, 2.0]))
@@ -236,7 +236,7 @@ def quantize_pack(x: jax.Array, random_bits: jax.Array, levels: int, scales: jax
   Returns:
     The packed codes, ``⌈d·bits/32⌉`` uint32 words.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.kernels import quantize_pack, unpack_bits
     >>> x = jnp.array([3.0, -4.0, 0.0])

@@ -46,7 +46,7 @@ def uniform_from_bits(random_bits: jax.Array) -> jax.Array:
   Returns:
     A float32 array of the same shape.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.kernels import uniform_from_bits
     >>> key = jax.random.key(0)
@@ -101,7 +101,7 @@ def pairwise_sum(values: jax.Array) -> jax.Array:
   Returns:
     ``values`` without its last axis.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.kernels import pairwise_sum
     >>> pairwise_sum(jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])).tolist()   # (1+2)+(3+0)

@@ -60,7 +60,7 @@ def select_top_k(x: jax.Array, k: int, *, implementation: Optional[str] = None,
     ``(values, indices)``: ``[k]`` in ``x``'s dtype and ``[k]`` int32 flat
     indices, ascending.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.kernels import select_top_k
     >>> x = jnp.array([0.1, -3.0, 2.0, 0.5, -2.0])

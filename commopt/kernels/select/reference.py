@@ -30,7 +30,7 @@ def magnitude_key(x: jax.Array) -> jax.Array:
     A uint32 array of the same shape; larger key means larger magnitude,
     NaN above ``inf``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from commopt.kernels import magnitude_key
     >>> [hex(v) for v in magnitude_key(jnp.array([-1.0, jnp.inf, jnp.nan])).tolist()]
