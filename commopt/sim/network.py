@@ -7,14 +7,12 @@ Gropp, 2005). With ``S`` the bytes each worker puts in (its vector for an
 all-reduce, reduce-scatter or all-to-all; its contribution for an
 all-gather, whose output is ``n·S``) and ``L = ⌈log₂ n⌉``:
 
-============== ============================ ===============================
-collective     ``"ring"``                   ``"tree"``
-============== ============================ ===============================
-all-reduce     2(n−1)α + 2(n−1)/n · S/β      2L(α + S/β) (binomial reduce, then broadcast)
-reduce-scatter (n−1)α + (n−1)/n · S/β        Lα + (n−1)/n · S/β (recursive halving)
-all-gather     (n−1)α + (n−1) · S/β          Lα + (n−1) · S/β (recursive doubling)
-all-to-all     (n−1)α + (n−1)/n · S/β        Lα + L/2 · S/β (Bruck)
-============== ============================ ===============================
+| collective     | ``"ring"``                    | ``"tree"``                                    |
+|----------------|-------------------------------|-----------------------------------------------|
+| all-reduce     | 2(n−1)α + 2(n−1)/n · S/β      | 2L(α + S/β) (binomial reduce, then broadcast) |
+| reduce-scatter | (n−1)α + (n−1)/n · S/β        | Lα + (n−1)/n · S/β (recursive halving)        |
+| all-gather     | (n−1)α + (n−1) · S/β          | Lα + (n−1) · S/β (recursive doubling)         |
+| all-to-all     | (n−1)α + (n−1)/n · S/β        | Lα + L/2 · S/β (Bruck)                        |
 
 ``"shared"`` is one medium that every worker's traffic crosses (a hub, or
 the one loopback of ``benchmarks/bench_network.py``): the ring's messages,
@@ -77,6 +75,14 @@ def collective_time(kind: str, group_size: int, nbytes: float, link: Link,
     >>> link = network.Link(latency=1e-5, bandwidth=1e9)
     >>> round(network.collective_time("all-reduce", 4, 1e6, link), 6)   # 6α + 1.5 S/β
     0.00156
+
+  References:
+    Hockney, The Communication Challenge for MPP: Intel Paragon and Meiko
+    CS-2, Parallel Computing 1994 (the α-β model).
+    Thakur, Rabenseifner and Gropp, Optimization of Collective Communication
+    Operations in MPICH, IJHPCA 2005.
+    Patarasuk and Yuan, Bandwidth Optimal All-reduce Algorithms for Clusters
+    of Workstations, JPDC 2009 (the ring all-reduce).
   """
   base.check_choice("kind", kind, KINDS, "collective_time")
   base.check_choice("topology", topology, TOPOLOGIES, "collective_time")

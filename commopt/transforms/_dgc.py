@@ -126,6 +126,9 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
     ...   print(int(jnp.count_nonzero(out["w"])))
     4
     2
+
+  References:
+    Lin et al., Deep Gradient Compression, ICLR 2018 (the warm-up schedule).
   """
   densities, boundaries = _check_schedule(densities, boundaries)
   base.check_choice("method", method, METHODS, "scheduled_top_k")
