@@ -75,6 +75,15 @@ class Compressor:
       computed without building the decoded tensor: a sparse payload adds its
       values in place. It must equal the default, bit for bit, for any
       ``acc`` that sums decoded payloads from zeros (:meth:`add_decoded`).
+    reduce_tree: optional ``reduce_tree(xs, states, keys, channel) -> [Reduced]``,
+      a protocol over every compressed leaf at once (one ``Reduced`` per
+      leaf of ``xs``, with its state and key), which
+      :func:`~commopt.compressed_mean` runs instead of ``reduce`` per leaf
+      (PowerSGD's ``batched=True``: one exchange per group of same-shaped leaves).
+    dense_steps: the first ``dense_steps`` reductions send each leaf dense (an
+      all-reduce of the leaf in its dtype) before the compressed exchange
+      starts (PowerSGD's ``start_iter``); communication plans for a given
+      step follow it.
 
   What a compressor can do is declared, not probed: :attr:`capabilities`
   reads these fields, and the strategies and robust rules check it.
@@ -93,6 +102,8 @@ class Compressor:
   encode_tree: Optional[Callable[[list, Any], Any]] = None
   decode_tree: Optional[Callable[[Any, list], list]] = None
   accumulate: Optional[Callable[..., jax.Array]] = None
+  reduce_tree: Optional[Callable[..., list]] = None
+  dense_steps: int = 0
 
   def add_decoded(self, acc: jax.Array, payload: Payload, state: Any, like) -> jax.Array:
     """``acc + decode(payload, state, like)`` in ``acc``'s dtype (float32).
@@ -121,7 +132,7 @@ class Compressor:
     - ``"per_leaf"``: none of the last three, so each payload decodes on its
       own: what ``two_phase``, ``hierarchical`` and the robust rules need.
 
-    Example:
+    Examples:
       >>> import commopt
       >>> sorted(commopt.scaled_sign().capabilities)
       ['per_leaf']
@@ -294,7 +305,7 @@ AxisName = Optional[Union[str, tuple[str, ...]]]
 def check_axis_name(axis_name, fn: str) -> AxisName:
   """``axis_name``, or a ValueError unless it is None, a name or a tuple of distinct names.
 
-  Example:
+  Examples:
     >>> from commopt._src.base import check_axis_name
     >>> check_axis_name(("node", "local"), "krum")
     ('node', 'local')

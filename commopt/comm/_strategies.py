@@ -521,10 +521,16 @@ def resolve(name: str, compressor: base.Compressor, fn: str,
 
 
 def plan_reduction(compressor: base.Compressor, reduction: Strategy, params, sizes: dict,
-                   axis_name, min_size: int) -> list:
-  """The collectives ``compressed_mean`` runs for ``params`` (see :mod:`commopt.comm._plan`)."""
+                   axis_name, min_size: int, step=None) -> list:
+  """The collectives ``compressed_mean`` runs for ``params`` (see :mod:`commopt.comm._plan`).
+
+  With ``step`` (0-based), what runs at that step: every leaf dense before
+  ``compressor.dense_steps``.
+  """
+  warm_up = step is not None and step < compressor.dense_steps
+
   def compressed(where, leaf):
-    if not tree.compresses(compressor, leaf.shape, leaf.dtype, min_size):
+    if warm_up or not tree.compresses(compressor, leaf.shape, leaf.dtype, min_size):
       return None
     return reduction.plan(compressor, where, leaf.shape, leaf.dtype, axis_name, sizes)
 

@@ -6,16 +6,28 @@ from typing import Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from commopt._src import base
+from commopt._src import base, vma
 from commopt.compressors._registry import register
 
 View = Union[str, Callable[[tuple[int, ...]], tuple[int, int]]]
 
+RESIDUALS = ("aggregate", "local")
+"""What :func:`power_sgd`'s error feedback subtracts (its ``residual`` option)."""
+
 
 class PowerSGDLeafState(NamedTuple):
-  """Per-leaf PowerSGD state: the warm-started right factor ``q`` [m, rank]."""
+  """Per-leaf PowerSGD state.
+
+  Attributes:
+    q: the warm-started right factor ``[m, rank]``: float64 for float64
+      leaves, float32 for every narrower float.
+    count: reductions of this leaf so far (int32), the same on every worker;
+      the first ``start_iter`` of them send the leaf dense.
+  """
   q: jax.Array
+  count: jax.Array
 
 
 def _matrix_shape(shape, view: View) -> tuple[int, int]:
@@ -32,32 +44,96 @@ def _matrix_shape(shape, view: View) -> tuple[int, int]:
   return int(n), int(m)
 
 
-def _orthogonalize(p: jax.Array) -> jax.Array:
-  # Householder QR stays finite for rank-deficient (even zero) inputs, where
-  # Gram-Schmidt would divide by zero.
-  q, _ = jnp.linalg.qr(p, mode="reduced")
-  return q
+def _work_dtype(dtype):
+  """The dtype the factors are computed in: float64 for float64 leaves, else float32."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _orthogonalize(p: jax.Array, epsilon: float = 0.0) -> jax.Array:
+  """Orthonormal columns spanning ``p`` (``[..., n, r]``, batched over leading axes).
+
+  ``epsilon == 0``: Householder QR, which stays finite for rank-deficient
+  (even zero) inputs. ``epsilon > 0``: modified Gram-Schmidt as PyTorch's
+  PowerSGD hook runs it, each column divided by its norm plus ``epsilon`` (a
+  zero column stays zero instead of dividing by zero).
+  """
+  if epsilon == 0:
+    q, _ = jnp.linalg.qr(p, mode="reduced")
+    return q
+  cols = []
+  for i in range(p.shape[-1]):
+    col = p[..., i:i + 1]
+    for done in cols:
+      col = col - jnp.sum(done * col, axis=-2, keepdims=True) * done
+    cols.append(col / (jnp.linalg.norm(col, axis=-2, keepdims=True) + epsilon))
+  return jnp.concatenate(cols, axis=-1)
+
+
+def _transpose(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, -1, -2)
 
 
 def power_sgd(rank: int = 1, *, view: View = "last",
-              min_compression_rate: float = 2.0, seed: int = 0) -> base.Compressor:
+              min_compression_rate: float = 2.0, seed: int = 0, start_iter: int = 0,
+              orthogonalization_epsilon: float = 0.0, residual: str = "aggregate",
+              batched: bool = False) -> base.Compressor:
   """PowerSGD: rank-``r`` compression by one warm-started power iteration.
 
   A leaf is viewed as a matrix ``M`` [n, m]. With the default ``view="last"``
   it is ``[prod(shape[:-1]), shape[-1]]``, which keeps Flax's output features
   (the last axis of dense ``[in, out]`` and conv ``HWIO`` kernels) on one side;
-  ``view="first"`` gives ``[shape[0], prod(shape[1:])]``, and a callable
-  ``shape -> (n, m)`` any other split. One step, over the workers' ``M_w``::
+  ``view="first"`` gives ``[shape[0], prod(shape[1:])]`` (PyTorch's layout
+  rule, for ``[out, in, ...]`` weights), and a callable ``shape -> (n, m)``
+  any other split. One step, over the workers' ``M_w``::
 
     P = mean_w(M_w Q);  P̂ = orth(P);  Q' = mean_w(M_wᵀ P̂);  out = P̂ Q'ᵀ
 
   ``Q'`` is kept as state and warm-starts the next step, so the factors track
   the dominant subspace. Two all-reduces of [n, r] and [m, r] cross the wire.
-  Each worker's own reconstruction ``P̂ (M_wᵀ P̂)ᵀ`` is what error feedback
-  subtracts, so the workers' residuals conserve their inputs exactly.
+  The factors are computed in float64 for float64 leaves and in float32 for
+  every narrower float; they cross the wire in the leaf's dtype.
+
+  Error feedback (``residual``): with ``"aggregate"``, the default, a worker
+  keeps its input less the aggregate ``P̂ Q'ᵀ`` that every worker receives.
+  That is the published algorithm: Algorithm 1 of Vogels et al. compresses
+  and aggregates in one step, whose compressed representation is the
+  all-reduced pair ``(P̂, Q')``, so Algorithm 2's ``e_w ← Δ_w −
+  DECOMPRESS(C(Δ_w))`` subtracts the aggregate, and the authors' code and
+  PyTorch's hook both keep ``input − P̂ Q'ᵀ``. With ``"local"`` a worker keeps
+  its input less its own reconstruction ``P̂ (M_wᵀ P̂)ᵀ``. Since ``P̂`` is shared
+  and ``Q'`` is the mean of the workers' ``M_wᵀ P̂``, the mean of the own
+  reconstructions is the aggregate: both choices leave the same sum of
+  residuals over the workers, hence the same outputs at every step; they
+  split that debt differently among the workers.
+
+  ``start_iter`` steps of dense warm-up: the first ``start_iter`` reductions
+  all-reduce the leaf itself (the exact mean, nothing left to error
+  feedback), later ones run the protocol above. The count lives in the
+  per-leaf state, the same on every worker, so the switch is a ``lax.cond``
+  that works under ``jit`` and ``lax.scan``. A compiled program holds both
+  branches; :func:`commopt.wire.comm_plan` with ``step=`` plans the one that
+  runs (the leaf's bytes before ``start_iter``, the factors' after), as
+  :func:`commopt.wire.record_collectives` records it.
+
+  ``batched=True`` runs the protocol once per group of compressed leaves
+  with the same matrix shape, rank and dtype (through
+  :func:`~commopt.compressed_mean`): their matrices are stacked, so a group
+  makes one all-reduce of its stacked ``P`` and one of its ``Q`` and one
+  batched orthogonalisation, whatever the number of leaves. The results
+  equal the per-leaf protocol's up to float rounding.
 
   Leaves with at most one dimension, or whose compression rate
   ``nm / ((n + m) r)`` is below ``min_compression_rate``, are sent dense.
+
+  The options mirror those of PyTorch's PowerSGD hook
+  (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``):
+  ``matrix_approximation_rank`` is ``rank``, ``start_powerSGD_iter`` is
+  ``start_iter`` (PyTorch's default is 1000, here 0),
+  ``min_compression_rate``, ``orthogonalization_epsilon``,
+  ``batch_tensors_with_same_shape`` is ``batched``, ``random_seed`` is
+  ``seed``, ``use_error_feedback`` is ``compressed_mean``'s
+  ``error_feedback``; the warm start is always on. PyTorch views tensors as
+  ``view="first"`` does.
 
   Args:
     rank: the rank ``r`` of the approximation (positive; clipped to
@@ -65,11 +141,23 @@ def power_sgd(rank: int = 1, *, view: View = "last",
     view: ``"last"``, ``"first"`` or a callable, as above.
     min_compression_rate: leaves compressing less than this go dense.
     seed: seed of the initial ``Q``; it is the same on every worker.
+    start_iter: reductions (optimizer steps) sent dense before compressing;
+      an integer >= 0.
+    orthogonalization_epsilon: 0 (default) orthogonalises ``P`` by
+      Householder QR, which stays finite when ``P`` is rank-deficient; a
+      positive value uses Gram-Schmidt as PyTorch's hook does, adding it to
+      each column's norm before dividing (a zero column stays zero).
+    residual: ``"aggregate"`` (default) or ``"local"``: what error feedback
+      subtracts, as above.
+    batched: run the protocol once per group of same-shaped matrices.
 
   Returns:
-    A :class:`~commopt.Compressor` whose ``reduce`` runs the two-round protocol.
+    A :class:`~commopt.Compressor` whose ``reduce`` runs the two-round
+    protocol (and ``reduce_tree`` the grouped one with ``batched=True``).
+    Its ``encode`` and ``decode`` are the one-worker protocol as a payload,
+    ``(P̂, MᵀP̂)``, which always compresses.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, commopt
     >>> tx = commopt.compressed_mean(
     ...     commopt.power_sgd(rank=1, min_compression_rate=0), min_size=0)
@@ -80,9 +168,12 @@ def power_sgd(rank: int = 1, *, view: View = "last",
 
   References:
     Vogels et al., PowerSGD: Practical Low-Rank Gradient Compression for
-    Distributed Optimization, NeurIPS 2019.
+    Distributed Optimization, NeurIPS 2019 (Algorithms 1 and 2).
+    ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``
+    (PyTorch), whose options these mirror.
   """
-  rank = base.check_positive_int("rank", rank, fn="power_sgd")
+  fn = "power_sgd"
+  rank = base.check_positive_int("rank", rank, fn=fn)
   if not (callable(view) or view in ("last", "first")):
     raise ValueError(
         f"power_sgd: `view` must be 'last', 'first' or a callable shape -> (n, m), "
@@ -95,6 +186,13 @@ def power_sgd(rank: int = 1, *, view: View = "last",
     raise ValueError(
         "power_sgd: `min_compression_rate` must be a number >= 0, got "
         f"{min_compression_rate!r}.")
+  start_iter = base.check_int("start_iter", start_iter, fn=fn, minimum=0)
+  orthogonalization_epsilon = base.check_number(
+      "orthogonalization_epsilon", orthogonalization_epsilon, fn=fn, low=0, low_open=False,
+      what="a number >= 0")
+  base.check_choice("residual", residual, RESIDUALS, fn)
+  if not isinstance(batched, bool):
+    raise ValueError(f"power_sgd: `batched` must be True or False, got {batched!r}.")
 
   def dims(shape):
     n, m = _matrix_shape(shape, view)
@@ -108,39 +206,81 @@ def power_sgd(rank: int = 1, *, view: View = "last",
 
   def init(leaf):
     _, m, r = dims(leaf.shape)
-    q = jax.random.normal(jax.random.PRNGKey(seed), (m, r), jnp.float32)
-    return PowerSGDLeafState(q=q)
+    q = jax.random.normal(jax.random.PRNGKey(seed), (m, r), _work_dtype(leaf.dtype))
+    return PowerSGDLeafState(q=q, count=jnp.zeros([], jnp.int32))
+
+  def compress(mat, q, wire, channel):
+    """The two rounds on ``mat`` ``[..., n, m]`` (work dtype): ``(mean, local, q_next)``."""
+    work = mat.dtype
+    p = channel.mean((mat @ q).astype(wire)).astype(work)
+    p_hat = _orthogonalize(p, orthogonalization_epsilon)
+    # What this worker sends, rounded to the wire dtype so that its own
+    # reconstruction matches its share of the mean exactly.
+    q_local = (_transpose(mat) @ p_hat).astype(wire)
+    q_mean = channel.mean(q_local).astype(work)
+    mean = p_hat @ _transpose(q_mean)
+    local = mean if residual == "aggregate" else p_hat @ _transpose(q_local.astype(work))
+    # An all-zero step (e.g. a frozen layer) would leave Q = 0 and lose the
+    # warm start; keep the previous Q then.
+    q_next = jnp.where(jnp.any(q_mean != 0, axis=(-2, -1), keepdims=True), q_mean, q)
+    return mean, vma.vary_like(local, mat), q_next
+
+  def dense(mat, q, wire, channel):
+    """The warm-up: the exact mean of ``mat``, sent in the wire dtype; nothing is owed."""
+    sent = mat.astype(wire)
+    return channel.mean(sent).astype(mat.dtype), sent.astype(mat.dtype), q
+
+  def reduce_group(xs, states, channel):
+    """The protocol on leaves of one matrix shape and dtype (stacked when several)."""
+    n, m, _ = dims(xs[0].shape)
+    wire = xs[0].dtype
+    single = len(xs) == 1
+    stack = (lambda t: t[0]) if single else jnp.stack
+    mat = stack([x.reshape(n, m).astype(_work_dtype(wire)) for x in xs])
+    q, count = stack([s.q for s in states]), states[0].count
+    if start_iter:
+      mean, local, q_next = jax.lax.cond(
+          count < start_iter, lambda ops: dense(*ops, wire, channel),
+          lambda ops: compress(*ops, wire, channel), (mat, q))
+    else:
+      mean, local, q_next = compress(mat, q, wire, channel)
+    if single:
+      mean, local, q_next = mean[None], local[None], q_next[None]
+    count = optax.safe_int32_increment(count)
+    return [base.Reduced(mean=mean[i].reshape(x.shape).astype(x.dtype),
+                         local=local[i].reshape(x.shape).astype(x.dtype),
+                         state=PowerSGDLeafState(q=q_next[i], count=count))
+            for i, x in enumerate(xs)]
 
   def reduce(x, state, key, channel):
     del key
-    n, m, _ = dims(x.shape)
-    wire = x.dtype
-    mat = x.reshape(n, m).astype(jnp.float32)
-    p = channel.mean((mat @ state.q).astype(wire)).astype(jnp.float32)
-    p_hat = _orthogonalize(p)
-    # What this worker sends, rounded to the wire dtype so that its own
-    # reconstruction matches its share of the mean exactly.
-    q_local = (mat.T @ p_hat).astype(wire)
-    q_mean = channel.mean(q_local).astype(jnp.float32)
-    q_local = q_local.astype(jnp.float32)
-    mean = (p_hat @ q_mean.T).reshape(x.shape).astype(x.dtype)
-    local = (p_hat @ q_local.T).reshape(x.shape).astype(x.dtype)
-    # An all-zero step (e.g. a frozen layer) would leave Q = 0 and lose the
-    # warm start; keep the previous Q then.
-    q_next = jnp.where(jnp.any(q_mean != 0), q_mean, state.q)
-    return base.Reduced(mean=mean, local=local, state=PowerSGDLeafState(q=q_next))
+    return reduce_group([x], [state], channel)[0]
+
+  def reduce_tree(xs, states, keys, channel):
+    del keys
+    groups = {}
+    for i, x in enumerate(xs):
+      groups.setdefault((dims(x.shape), jnp.dtype(x.dtype)), []).append(i)
+    out = [None] * len(xs)
+    for idx in groups.values():
+      for i, got in zip(idx, reduce_group([xs[i] for i in idx], [states[i] for i in idx],
+                                          channel)):
+        out[i] = got
+    return out
 
   def encode(x, state, key):
     # The one-worker protocol as a payload: orthonormal P̂ and Q = Mᵀ P̂.
     del key
     n, m, _ = dims(x.shape)
-    mat = x.reshape(n, m).astype(jnp.float32)
-    p_hat = _orthogonalize(mat @ state.q)
+    mat = x.reshape(n, m).astype(_work_dtype(x.dtype))
+    p_hat = _orthogonalize(mat @ state.q, orthogonalization_epsilon)
     q = mat.T @ p_hat
-    return {"p": p_hat.astype(x.dtype), "q": q.astype(x.dtype)}, PowerSGDLeafState(q=q)
+    payload = {"p": p_hat.astype(x.dtype), "q": q.astype(x.dtype)}
+    return payload, PowerSGDLeafState(q=q, count=optax.safe_int32_increment(state.count))
 
   def decode(payload, state, like):
-    mat = payload["p"].astype(jnp.float32) @ payload["q"].astype(jnp.float32).T
+    work = _work_dtype(like.dtype)
+    mat = payload["p"].astype(work) @ payload["q"].astype(work).T
     return mat.reshape(like.shape).astype(like.dtype)
 
   def payload_bits(shape, dtype):
@@ -157,7 +297,12 @@ def power_sgd(rank: int = 1, *, view: View = "last",
       linear=False,
       accepts=accepts,
       reduce=reduce,
+      reduce_tree=reduce_tree if batched else None,
+      dense_steps=start_iter,
   )
 
 
-register("power_sgd", power_sgd, {"rank": 2}, variants=({"rank": 1, "view": "first"},))
+register("power_sgd", power_sgd, {"rank": 2},
+         variants=({"rank": 1, "view": "first"},
+                   {"rank": 2, "residual": "local", "orthogonalization_epsilon": 1e-8,
+                    "batched": True}))

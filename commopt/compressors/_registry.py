@@ -43,7 +43,7 @@ def register(name: str, factory: Callable[..., base.Compressor],
       defaults, as :func:`make` does) that the shared suite also runs.
     replace: allow replacing an existing entry (else a taken name is refused).
 
-  Example:
+  Examples:
     >>> import commopt
     >>> commopt.compressors.register("half", lambda: commopt.compressors.cast("bfloat16"))
     >>> commopt.compressors.make("half")
@@ -85,9 +85,9 @@ def unregister(name: str) -> None:
 def options(name: str) -> tuple[str, ...]:
   """The options the factory of compressor ``name`` takes.
 
-  Example:
+  Examples:
     >>> import commopt
-    >>> commopt.compressors.options("power_sgd")
+    >>> commopt.compressors.options("power_sgd")[:4]
     ('rank', 'view', 'min_compression_rate', 'seed')
   """
   _check_name(name)
@@ -109,7 +109,7 @@ def make(name: str, **options_) -> base.Compressor:
       take is refused (see :func:`options`), so a misspelt option cannot
       silently fall back to its default.
 
-  Example:
+  Examples:
     >>> import commopt
     >>> commopt.compressors.make("top_k", ratio=0.05)
     Compressor(top_k(ratio=0.05))

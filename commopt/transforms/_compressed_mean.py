@@ -12,7 +12,7 @@ from commopt._src import base, tree
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan, _strategies
-from commopt.comm._channel import exchange, worker_key
+from commopt.comm._channel import Channel, exchange, worker_key
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
 INNER_STRATEGIES = ("auto", "psum", "gather", "two_phase")
@@ -170,7 +170,7 @@ def compressed_mean(
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`CompressedMeanState`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, optax, commopt
     >>> tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), min_size=0),
     ...                  optax.sgd(0.1))
@@ -320,13 +320,21 @@ def compressed_mean(
     new_servers = list(servers)
     memories = [None if tree.is_node(m) else m for m in servers]
 
-    if _is_global(compressor) and compressed and strategy != "hierarchical":
-      # One selection over every compressed leaf; the state is per leaf and unused.
+    tree_protocol = compressor.reduce_tree is not None
+    if (_is_global(compressor) or tree_protocol) and compressed and strategy != "hierarchical":
+      # One selection (or one protocol) over every compressed leaf.
       ps = [_strategies.compensate(leaves[i][1], residuals[i] if error_feedback else None)
             for i in compressed]
-      means, locals_ = _reduce_global(
-          compressor, strategy, [p.astype(leaves[i][1].dtype) for p, i in zip(ps, compressed)],
-          wkey, axis_name)
+      xs = [p.astype(leaves[i][1].dtype) for p, i in zip(ps, compressed)]
+      if tree_protocol:
+        reduced = compressor.reduce_tree(xs, [cstates[i] for i in compressed],
+                                         [jax.random.fold_in(wkey, i) for i in compressed],
+                                         Channel(axis_name))
+        means, locals_ = [r.mean for r in reduced], [r.local for r in reduced]
+        for i, r in zip(compressed, reduced):
+          new_cs[i] = r.state
+      else:
+        means, locals_ = _reduce_global(compressor, strategy, xs, wkey, axis_name)
       for i, p, mean, local in zip(compressed, ps, means, locals_):
         out[i] = mean.astype(leaves[i][1].dtype)
         if error_feedback:
@@ -354,8 +362,10 @@ def compressed_mean(
     )
     return unflat(out), new_state
 
-  return _plan.with_planner(
-      optax.GradientTransformationExtraArgs(init_fn, update_fn),
-      lambda params, workers: _strategies.plan_reduction(
-          compressor, reduction, params, _plan.axis_sizes(axis_name, workers), axis_name,
-          min_size))
+  def planner(params, workers, step=None):
+    return _strategies.plan_reduction(compressor, reduction, params,
+                                      _plan.axis_sizes(axis_name, workers), axis_name,
+                                      min_size, step)
+
+  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                            planner, planner)
