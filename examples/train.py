@@ -24,7 +24,11 @@ Besides the registry's compressors (run through compressed_mean with error
 feedback, then SGD with momentum), ``signum`` runs signSGD with majority vote
 on each worker's momentum: only sign bits cross the wire; ``onebit_adam`` is
 1-bit Adam (dense Adam for ``--freeze-step`` steps, then 1-bit momentum with
-the variance frozen).
+the variance frozen); ``onebit_lamb`` is 1-bit LAMB (the same with LAMB's
+per-layer trust ratio); ``zero_one_adam`` is 0/1 Adam (the variance updated on
+a doubling schedule until ``--freeze-step``, then local steps with 1-bit
+synchronisations ever further apart; each worker keeps its own parameters, and
+test accuracy is the synchronised model).
 
 ``--processes N`` runs the same training as N processes of this machine, each
 simulating ``--workers / N`` CPU devices, joined by ``jax.distributed`` over
@@ -73,6 +77,7 @@ RESUMABLE = frozenset({"compressors", "workers", "processes", "epochs", "max_ste
                        "checkpoint_dir", "resume"})
 LAUNCH_TIMEOUT = 6 * 3600.0   # seconds a --processes run may take in all
 SYNC_MODES = ("bsp", "local_sgd", "diloco", "streaming_diloco", "easgd", "stale")
+ADAPTIVE = ("onebit_adam", "onebit_lamb", "zero_one_adam")   # compressed Adam and LAMB
 
 
 def parse_args(argv=None):
@@ -80,8 +85,9 @@ def parse_args(argv=None):
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--compressors", default="identity,scaled_sign,top_k,power_sgd",
                  help="comma-separated registry names (identity is the dense baseline), "
-                      "signum (majority vote of worker momentum signs), onebit_adam, or dgc (deep "
-                      "gradient compression with its sparsity warm-up)")
+                      "signum (majority vote of worker momentum signs), onebit_adam, onebit_lamb, "
+                      "zero_one_adam, or dgc (deep gradient compression with its sparsity "
+                      "warm-up)")
   p.add_argument("--workers", type=int, default=8, help="simulated CPU devices (data axis size)")
   p.add_argument("--processes", type=int, default=1,
                  help="run as this many processes on this machine, each with --workers / "
@@ -102,9 +108,22 @@ def parse_args(argv=None):
   p.add_argument("--bucket-size", type=int, default=None, help="qsgd: coordinates per norm")
   p.add_argument("--clip", type=float, default=None, help="terngrad: clipping factor")
   p.add_argument("--sign-lr", type=float, default=1e-3, help="signum: step size")
-  p.add_argument("--adam-lr", type=float, default=1e-3, help="onebit_adam: learning rate")
+  p.add_argument("--adam-lr", type=float, default=1e-3,
+                 help="onebit_adam, onebit_lamb, zero_one_adam: learning rate")
+  p.add_argument("--adam-eps", type=float, default=1e-4,
+                 help="onebit_adam, onebit_lamb, zero_one_adam: epsilon (a coordinate whose "
+                      "frozen variance is tiny takes a step of about lr·|1-bit momentum|/eps: "
+                      "1e-8 diverges on this CNN after a 20-step warm-up, 1e-4 trains)")
   p.add_argument("--freeze-step", type=int, default=20,
-                 help="onebit_adam: dense Adam steps before the variance freezes")
+                 help="onebit_adam, onebit_lamb: dense steps before the variance freezes; "
+                      "zero_one_adam: var_freeze_step (steps of its variance phase)")
+  p.add_argument("--var-update-scaler", type=int, default=16,
+                 help="zero_one_adam: variance updates at each interval before it doubles")
+  p.add_argument("--local-step-scaler", type=int, default=16,
+                 help="zero_one_adam: steps at each local-step interval before it doubles "
+                      "(DeepSpeed's default, 32678, is for runs of 100k steps)")
+  p.add_argument("--local-step-clipper", type=int, default=16,
+                 help="zero_one_adam: the largest local-step interval")
   p.add_argument("--tau", type=float, default=None, help="threshold: the threshold tau")
   p.add_argument("--drop-ratio", type=float, default=None,
                  help="gradient_dropping: fraction of coordinates dropped")
@@ -189,7 +208,7 @@ def check_flags(args, valid) -> list[str]:
   if not names:
     sys.exit(f"--compressors: no compressor named in {args.compressors!r}; valid: {valid}")
   if args.sync != "bsp":
-    special = [n for n in names if n in ("signum", "dgc", "onebit_adam")]
+    special = [n for n in names if n in ADAPTIVE + ("signum", "dgc")]
     if special:
       sys.exit(f"--sync {args.sync}: {special} reduce every step by their own rule; with a "
                "synchronisation mode use a registry compressor (identity: dense)")
@@ -266,7 +285,7 @@ def main(argv=None):
   import commopt
   from commopt import launch
   names = check_flags(args, sorted(commopt.compressors.REGISTRY)
-                      + ["signum", "dgc", "onebit_adam"])
+                      + ["signum", "dgc", *ADAPTIVE])
   if args.processes > 1 and launch.ENV_PROCESS_ID not in os.environ:
     return relaunch(args, argv)
   ctx = launch.initialize()          # joins the job (and sets its CPU devices) when launched
@@ -343,9 +362,18 @@ def main(argv=None):
       vote = commopt.majority_vote("data")
       tx = optax.chain(optax.trace(decay=args.momentum), vote, optax.scale(-args.sign_lr))
       return "signum(majority vote)", tx, vote, None
-    if name == "onebit_adam":
-      tx = commopt.onebit_adam(args.adam_lr, args.freeze_step, axis_name="data")
-      return f"onebit_adam(freeze {args.freeze_step})", tx, tx, None
+    if name in ("onebit_adam", "onebit_lamb"):
+      tx = getattr(commopt, name)(args.adam_lr, args.freeze_step, axis_name="data",
+                                  eps=args.adam_eps)
+      return f"{name}(freeze {args.freeze_step})", tx, tx, None
+    if name == "zero_one_adam":
+      tx = commopt.zero_one_adam(args.adam_lr, axis_name="data", eps=args.adam_eps,
+                                 var_freeze_step=args.freeze_step,
+                                 var_update_scaler=args.var_update_scaler,
+                                 local_step_scaler=args.local_step_scaler,
+                                 local_step_clipper=args.local_step_clipper)
+      return (f"zero_one_adam(freeze {args.freeze_step}, H={args.local_step_clipper})", tx, tx,
+              None)
     if name == "dgc":
       e = args.dgc_warmup_epochs
       densities = commopt.transforms.DGC_WARMUP_DENSITIES
@@ -424,10 +452,11 @@ def main(argv=None):
       results[name] = h
       continue
     label, tx, reducer, schedule = optimizer(name)
-    local = args.sync != "bsp"                      # each worker keeps its own parameters
+    # Each worker keeps its own parameters (0/1 Adam between its synchronisations).
+    local = args.sync != "bsp" or name == "zero_one_adam"
     # What these exchange changes from step to step (a synchronisation
     # schedule; 1-bit Adam's dense warm-up): count each step's own plan.
-    stepwise = local or name == "onebit_adam"
+    stepwise = local or name in ADAPTIVE
     trainer = commopt.nnx_data_parallel(model, cross_entropy, tx, mesh, local_params=local)
     state = trainer.init(model)                     # every run starts from the same model
     params = trainer.split(model)[0]                # one worker's parameters
@@ -437,6 +466,9 @@ def main(argv=None):
       (replicated) parameters themselves."""
       if not local:
         return state.params
+      if name == "zero_one_adam":      # the parameters at the last synchronisation
+        return jax.tree.map(lambda p, u: (host(p)[0] - host(u)[0]).astype(p.dtype),
+                            state.params, state.opt_state.inner_state.moved)
       return jax.tree.map(lambda g, p: g.astype(p.dtype), commopt.global_params(state.opt_state),
                           params)
 
@@ -478,11 +510,14 @@ def main(argv=None):
         f"{report.dense_bytes / payload:.1f}x smaller; "
         f"ring-model bytes sent {sent / 1e3:,.1f} kB vs dense all-reduce "
         f"{dense_sent / 1e3:,.1f} kB: {dense_sent / max(sent, 1):.1f}x")
-    if name == "onebit_adam" and args.freeze_step:
+    if name in ADAPTIVE and args.freeze_step:
       warm = wire.comm_plan(reducer, params, args.workers, step=0)
-      say(f"   onebit_adam: the audit above holds both phases (a cond); the first "
-          f"{args.freeze_step} steps all-reduce {warm.contributed_bytes / 1e3:,.1f} kB dense, "
-          f"then the 1-bit momentum")
+      then = ("on a doubling schedule (1-bit gradients between), then 1-bit "
+              "synchronisations ever further apart" if name == "zero_one_adam"
+              else "then the 1-bit momentum")
+      say(f"   {name}: the audit above holds every phase (a cond); the first "
+          f"{args.freeze_step} steps all-reduce {warm.contributed_bytes / 1e3:,.1f} kB dense "
+          f"{then}")
     if schedule:
       # The compiled step holds every warm-up stage's collectives (one switch
       # branch each) but runs one per step: count the stage that runs.
