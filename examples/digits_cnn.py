@@ -7,6 +7,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+import commopt
+
 
 def load_digits_split(seed: int = 0):
   """(x_train, y_train, x_test, y_test): 1797 images in [0, 1], NHWC, split 80/20."""
@@ -28,13 +30,16 @@ class CNN(nnx.Module):
   parameters-only model the benchmarks use.
   """
 
-  def __init__(self, rngs: nnx.Rngs, *, batch_norm: bool = False, dropout: float = 0.0):
+  def __init__(self, rngs: nnx.Rngs, *, batch_norm: bool = False, dropout: float = 0.0,
+               sfb: bool = False):
     self.conv1 = nnx.Conv(1, 32, (3, 3), rngs=rngs)
     self.conv2 = nnx.Conv(32, 64, (3, 3), rngs=rngs)
     self.bn = nnx.BatchNorm(64, rngs=rngs) if batch_norm else None
-    self.fc1 = nnx.Linear(8 * 8 * 64, 256, rngs=rngs)
+    # sfb: the dense layers send sufficient factors where they cost less (commopt.SFBLinear).
+    linear = commopt.SFBLinear if sfb else nnx.Linear
+    self.fc1 = linear(8 * 8 * 64, 256, rngs=rngs)
     self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None
-    self.fc2 = nnx.Linear(256, 10, rngs=rngs)
+    self.fc2 = linear(256, 10, rngs=rngs)
 
   def __call__(self, x):
     x = nnx.relu(self.conv1(x))

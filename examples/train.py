@@ -86,8 +86,8 @@ def parse_args(argv=None):
   p.add_argument("--compressors", default="identity,scaled_sign,top_k,power_sgd",
                  help="comma-separated registry names (identity is the dense baseline), "
                       "signum (majority vote of worker momentum signs), onebit_adam, onebit_lamb, "
-                      "zero_one_adam, or dgc (deep gradient compression with its sparsity "
-                      "warm-up)")
+                      "zero_one_adam, fetch_sgd (momentum and error in a count sketch), or dgc "
+                      "(deep gradient compression with its sparsity warm-up)")
   p.add_argument("--workers", type=int, default=8, help="simulated CPU devices (data axis size)")
   p.add_argument("--processes", type=int, default=1,
                  help="run as this many processes on this machine, each with --workers / "
@@ -132,6 +132,11 @@ def parse_args(argv=None):
                  help="dgc: epochs of sparsity warm-up (0: none)")
   p.add_argument("--clip-norm", type=float, default=None, help="dgc: global gradient clip norm")
   p.add_argument("--no-error-feedback", action="store_true")
+  p.add_argument("--sfb", action="store_true",
+                 help="sufficient-factor broadcasting: the CNN's dense layers are "
+                      "commopt.SFBLinear, and a layer whose factors (its input and output "
+                      "gradient, rows·(in + out) values per worker) cost less than its weight "
+                      "gradient sends them instead (fc1); the others go through the compressor")
   p.add_argument("--sync", default="bsp", choices=SYNC_MODES,
                  help="when workers exchange: every step (bsp), or a mode of commopt's "
                       "(the compressor then compresses what the mode exchanges)")
@@ -208,13 +213,19 @@ def check_flags(args, valid) -> list[str]:
   if not names:
     sys.exit(f"--compressors: no compressor named in {args.compressors!r}; valid: {valid}")
   if args.sync != "bsp":
-    special = [n for n in names if n in ADAPTIVE + ("signum", "dgc")]
+    special = [n for n in names if n in ADAPTIVE + ("signum", "dgc", "fetch_sgd")]
     if special:
       sys.exit(f"--sync {args.sync}: {special} reduce every step by their own rule; with a "
                "synchronisation mode use a registry compressor (identity: dense)")
     for flag, value in (("--period", args.period), ("--fragments", args.fragments)):
       if value < 1:
         sys.exit(f"{flag} must be >= 1, got {value}")
+  if args.sfb:
+    special = [n for n in names if n in ADAPTIVE + ("signum", "dgc", "fetch_sgd")]
+    if args.sync != "bsp" or special:
+      sys.exit(f"--sfb sends the dense layers' factors every step, beside a registry "
+               f"compressor: use it with --sync bsp and registry compressors, not --sync "
+               f"{args.sync}" + (f" and {special}" if special else ""))
   if args.byte_budget is not None and (args.sync != "stale" or names != ["identity"]):
     sys.exit(f"--byte-budget {args.byte_budget} is for --sync stale with --compressors "
              f"identity (the budget chooses what is sent), got --sync {args.sync} and "
@@ -285,7 +296,7 @@ def main(argv=None):
   import commopt
   from commopt import launch
   names = check_flags(args, sorted(commopt.compressors.REGISTRY)
-                      + ["signum", "dgc", *ADAPTIVE])
+                      + ["signum", "dgc", "fetch_sgd", *ADAPTIVE])
   if args.processes > 1 and launch.ENV_PROCESS_ID not in os.environ:
     return relaunch(args, argv)
   ctx = launch.initialize()          # joins the job (and sets its CPU devices) when launched
@@ -320,7 +331,7 @@ def main(argv=None):
     steps_per_epoch = min(steps_per_epoch, args.steps_per_epoch)
   mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[:args.workers])
   replicated = NamedSharding(mesh, P())
-  model = CNN(nnx.Rngs(args.seed), batch_norm=True, dropout=args.dropout)
+  model = CNN(nnx.Rngs(args.seed), batch_norm=True, dropout=args.dropout, sfb=args.sfb)
   model.train()
   graphdef = nnx.graphdef(model)
 
@@ -374,6 +385,12 @@ def main(argv=None):
                                  local_step_clipper=args.local_step_clipper)
       return (f"zero_one_adam(freeze {args.freeze_step}, H={args.local_step_clipper})", tx, tx,
               None)
+    if name == "fetch_sgd":
+      # FetchSGD: momentum and error in one 5 x 20,000 count sketch of the whole
+      # model (shared by every worker); the top 10,000 of its estimates move.
+      tx = commopt.fetch_sgd(4 * args.lr, 10_000, 5, 20_000, momentum=args.momentum,
+                             axis_name="data")
+      return "fetch_sgd(k 10000, 5x20000)", tx, tx, None
     if name == "dgc":
       e = args.dgc_warmup_epochs
       densities = commopt.transforms.DGC_WARMUP_DENSITIES
@@ -390,6 +407,10 @@ def main(argv=None):
     compressor, strategy = make_compressor(name)
     label = compressor.name if strategy == "auto" else f"{compressor.name} [{strategy}]"
     reducer = commopt.compressed_mean(compressor, "data", error_feedback=ef, strategy=strategy)
+    if args.sfb:
+      # The dense layers' factors first; every other leaf through the compressor.
+      reducer = commopt.sfb_mean("data", batch // args.workers, commopt.sfb_mask, other=reducer)
+      label = f"sfb + {label}"
     tx = optax.chain(reducer, optax.sgd(args.lr, momentum=args.momentum))
     return label, tx, reducer, None
 

@@ -22,6 +22,11 @@ BF16_SUM = {"cast"}
 # gathered sum, the compiler may contract it with the add (one FMA), a rounding
 # the separate decode makes. Every other decoder's one-pass sum is bit-identical.
 INEXACT_DECODE = {"qsgd", "int_quant"}
+# Decoders built from an SVD: a last-bit change of the input (a running mean
+# against a sum) moves the singular vectors by ~eps·‖M‖/gap, and the sent
+# triples are scaled by 1/p (~120 here), so the output moves by ~1e-5 of its
+# largest entry.
+SVD_BASED = {"atomo"}
 
 
 @pytest.mark.parametrize("name,opts", CASES, ids=IDS)
@@ -90,7 +95,7 @@ def test_state_keeps_its_types_through_lax_cond(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_multi_steps_applies_the_mean_of_the_accumulated_inputs(name):
-  checks.multi_steps_accumulates(make(name))
+  checks.multi_steps_accumulates(make(name), atol=2e-3 if name in SVD_BASED else 1e-6)
 
 
 STATELESS = [n for n in NAMES if base.is_stateless_per_leaf(make(n))]

@@ -151,7 +151,32 @@ def test_demo_runs_onebit_adam(tmp_path):
   assert np.isfinite(h["loss"]).all()
 
 
+def test_demo_runs_zero_one_adam_and_onebit_lamb(tmp_path):
+  run(["examples/train.py", "--compressors", "zero_one_adam,onebit_lamb", "--freeze-step", "2",
+       "--local-step-scaler", "1", "--workers", "4", "--epochs", "1", "--max-steps", "8",
+       "--out", str(tmp_path)], tmp_path)
+  runs = json.loads((tmp_path / "train_metrics.json").read_text())
+  for name in ("zero_one_adam", "onebit_lamb"):
+    assert np.isfinite(runs[name]["loss"]).all(), name
+  # 0/1 Adam skips rounds after the freeze: those steps send only the batch
+  # statistics, less than a 1-bit round, itself far less than a dense step.
+  per_step = np.diff([0.0] + runs["zero_one_adam"]["bytes_sent"])
+  rounds = sorted(set(per_step[2:]))
+  assert len(rounds) == 2 and rounds[0] < rounds[1] < per_step[0] / 15, per_step
+
+
+def test_demo_sends_sufficient_factors(tmp_path):
+  out = run(["examples/train.py", "--compressors", "identity", "--sfb", "--workers", "4",
+             "--epochs", "1", "--max-steps", "3", "--out", str(tmp_path)], tmp_path)
+  assert "sfb + identity" in out
+  h = json.loads((tmp_path / "train_metrics.json").read_text())["identity"]
+  # fc1 (4096 x 256) goes as 32 rows of factors per worker: far fewer bytes than dense.
+  assert np.isfinite(h["loss"]).all()
+  assert "x smaller" in out and "HLO audit" in out
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--sfb", "--sync", "diloco"], "--sfb sends the dense layers' factors every step"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--sync", "diloco", "--compressors", "signum"],
      "--sync diloco: ['signum'] reduce every step by their own rule"),

@@ -5,11 +5,13 @@ One small module per family, each registering its factories beside them
 sign, 1-bit), ``_levels`` (TernGrad, QSGD, natural, int8/int4, adaptive
 levels), ``_coding`` (QSGD's Elias coding cost), ``_sparse`` (sparse payload
 primitives), ``_topk``, ``_random`` (random-k, variance-balanced),
-``_threshold`` (threshold, gradient dropping, AdaComp) and ``_lowrank``
-(PowerSGD).
+``_threshold`` (threshold, gradient dropping, AdaComp), ``_lowrank``
+(PowerSGD), ``_atomo`` (ATOMO), ``_sketch`` (count sketch, SketchSGD) and
+``_sketchml`` (SketchML).
 """
 
 from commopt._src.base import CAPABILITIES, EmptyState
+from commopt.compressors._atomo import atomo
 from commopt.compressors._basic import cast, identity
 from commopt.compressors._coding import qsgd_coded_bits, qsgd_elias_bits
 from commopt.compressors._levels import adaptive_levels, int_quant, natural, qsgd, terngrad
@@ -25,13 +27,16 @@ from commopt.compressors._registry import (
     unregister,
 )
 from commopt.compressors._sign import onebit, scaled_sign, sign
+from commopt.compressors._sketch import CountSketchState, count_sketch, sketch_sgd
+from commopt.compressors._sketchml import sketchml
 from commopt.compressors._threshold import AdaCompState, adacomp, gradient_dropping, threshold
 from commopt.compressors._topk import top_k
 
 __all__ = [
     "AdaCompState", "CAPABILITIES", "DEFAULTS", "EmptyState", "PowerSGDLeafState", "REGISTRY",
-    "RandomKState", "VARIANTS", "adacomp", "adaptive_levels", "cast", "gradient_dropping",
+    "RandomKState", "VARIANTS", "adacomp", "adaptive_levels", "atomo", "cast", "gradient_dropping",
     "identity", "int_quant", "make", "natural", "onebit", "options", "power_sgd", "qsgd",
     "qsgd_coded_bits", "qsgd_elias_bits", "random_k", "register", "scaled_sign", "sign",
+    "CountSketchState", "count_sketch", "sketch_sgd", "sketchml",
     "terngrad", "threshold", "top_k", "unregister", "variance_balanced",
 ]

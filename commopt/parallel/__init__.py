@@ -13,19 +13,21 @@ from commopt.parallel._data_parallel import DataParallel, Layout, data_parallel
 from commopt.parallel._layout import local_value_and_grad, stack_workers, unstack_workers
 
 _NNX = ("NnxDataParallel", "NnxTrainState", "nnx_data_parallel")
+_SFB_NNX = ("SFBKernel", "SFBLinear", "sfb_mask")
 
 
 def __getattr__(name):
   # Flax is needed only for nnx models: it is imported on first use.
-  if name in _NNX:
+  if name in _NNX + _SFB_NNX:
     try:
-      from commopt.parallel import _nnx
+      from commopt.parallel import _nnx, _sfb_nnx
     except ImportError as e:
       raise ImportError(
           f"commopt.{name} needs flax (`pip install flax`, or commopt's `nnx` extra: "
           f"`pip install commopt[nnx]`): {e}") from e
-    return getattr(_nnx, name)
+    return getattr(_nnx if name in _NNX else _sfb_nnx, name)
   raise AttributeError(f"module 'commopt.parallel' has no attribute {name!r}")
 
-__all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "data_parallel",
-           "local_value_and_grad", "nnx_data_parallel", "stack_workers", "unstack_workers"]
+__all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "SFBKernel", "SFBLinear",
+           "data_parallel", "local_value_and_grad", "nnx_data_parallel", "sfb_mask",
+           "stack_workers", "unstack_workers"]

@@ -318,8 +318,14 @@ def cond_state_stability(compressor: base.Compressor) -> None:
       f"{compressor.name}: the state changes types through an update")
 
 
-def multi_steps_accumulates(compressor: base.Compressor, every: int = 2) -> None:
-  """Inside ``multi_steps``: zeros until the k-th input, then the update of their mean."""
+def multi_steps_accumulates(compressor: base.Compressor, every: int = 2, *,
+                            atol: float = 1e-6) -> None:
+  """Inside ``multi_steps``: zeros until the k-th input, then the update of their mean.
+
+  The running mean ``multi_steps`` keeps and the mean computed here differ in
+  their last bits; ``atol`` allows for compressors that amplify that (an SVD's
+  singular vectors move by about ``eps · ‖M‖ / gap``).
+  """
   tx = _tx(compressor)
   acc = multi_steps(tx, every)
   state = acc.init(params_like())
@@ -332,7 +338,7 @@ def multi_steps_accumulates(compressor: base.Compressor, every: int = 2) -> None
   mean = jax.tree.map(lambda *xs: sum(xs) / every, *us)
   want, _ = jax.jit(tx.update)(mean, tx.init(params_like()))
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=compressor.name)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol, err_msg=compressor.name)
 
 
 def chunked_strategies(compressor: base.Compressor, mesh, mesh2d, *,

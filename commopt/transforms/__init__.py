@@ -20,8 +20,17 @@ from commopt.transforms._dgc import (
     scheduled_top_k,
     warmup_density,
 )
+from commopt.transforms._fetchsgd import FetchSGDState, fetch_sgd
 
-from commopt.transforms._onebit import OneBitAdamState, onebit_adam
+from commopt.transforms._onebit import (
+    OneBitAdamState,
+    OneBitLambState,
+    ZeroOneAdamState,
+    onebit_adam,
+    onebit_lamb,
+    zero_one_adam,
+)
+from commopt.transforms._sfb import sfb_dense, sfb_mean, sfb_pays
 from commopt.transforms._sync import (
     EASGDState,
     HierarchicalLocalSGDState,
@@ -44,7 +53,9 @@ __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
            "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState",
            "HierarchicalLocalSGDState", "MultiStepsState", "OneBitAdamState", "PeriodicState",
            "apply_if_finite", "budget_top_k", "compressed_mean", "compresses", "dgc", "diloco",
+           "fetch_sgd", "FetchSGDState",
            "easgd", "fragment_of", "global_params", "is_sync_step", "sync_levels",
-           "local_sgd", "multi_steps", "onebit_adam", "stale", "StaleState", "streaming_diloco",
+           "local_sgd", "multi_steps", "onebit_adam", "onebit_lamb", "OneBitLambState",
+           "zero_one_adam", "ZeroOneAdamState", "stale", "StaleState", "streaming_diloco",
            "StreamingDiLoCoState",
-           "scheduled_top_k", "warmup_density"]
+           "scheduled_top_k", "sfb_dense", "sfb_mean", "sfb_pays", "warmup_density"]
