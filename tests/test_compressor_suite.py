@@ -46,6 +46,9 @@ def test_vmap_workers_equal_shard_map_workers(name, opts, mesh):
                                atol=3e-2 if name in BF16_SUM else 1e-6)
 
 
+# The heaviest family of the suite (about 3 of the default tier's minutes on 2
+# cores): it runs in the slow tier, which CI also runs.
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name,opts", CASES, ids=IDS)
 def test_gathered_sum_in_one_pass_equals_decoding_each_payload(name, opts, dtype):

@@ -38,8 +38,9 @@ class SFBLinear(nnx.Module):
     >>> layer = commopt.SFBLinear(8, 4, rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((2, 8))).shape
     (2, 4)
-    >>> mask = commopt.sfb_mask(nnx.state(layer, nnx.Param))
-    >>> bool(mask["kernel"][...]), bool(mask["bias"][...])
+    >>> _, params = nnx.split(layer, nnx.Param)
+    >>> mask = commopt.sfb_mask(params)
+    >>> mask["kernel"].get_value(), mask["bias"].get_value()
     (True, False)
 
   References:
