@@ -10,6 +10,16 @@ from flax import nnx
 import commopt
 
 
+def notebook_settings():
+  """(small, out): the notebooks' ``COMMOPT_NOTEBOOK_SMALL=1`` switch and their plot folder
+  (``COMMOPT_NOTEBOOK_OUT``, default ``runs/notebooks``), created."""
+  import os
+  import pathlib
+  out = pathlib.Path(os.environ.get("COMMOPT_NOTEBOOK_OUT", "runs/notebooks"))
+  out.mkdir(parents=True, exist_ok=True)
+  return os.environ.get("COMMOPT_NOTEBOOK_SMALL") == "1", out
+
+
 def load_digits_split(seed: int = 0):
   """(x_train, y_train, x_test, y_test): 1797 images in [0, 1], NHWC, split 80/20."""
   from sklearn.datasets import load_digits

@@ -168,7 +168,7 @@ def _denominator(nu, eps):
 
 def _adam_step(mu, nu, eps, weight_decay, params):
   """``m / (√v + ε) + weight_decay · θ``."""
-  step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+  step = jax.tree.map(lambda m, d: m / d, mu, _denominator(nu, eps))
   if weight_decay:
     step = jax.tree.map(lambda s, p: s + weight_decay * _wide(p), step, params)
   return step

@@ -36,7 +36,6 @@
 # Set `COMMOPT_NOTEBOOK_SMALL=1` for four methods and a few steps.
 
 # %%
-import os
 import pathlib
 import sys
 import time
@@ -57,11 +56,9 @@ from commopt import wire
 
 HERE = pathlib.Path(globals().get("__file__", pathlib.Path.cwd() / "notebook.py")).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from digits_cnn import load_digits_split, model_fns  # noqa: E402
+from digits_cnn import load_digits_split, model_fns, notebook_settings  # noqa: E402
 
-SMALL = os.environ.get("COMMOPT_NOTEBOOK_SMALL") == "1"
-OUT = pathlib.Path(os.environ.get("COMMOPT_NOTEBOOK_OUT", "runs/notebooks"))
-OUT.mkdir(parents=True, exist_ok=True)
+SMALL, OUT = notebook_settings()
 WORKERS = 8
 ROWS = 16                                      # per worker per step: a global batch of 128
 STEPS = 10 if SMALL else 360                   # 360 steps: about 32 epochs

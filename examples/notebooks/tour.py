@@ -28,7 +28,6 @@
 # Set `COMMOPT_NOTEBOOK_SMALL=1` for a shorter training run.
 
 # %%
-import os
 import pathlib
 import sys
 
@@ -48,11 +47,9 @@ from commopt import wire
 
 HERE = pathlib.Path(globals().get("__file__", pathlib.Path.cwd() / "notebook.py")).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from digits_cnn import load_digits_flat, mlp_fns  # noqa: E402
+from digits_cnn import load_digits_flat, mlp_fns, notebook_settings  # noqa: E402
 
-SMALL = os.environ.get("COMMOPT_NOTEBOOK_SMALL") == "1"
-OUT = pathlib.Path(os.environ.get("COMMOPT_NOTEBOOK_OUT", "runs/notebooks"))
-OUT.mkdir(parents=True, exist_ok=True)
+SMALL, OUT = notebook_settings()
 STEPS = 40 if SMALL else 300
 
 # %% [markdown]

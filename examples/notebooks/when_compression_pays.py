@@ -36,7 +36,6 @@
 # Set `COMMOPT_NOTEBOOK_SMALL=1` for a small MLP, three methods and a short run (seconds).
 
 # %%
-import os
 import pathlib
 import statistics
 import sys
@@ -58,11 +57,9 @@ from commopt.sim import network
 # examples/, for the digits and the MLP (as a script, or in Jupyter from this folder).
 HERE = pathlib.Path(globals().get("__file__", pathlib.Path.cwd() / "notebook.py")).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from digits_cnn import load_digits_flat, mlp_fns  # noqa: E402
+from digits_cnn import load_digits_flat, mlp_fns, notebook_settings  # noqa: E402
 
-SMALL = os.environ.get("COMMOPT_NOTEBOOK_SMALL") == "1"
-OUT = pathlib.Path(os.environ.get("COMMOPT_NOTEBOOK_OUT", "runs/notebooks"))
-OUT.mkdir(parents=True, exist_ok=True)
+SMALL, OUT = notebook_settings()
 HIDDEN = 256 if SMALL else 2048
 STEPS = 12 if SMALL else 60
 TIMED = 3 if SMALL else 20
