@@ -4,7 +4,10 @@
 
 - ``save``: STEPS steps, saving a checkpoint at step SAVE_AT into ``OUT/ckpt``;
   writes ``OUT/uninterrupted.npz`` (final params and optimizer state).
-- ``resume``: restores ``OUT/ckpt`` and runs on to STEPS; writes ``OUT/resumed.npz``.
+- ``resume``: first checks that every process refuses a copy of ``OUT/ckpt`` with
+  one bit flipped in one worker's residual (only the process holding that shard
+  can see it); then restores ``OUT/ckpt`` and runs on to STEPS; writes
+  ``OUT/resumed.npz``.
 - ``resize``: restores ``OUT/ckpt`` onto this run's workers (fewer) and trains
   on; writes ``OUT/resized.npz`` with the workers' mean residual restored and
   the losses.
@@ -51,6 +54,57 @@ def host(tree):
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
 
 
+def read_alone(path):
+  """Every leaf as orbax reads it without commopt's checks (whole, on a local device)."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  with ocp.StandardCheckpointer() as ckpt:
+    tree = ckpt.metadata(path).item_metadata.tree
+    got = ckpt.restore(path, jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree))
+  return {jax.tree_util.keystr(k): np.asarray(v)
+          for k, v in jax.tree_util.tree_flatten_with_path(got)[0]}
+
+
+def refuses_damaged_copy(ctx, out, dp, params):
+  """One bit flipped in the stored residual of one worker: every process raises."""
+  import shutil
+
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from commopt import checkpoint
+  before = read_alone(out / "ckpt")
+  largest = max((f for f in (out / "ckpt").rglob("*") if f.is_file() and f.parent.name == "d"),
+                key=lambda f: f.stat().st_size)
+  for n, point in enumerate((0.5, 0.3, 0.7, 0.2, 0.8, 0.1, 0.9)):
+    damaged = out / f"damaged{n}"
+    if ctx.is_main:
+      shutil.copytree(out / "ckpt", damaged)
+      data = damaged / largest.relative_to(out / "ckpt")
+      raw = bytearray(data.read_bytes())
+      raw[int(len(raw) * point)] ^= 0x10
+      data.write_bytes(bytes(raw))
+    multihost_utils.sync_global_devices(f"damaged copy {n}")
+    try:
+      after = read_alone(damaged)           # the same files, the same outcome in every process
+    except ValueError:
+      continue
+    changed = [k for k in before if not np.array_equal(after[k], before[k], equal_nan=True)]
+    if changed == ["['opt_state']['inner_state'][0]['residual']['w']"]:
+      break
+  else:
+    raise AssertionError("no point of the largest data file changes one residual alone")
+  try:
+    checkpoint.restore(damaged, dp, params)
+  except checkpoint.CorruptCheckpointError as e:
+    assert "inner_state[0].residual['w']" in str(e), e
+  else:
+    raise AssertionError(f"process {ctx.process_id} restored a damaged checkpoint")
+
+
 if __name__ == "__main__":
   from commopt import launch
   ctx = launch.initialize()
@@ -71,6 +125,8 @@ if __name__ == "__main__":
     result = host((p, s))
     name = "uninterrupted"
   else:
+    if mode == "resume":
+      refuses_damaged_copy(ctx, out, dp, params)
     got = checkpoint.restore(out / "ckpt", dp, params)
     assert got.step == SAVE_AT, got.step
     p, s, losses = got.params, got.opt_state, []

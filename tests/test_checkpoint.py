@@ -230,3 +230,214 @@ def test_per_worker_parameters_restore_onto_half_the_workers(tmp_path):
   with pytest.raises(ValueError, match=r"resize_params: parameters are per worker only with "
                                        r"local_params=True"):
     _run((4,), ("data",), REDUCERS["scaled_sign"]).resize_params(p, params)
+
+
+# --- damaged checkpoints are detected -------------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+CorruptCheckpointError = checkpoint.CorruptCheckpointError
+EARLIER = r"restore an earlier checkpoint"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """Checkpoints of one step on 8 workers: with per-worker residuals (``min_size=0``) and
+  without (every leaf dense, so all state is replicated). Tests damage copies."""
+  out = {}
+  for name, min_size in (("per_worker", 0), ("replicated", 10**9)):
+    dp = _run((8,), ("data",), lambda a, m=min_size: commopt.compressed_mean(
+        commopt.scaled_sign(), a, min_size=m))
+    params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+    p, s, _ = dp.step(params, dp.init(params), _batches(1)[0])
+    path = pathlib.Path(checkpoint.save(tmp_path_factory.mktemp("saved") / name, p, s, step=1))
+    out[name] = (dp, params, p, s, path)
+  return out
+
+
+def _copy(saved, name, tmp_path):
+  dp, params, p, s, path = saved[name]
+  return dp, params, (p, s), shutil.copytree(path, tmp_path / "ck")
+
+
+def _read_with_orbax_alone(path):
+  """Every leaf as orbax reads it, without commopt's checks, by key path."""
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  with ocp.StandardCheckpointer() as ckpt:
+    tree = ckpt.metadata(path).item_metadata.tree
+    got = ckpt.restore(path, jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), tree))
+  return {_resize.path_key(k): np.asarray(v)
+          for k, v in jax.tree_util.tree_flatten_with_path(got)[0]}
+
+
+def _flip_one_bit(original, tmp_path, wanted):
+  """A copy of ``original`` with one bit flipped inside the stored chunks of a leaf whose key
+  path ``wanted`` accepts, and that leaf's key path: points of the largest data file are
+  tried (chunks are laid out in the order they were written) until orbax, reading the copy
+  without commopt's checks, returns that leaf changed and the others intact."""
+  before = _read_with_orbax_alone(original)
+  largest = max((f for f in original.rglob("*") if f.is_file() and f.parent.name == "d"),
+                key=lambda f: f.stat().st_size)
+  for n, point in enumerate((0.5, 0.3, 0.7, 0.2, 0.8, 0.1, 0.9)):
+    path = shutil.copytree(original, tmp_path / f"ck{n}")
+    data = path / largest.relative_to(original)
+    raw = bytearray(data.read_bytes())
+    raw[int(len(raw) * point)] ^= 0x10
+    data.write_bytes(bytes(raw))
+    try:
+      after = _read_with_orbax_alone(path)
+    except ValueError:                      # orbax noticed this one
+      continue
+    changed = [k for k in before if not np.array_equal(after[k], before[k], equal_nan=True)]
+    if len(changed) == 1 and wanted(changed[0]):
+      return path, changed[0]
+  pytest.fail(f"no point of {largest} changes exactly one leaf that {wanted} accepts")
+
+
+@pytest.mark.parametrize("name", ["per_worker", "replicated"])
+def test_flipped_bits_in_a_saved_array_are_detected(name, saved, tmp_path):
+  dp, params, p, s, original = saved[name]
+  # Orbax alone reads the changed bit as a wrong number, without a word ...
+  path, leaf = _flip_one_bit(original, tmp_path,
+                             lambda k: ("residual" in k) == (name == "per_worker"))
+  keypath = {_resize.path_key(k): jax.tree_util.keystr(k) for k, _ in
+             jax.tree_util.tree_flatten_with_path({"params": p, "opt_state": s})[0]}[leaf]
+  message = (rf"checkpoint {re.escape(repr(str(path)))} is corrupt: the data read for the leaf "
+             rf"{re.escape(keypath)} differs from the checksum recorded when it was saved "
+             rf"\({checkpoint.CHECKSUMS}\).*{EARLIER}")
+  # ... restore names the leaf, whether it reads the shards as saved or whole (resized).
+  with pytest.raises(CorruptCheckpointError, match=message):
+    checkpoint.restore(path, dp, params)
+  if name == "per_worker":
+    with pytest.raises(CorruptCheckpointError, match=message):
+      checkpoint.restore(path, _run((4,), ("data",), REDUCERS["scaled_sign"]), params)
+
+
+def _damage(file: pathlib.Path, how: str):
+  raw = file.read_bytes()
+  if how == "delete":
+    file.unlink()
+  elif how == "truncate":
+    file.write_bytes(raw[:len(raw) // 2])
+  else:                                     # garble: a stray byte in the middle
+    file.write_bytes(raw[:len(raw) // 2] + b"\x00" + raw[len(raw) // 2 + 1:])
+
+
+@pytest.mark.parametrize("file,how,problem", [
+    ("_METADATA", "truncate", "orbax's tree metadata _METADATA is truncated or garbled"),
+    ("_METADATA", "garble", "orbax's tree metadata _METADATA is truncated or garbled"),
+    ("_METADATA", "delete", "orbax's tree metadata _METADATA is missing"),
+    ("_CHECKPOINT_METADATA", "truncate",
+     "orbax's checkpoint metadata _CHECKPOINT_METADATA is truncated or garbled"),
+    ("_CHECKPOINT_METADATA", "garble",
+     "orbax's checkpoint metadata _CHECKPOINT_METADATA is truncated or garbled"),
+    ("_CHECKPOINT_METADATA", "delete",
+     "orbax's checkpoint metadata _CHECKPOINT_METADATA is missing"),
+    ("manifest.ocdbt", "truncate",
+     "orbax cannot read the metadata of its arrays .*manifest.ocdbt.*Error decoding manifest"),
+    (checkpoint.CHECKSUMS, "truncate",
+     f"the checksum file {checkpoint.CHECKSUMS} has changed since it was written"),
+    (checkpoint.CHECKSUMS, "garble",
+     f"the checksum file {checkpoint.CHECKSUMS} has changed since it was written"),
+    (checkpoint.CHECKSUMS, "delete",
+     f"_CHECKPOINT_METADATA records a checksum file {checkpoint.CHECKSUMS}, but it is missing"),
+])
+def test_damaged_metadata_names_the_file_and_what_is_wrong(file, how, problem, saved, tmp_path):
+  dp, params, _, path = _copy(saved, "per_worker", tmp_path)
+  _damage(path / file, how)
+  with pytest.raises(CorruptCheckpointError,
+                     match=rf"checkpoint {re.escape(repr(str(path)))} is corrupt: {problem}"
+                           rf".*{EARLIER}"):
+    checkpoint.restore(path, dp, params)
+
+
+def test_a_checkpoint_without_checksums_restores_unverified(saved, tmp_path):
+  dp, params, (p, s), _ = _copy(saved, "per_worker", tmp_path)
+  # As checkpoints were written before checksums: orbax alone, the same tree.
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "old", {"params": p, "opt_state": s, "step": np.asarray(1, np.int64)})
+  assert not (tmp_path / "old" / checkpoint.CHECKSUMS).exists()
+  got = checkpoint.restore(tmp_path / "old", dp, params)
+  assert got.step == 1
+  jax.tree.map(np.testing.assert_array_equal, host((got.params, got.opt_state)), host((p, s)))
+
+
+def test_restoring_into_another_dtype_verifies_then_casts(saved, tmp_path):
+  dp, params, (p, s), path = _copy(saved, "per_worker", tmp_path)
+  half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  got = checkpoint.restore(path, dp, half)
+  assert got.params["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got.params["w"]),
+                                np.asarray(p["w"].astype(jnp.bfloat16)))
+
+
+KILLED_SAVE = """
+import pathlib, sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, numpy as np, optax
+import commopt
+from commopt import checkpoint
+
+out = pathlib.Path(sys.argv[1])
+tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
+                 optax.sgd(0.2, momentum=0.9))
+dp = commopt.data_parallel(lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2), tx,
+                           jax.make_mesh((8,), ("data",)), donate=False)
+params = {"w": jnp.full((64, 48), 0.5), "b": jnp.zeros(48)}
+state = dp.init(params)
+checkpoint.save(out / "step_1", params, state, step=1)
+
+
+def stalls(directory, data):
+  # Every array written, the checksum file half written: the process is killed here.
+  with open(pathlib.Path(directory) / checkpoint.CHECKSUMS, "wb") as f:
+    f.write(data[:len(data) // 2])
+  (out / "stalled").write_text(str(directory))
+  time.sleep(600)
+
+
+checkpoint._write_checksums = stalls
+checkpoint.save(out / "step_2", jax.tree.map(lambda x: x + 1, params), state, step=2)
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_nothing_that_restores(tmp_path):
+  script = tmp_path / "killed_save.py"
+  script.write_text(KILLED_SAVE)
+  out = tmp_path / "run"
+  out.mkdir()
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, PYTHONPATH=str(root))
+  with open(tmp_path / "log.txt", "wb") as log:
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+      deadline = time.monotonic() + 240
+      while not (out / "stalled").exists():
+        assert proc.poll() is None, (tmp_path / "log.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the save never reached its checksum file"
+        time.sleep(0.2)
+    finally:
+      proc.kill()
+      proc.wait()
+  temporary = pathlib.Path((out / "stalled").read_text())
+  assert temporary.parent == out and temporary.name != "step_2" and temporary.is_dir()
+  assert not (out / "step_2").exists()                  # never committed
+  dp = _run((8,), ("data",), REDUCERS["scaled_sign"])
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+  with pytest.raises(ValueError, match=r"`directory` .*step_2' does not exist"):
+    checkpoint.restore(out / "step_2", dp, params)
+  with pytest.raises(CorruptCheckpointError, match=EARLIER):  # the remains do not restore either
+    checkpoint.restore(temporary, dp, params)
+  got = checkpoint.restore(out / "step_1", dp, params)     # the previous checkpoint, verified
+  assert got.step == 1
+  np.testing.assert_array_equal(np.asarray(got.params["w"]), np.full((64, 48), 0.5, np.float32))
