@@ -1,0 +1,296 @@
+"""How a launched run ends: with its launcher, on SIGTERM, and at a process's failure.
+
+Each test writes a tiny worker script into its ``tmp_path``; the workers write
+their pids there, every subprocess runs under a timeout, and whatever is left
+at the end is killed by pid (only processes these tests started).
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from commopt import launch
+
+# The checks read processes' states and parents from /proc.
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+SLEEPS = """
+import os, pathlib, sys, time
+from commopt import launch
+ctx = launch.initialize()
+pathlib.Path(sys.argv[1], f"{ctx.process_id}.pid").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+# A training loop in lockstep (a collective per step) that saves when asked.
+SAVES = """
+import os, pathlib, sys
+from commopt import launch
+ctx = launch.initialize(handle_sigterm=True)
+from jax.experimental import multihost_utils
+out = pathlib.Path(sys.argv[1])
+(out / f"{ctx.process_id}.pid").write_text(str(os.getpid()))
+step = 0
+while not launch.should_stop():
+  multihost_utils.sync_global_devices("step")
+  step += 1
+(out / f"{ctx.process_id}.saved").write_text(str(step))
+"""
+
+# Process 1 fails (raises, or is killed) while process 0 waits for it in a barrier.
+FAILS = """
+import os, pathlib, signal, sys, time
+from commopt import launch
+ctx = launch.initialize()
+from jax.experimental import multihost_utils
+out, how = pathlib.Path(sys.argv[1]), sys.argv[2]
+(out / f"{ctx.process_id}.pid").write_text(str(os.getpid()))
+multihost_utils.sync_global_devices("joined")
+if ctx.process_id == 1:
+  for step in range(3):
+    print(f"process 1 at step {step}", flush=True)
+  (out / "failed_at").write_text(repr(time.time()))
+  if how == "raises":
+    raise RuntimeError("process 1 broke at step 3")
+  os.kill(os.getpid(), signal.SIGKILL)
+multihost_utils.sync_global_devices("never")   # process 1 never arrives
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  # A zombie (ended, not yet reaped by its parent) counts as ended.
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split(")")[-1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+def _wait_for(paths, n: int, proc: subprocess.Popen, seconds: float = 90):
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline and len(list(paths())) < n and proc.poll() is None:
+    time.sleep(0.1)
+  found = list(paths())
+  assert len(found) == n, (proc.poll(), found)
+  return found
+
+
+def _pids(out: pathlib.Path) -> list[int]:
+  return [int(p.read_text()) for p in out.glob("*.pid")]
+
+
+def _all_gone(pids, seconds: float) -> bool:
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    time.sleep(0.05)
+  return not any(_alive(p) for p in pids)
+
+
+@pytest.fixture
+def out(tmp_path):
+  """A folder for the workers' files; the workers found there are killed at the end."""
+  yield tmp_path
+  for pid in _pids(tmp_path):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        ours = str(tmp_path).encode() in f.read()
+    except OSError:
+      ours = False
+    if ours:
+      os.kill(pid, signal.SIGKILL)
+
+
+def _cli(script: pathlib.Path, out: pathlib.Path, *args: str) -> subprocess.Popen:
+  return subprocess.Popen(
+      [sys.executable, "-m", "commopt.launch", "--processes", "2", "--cpu-devices", "1",
+       "--timeout", "120", *args, str(script), str(out)],
+      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_the_processes_die_with_a_killed_launcher(out):
+  script = out / "sleeps.py"
+  script.write_text(SLEEPS)
+  proc = _cli(script, out)
+  try:
+    _wait_for(lambda: out.glob("*.pid"), 2, proc)
+    proc.kill()   # SIGKILL: the launcher cleans nothing up
+    proc.communicate(timeout=30)
+    assert _all_gone(_pids(out), 5), "a process outlived its launcher"
+  finally:
+    proc.kill()
+
+
+def test_the_processes_die_with_a_killed_launcher_that_is_not_their_parent(out):
+  """An interpreter wrapper stands between them (no parent-death signal): the pipe ends them."""
+  script = out / "sleeps.py"
+  script.write_text(SLEEPS)
+  wrapper = out / "python.sh"
+  wrapper.write_text(f'#!/bin/sh\n"{sys.executable}" "$@"\nexit $?\n')
+  wrapper.chmod(0o755)
+  driver = out / "driver.py"
+  driver.write_text(
+      "import sys\nfrom commopt import launch\n"
+      f"launch.launch([{str(script)!r}, {str(out)!r}], processes=2, devices_per_process=1, "
+      f"timeout=120, python={str(wrapper)!r})\n")
+  proc = subprocess.Popen([sys.executable, str(driver)], cwd=ROOT, env=ENV,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(lambda: out.glob("*.pid"), 2, proc)
+    pids = _pids(out)
+    assert all(_parent(p) != proc.pid for p in pids)   # the wrapper is their parent
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert _all_gone(pids, 5), "a process outlived its launcher"
+  finally:
+    proc.kill()
+
+
+def _parent(pid: int) -> int:
+  with open(f"/proc/{pid}/stat") as f:
+    return int(f.read().split(")")[-1].split()[1])
+
+
+def test_sigterm_ends_the_processes_at_once(out):
+  """jax.distributed's preemption handler would have them ignore SIGTERM; they end at once."""
+  script = out / "sleeps.py"
+  script.write_text(SLEEPS)
+  proc = _cli(script, out)
+  try:
+    _wait_for(lambda: out.glob("*.pid"), 2, proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert _all_gone(_pids(out), 2), "a process outlived SIGTERM by 2 s"
+    text, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, text
+    assert "launch: ended by signal 15; every process was ended." in text, text
+    assert took < 5, f"the launcher took {took:.1f} s to end"
+  finally:
+    proc.kill()
+
+
+def test_sigterm_lets_every_process_save_at_the_same_step(out):
+  script = out / "saves.py"
+  script.write_text(SAVES)
+  proc = _cli(script, out)
+  try:
+    _wait_for(lambda: out.glob("*.pid"), 2, proc)
+    time.sleep(1)   # some steps in
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130 and "ended by signal 15" in text, text
+    saved = sorted(out.glob("*.saved"))
+    assert [p.name for p in saved] == ["0.saved", "1.saved"], text
+    steps = {int(p.read_text()) for p in saved}
+    assert len(steps) == 1 and steps.pop() > 0, "the processes stopped at different steps"
+    assert took < 8, f"the launcher took {took:.1f} s to end"
+    assert _all_gone(_pids(out), 1)
+  finally:
+    proc.kill()
+
+
+@pytest.mark.parametrize("how", ["raises", "killed"])
+def test_a_failure_ends_the_run_at_once_naming_the_process(out, how):
+  script = out / "fails.py"
+  script.write_text(FAILS)
+  with pytest.raises(launch.LaunchError) as err:
+    launch.launch([str(script), str(out), how], processes=2, devices_per_process=1,
+                  timeout=120, env={"PYTHONPATH": str(ROOT)})
+  took = time.time() - float((out / "failed_at").read_text())
+  assert took < 5, f"the run ended {took:.1f} s after the failure"
+  message = str(err.value)
+  code = 1 if how == "raises" else -signal.SIGKILL
+  assert "process 1 of 2 failed first; exit codes: " in message, message
+  assert f"process 1 (code {code})" in message, message
+  assert "process 1 at step 2" in message, message
+  if how == "raises":
+    assert "RuntimeError: process 1 broke at step 3" in message, message
+  assert [r.process_id for r in err.value.results] == [0, 1]
+  assert all(r.returncode not in (None, 0) for r in err.value.results)
+  assert _all_gone(_pids(out), 1)
+
+
+def test_should_stop_needs_handle_sigterm():
+  with pytest.raises(RuntimeError, match=r"should_stop: .*initialize\(handle_sigterm=True\)"):
+    launch.should_stop()
+  with pytest.raises(ValueError, match=r"initialize: `handle_sigterm` must be True or False, "
+                                       r"got 'yes'"):
+    launch.initialize(handle_sigterm="yes")
+
+
+def test_should_stop_alone_turns_true_at_sigterm():
+  code = ("import os, signal\nfrom commopt import launch\n"
+          "launch.initialize(handle_sigterm=True)\n"
+          "before = launch.should_stop()\n"
+          "os.kill(os.getpid(), signal.SIGTERM)\n"
+          "print(before, launch.should_stop(), launch.should_stop())\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ["False", "True", "True"], proc.stdout
+
+
+def test_launch_checks_its_graces():
+  for name in ("grace", "stop_grace"):
+    with pytest.raises(ValueError, match=rf"launch: `{name}` must be a number of seconds >= 0, "
+                                         r"got -1"):
+      launch.launch(["x.py"], processes=1, **{name: -1})
+
+
+IGNORES = """
+import os, pathlib, sys, time
+from commopt import launch
+ctx = launch.initialize(handle_sigterm=True)   # and never asks should_stop
+pathlib.Path(sys.argv[1], f"{ctx.process_id}.pid").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_process_that_does_not_stop_is_killed_after_stop_grace(out, twice):
+  """SIGKILL after ``--stop-grace``; at once when the launcher is ended a second time."""
+  script = out / "ignores.py"
+  script.write_text(IGNORES)
+  proc = _cli(script, out, "--stop-grace", "30" if twice else "1.5")
+  try:
+    _wait_for(lambda: out.glob("*.pid"), 2, proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    if twice:
+      time.sleep(0.5)
+      proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130 and "ended by signal 15" in text, text
+    assert (took < 3) if twice else (1.5 <= took < 4), f"the launcher took {took:.1f} s to end"
+    assert _all_gone(_pids(out), 1)
+  finally:
+    proc.kill()
+
+
+def test_a_run_past_its_timeout_is_ended(out):
+  script = out / "sleeps.py"
+  script.write_text(SLEEPS)
+  t0 = time.monotonic()
+  with pytest.raises(launch.LaunchError, match=r"launch: the run exceeded its timeout of 3 s; "
+                                               r"every process was ended") as err:
+    launch.launch([str(script), str(out)], processes=2, devices_per_process=1, timeout=3,
+                  env={"PYTHONPATH": str(ROOT)})
+  assert time.monotonic() - t0 < 6
+  assert all(r.returncode is not None for r in err.value.results)
+  assert _all_gone(_pids(out), 1)
