@@ -8,9 +8,10 @@ modes that keep parameters per worker):
 - dense BSP: the mean gradient every step, momentum SGD;
 - local SGD, H = ``--period``: the same momentum SGD on each worker, parameters
   averaged every H steps;
-- DiLoCo, H: momentum SGD inside, Nesterov SGD (0.7, 0.9) outside; dense,
-  with top-k (``--top-k`` of each leaf) and with 4-bit pseudo-gradients
-  (``int_quant(bits=4)``), both with error feedback;
+- DiLoCo, H: momentum SGD inside, ``diloco``'s default outer step; dense
+  and with 4-bit pseudo-gradients (``int_quant(bits=4)``, unbiased, so no
+  residual is kept): Nesterov SGD (0.7, 0.9); with top-k (``--top-k`` of each
+  leaf, with error feedback): ``sgd(1.0)``;
 - Streaming DiLoCo, H: 2 fragments, merged 1 step late with mixing 0.5, 4-bit;
 - EASGD, τ = H, β = 0.9;
 - SSP with staleness s = 1, 4, 16 (uniform delays; every step exchanges).

@@ -400,6 +400,12 @@ def test_error_feedback_fixes_sign_on_counterexample(compressor):
   # that line f is at least ½((1/2)² + (1/2)²) = 0.25, while min f = 0.
   np.testing.assert_allclose(stuck.sum(), 2.0, atol=1e-4)
   assert f(stuck) >= 0.25 - 1e-6
+  if compressor.error_kind == "direction":
+    # sign's residual p − sign(p) grows with every step: error feedback is refused,
+    # and the message points to the scaled sign that it fixes.
+    with pytest.raises(ValueError, match="scaled_sign"):
+      run_counterexample(compressor, error_feedback=True)
+    compressor = commopt.scaled_sign()
   fixed = run_counterexample(compressor, error_feedback=True)
   assert f(fixed) < 1e-3 and np.linalg.norm(fixed) < 0.05
 

@@ -105,15 +105,20 @@ def test_a_mismatched_batch_rows_is_refused_when_traced(mesh):
 
 def test_a_kernel_used_twice_fails_loudly_not_silently(mesh):
   # Two uses add two packed buffers: the row count in the last element is then
-  # 2·ROWS, and the leaf's mean is NaN on every worker instead of a wrong value.
+  # 2·ROWS, and the leaf's mean is NaN on every worker instead of a wrong value;
+  # the step refuses it (skip_nonfinite=False shows it) rather than train on it.
   def twice(p, b):
     h = sfb_dense(b["x"], p["w1"]) + sfb_dense(b["x"], p["w1"])
     return jnp.mean(h ** 2) + jnp.sum(p["w2"]) * 0 + jnp.sum(p["b1"]) * 0
-  dp = commopt.data_parallel(twice, optax.chain(sfb_mean("data", ROWS, MASK), optax.sgd(0.1)),
-                             mesh)
+  tx = optax.chain(sfb_mean("data", ROWS, MASK), optax.sgd(0.1))
   params = make_params()
-  p, _, _ = dp.step(dp.place_params(params), dp.init(params), batch(0))
+  raw = commopt.data_parallel(twice, tx, mesh, skip_nonfinite=False)
+  p, _, _ = raw.step(raw.place_params(params), raw.init(params), batch(0))
   assert np.isnan(np.asarray(p["w1"])).all() and np.isfinite(np.asarray(p["w2"])).all()
+  dp = commopt.data_parallel(twice, tx, mesh)
+  p, state, _ = dp.step(dp.place_params(params), dp.init(params), batch(0))
+  np.testing.assert_array_equal(np.asarray(p["w1"]), np.asarray(params["w1"]))
+  assert int(state.total_notfinite) == 1
 
 
 class Net(nnx.Module):

@@ -133,7 +133,8 @@ def test_sketch_sgd_two_rounds_send_the_exact_mean_of_the_heavy_hitters(mesh):
   xs = rng.normal(size=(N, n)).astype(np.float32)
   xs[:, rng.choice(n, k, replace=False)] += 40.0 * rng.normal(size=k).astype(np.float32)
   c = commopt.sketch_sgd(k=k, cols=cols)
-  sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, "data", min_size=0),
+  sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, "data", min_size=0,
+                                                                error_feedback=True),
                                          mesh, "data")
   out, state = sm.update({"x": jnp.asarray(xs)}, sm.init({"x": jnp.zeros(n)}))
   seeds = jnp.asarray(np.asarray(state.compressor_state["x"].seeds)[0])

@@ -376,7 +376,7 @@ def test_conservation_under_overflow(name):
   the outputs has caught up with the sum of the inputs (to within tau for the
   threshold, whose residual keeps what is below it)."""
   c, tol = BURST[name]
-  tx = commopt.compressed_mean(c, min_size=0)
+  tx = commopt.compressed_mean(c, min_size=0, error_feedback=True)
   params = {"w": jnp.zeros((16, 16)), "v": jnp.zeros(64)}
   rng = np.random.default_rng(8)
   burst = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 10, jnp.float32), params)

@@ -92,11 +92,12 @@ def test_two_phase_linear_is_the_exact_mean(mesh, name, atol):
                                atol=atol, rtol=1e-2 if name == "cast" else 1e-6)
 
 
-@pytest.mark.parametrize("name", ["scaled_sign", "top_k", "qsgd", "int_quant", "sign"])
+@pytest.mark.parametrize("name", ["scaled_sign", "top_k", "qsgd", "int_quant", "onebit"])
 def test_two_phase_conservation_of_both_memories(mesh, name):
-  """Σ outputs + mean worker residual + the server memory = Σ mean inputs."""
+  """Σ outputs + mean worker residual + the server memory = Σ mean inputs (with error
+  feedback asked for: C/(1+ω) for the unbiased qsgd and int_quant)."""
   tx = commopt.compressed_mean(commopt.compressors.make(name), "data", strategy="two_phase",
-                               min_size=0)
+                               min_size=0, error_feedback=True)
   sum_out, sum_in, state = run_sums(commopt.testing.shard_map_workers(tx, mesh, "data"), 10, 5)
   worker = np.asarray(state.residual["v"]).mean(0)
   # Each worker keeps the server memory of its own chunk only.
@@ -127,7 +128,8 @@ def test_two_phase_whole_memory_from_a_plain_init(mesh):
 def test_whole_and_per_worker_memories_agree(mesh, mesh2d, strategy):
   """The same steps from either layout: equal outputs, and equal memories once joined."""
   if strategy == "two_phase":
-    tx = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase", min_size=0)
+    tx = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase", min_size=0,
+                                 error_feedback=True)
     sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   else:
     tx = hierarchical(commopt.scaled_sign(), "two_phase")
@@ -168,7 +170,8 @@ def test_per_worker_memory_shapes_and_a_state_for_other_workers(mesh2d):
 
 
 def test_two_phase_vmap_equals_shard_map(mesh):
-  tx = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase", min_size=0)
+  tx = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase", min_size=0,
+                                 error_feedback=True)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   vm = commopt.testing.vmap_workers(tx, N, "data")
   s_s, s_v = sm.init(params_like()), vm.init(params_like())

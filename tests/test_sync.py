@@ -477,6 +477,64 @@ def test_global_params_is_the_modes_global_model(make, field, mesh):
     commopt.global_params(optax.sgd(0.1).init(params))
 
 
+def test_readme_diloco_converges_on_fresh_minibatches():
+  """The README's DiLoCo (momentum SGD inside, top-k pseudo-gradients with error feedback)
+  trains an MLP on fresh minibatches for 300 steps, 8 workers simulated with vmap.
+
+  Its default outer step is sgd(1.0): under error feedback the residual stands in for the
+  outer momentum. Nesterov (0.7, 0.9) there, the dense default, took the loss above its start
+  (peaks near 80) and left the anchor near 1.1.
+  """
+  from sklearn.datasets import load_digits
+
+  def has_momentum(tx):
+    state = tx.init({"w": jnp.zeros(3)}).outer_state
+    trace = lambda s: isinstance(s, optax.TraceState)
+    return any(trace(s) for s in jax.tree.leaves(state, is_leaf=trace))
+
+  inner, c = optax.sgd(0.05, momentum=0.9), commopt.top_k(0.05)
+  assert not has_momentum(commopt.diloco(inner, axis_name="data", period=8, compressor=c))
+  # Dense, or nothing kept back: DiLoCo's Nesterov step.
+  for kw in ({}, {"compressor": c, "error_feedback": False},
+             {"compressor": commopt.int_quant(bits=4)}):        # unbiased: "auto" keeps none
+    assert has_momentum(commopt.diloco(inner, axis_name="data", period=8, **kw)), kw
+
+  x, y = load_digits(return_X_y=True)
+  x = ((x - x.mean(0)) / (x.std(0) + 1e-6)).astype(np.float32)
+  y = y.astype(np.int32)
+  n, steps, rows, sizes = 8, 300, 16, [64, 64, 64, 10]
+  rng = np.random.default_rng(0)
+  params = {f"l{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
+                      "b": np.zeros(b, np.float32)}
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+
+  def loss(p, b):
+    h = b["x"]
+    for i in range(len(sizes) - 1):
+      h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+      h = jax.nn.relu(h) if i < len(sizes) - 2 else h
+    return optax.softmax_cross_entropy_with_integer_labels(h, b["y"]).mean()
+
+  tx = commopt.diloco(inner, axis_name="data", period=8, compressor=c)
+  picked = rng.integers(0, len(x), size=(steps, n, rows))      # fresh rows every step
+  data = {"x": x[picked], "y": y[picked]}
+  state = jax.vmap(tx.init, in_axes=None, axis_size=n, axis_name="data")(params)
+  local = jax.tree.map(lambda a: np.broadcast_to(a, (n,) + a.shape), params)
+
+  def step(carry, batch):
+    local, state = carry
+    losses, grads = jax.vmap(jax.value_and_grad(loss))(local, batch)
+    updates, state = jax.vmap(tx.update, axis_name="data")(grads, state, local)
+    return (optax.apply_updates(local, updates), state), losses.mean()
+
+  (local, state), losses = jax.jit(lambda c, d: jax.lax.scan(step, c, d))((local, state), data)
+  losses = np.asarray(losses)
+  anchor = jax.tree.map(lambda a: a[0], commopt.global_params(state))
+  assert np.isfinite(losses).all() and losses.max() <= losses[0] * 1.5, losses.max()
+  assert losses[-20:].mean() < 0.05 * losses[:20].mean(), (losses[:20].mean(), losses[-20:])
+  assert float(loss(anchor, {"x": x, "y": y})) < 0.05      # on all 1797 digits; 2.4 at the start
+
+
 @pytest.mark.slow
 def test_bench_sync_runs_and_counts_bytes(tmp_path):
   import json

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from commopt._src import compat
 
 Payload = Any
 """A pytree of arrays with static shapes: exactly what crosses the wire."""
@@ -84,6 +87,18 @@ class Compressor:
       all-reduce of the leaf in its dtype) before the compressed exchange
       starts (PowerSGD's ``start_iter``); communication plans for a given
       step follow it.
+    error_kind: what the compressor's error is, which decides what error
+      feedback does with it (one of :data:`ERROR_KINDS`; see
+      :func:`feedback_compressor`): ``"lossless"``; ``"contractive"`` (for
+      every ``x``, ``‖C(x) − x‖² ≤ (1 − δ)‖x‖²``, the largest entries sent
+      first); ``"expected_contractive"`` (the same bound in expectation, the
+      kept part drawn at random whatever the magnitudes); ``"unbiased"``
+      (``E C(x) = x``, ``E‖C(x) − x‖² ≤ ω‖x‖²``); ``"direction"`` (the output's
+      magnitude does not follow the input's, as ``sign``); ``"biased"`` (none
+      of these declared; the default for a compressor you write).
+    error_bound: ``error_bound(shape) -> float``: δ for the two contractive
+      kinds, ω for ``"unbiased"``, for a leaf of that shape; ``None`` for the
+      other kinds.
 
   What a compressor can do is declared, not probed: :attr:`capabilities`
   reads these fields, and the strategies and robust rules check it.
@@ -104,6 +119,45 @@ class Compressor:
   accumulate: Optional[Callable[..., jax.Array]] = None
   reduce_tree: Optional[Callable[..., list]] = None
   dense_steps: int = 0
+  error_kind: str = "biased"
+  error_bound: Optional[Callable[[tuple[int, ...]], float]] = None
+
+  def __post_init__(self):
+    if self.error_kind not in ERROR_KINDS:
+      raise ValueError(f"Compressor {self.name!r}: `error_kind` must be one of {ERROR_KINDS}, "
+                       f"got {self.error_kind!r}.")
+    bounded = self.error_kind in ("contractive", "expected_contractive", "unbiased")
+    if bounded != (self.error_bound is not None):
+      raise ValueError(
+          f"Compressor {self.name!r}: error_kind={self.error_kind!r} "
+          + ("needs `error_bound(shape)` (δ for the contractive kinds, ω for unbiased)."
+             if bounded else "takes no `error_bound`."))
+
+  def delta(self, shape) -> Optional[float]:
+    """The contraction ``δ`` this compressor guarantees on a leaf of ``shape``.
+
+    1 for ``"lossless"``; the declared bound for the contractive kinds;
+    ``1/(1+ω)`` for ``"unbiased"`` (the contraction of ``C/(1+ω)``, which
+    error feedback uses); ``None`` when nothing is declared.
+
+    Examples:
+      >>> import commopt
+      >>> commopt.top_k(0.01).delta((100, 100))
+      0.01
+      >>> round(commopt.qsgd(levels=7, bucket_size=512).delta((4096,)), 3)
+      0.236
+    """
+    if self.error_kind == "lossless":
+      return 1.0
+    if self.error_kind in ("contractive", "expected_contractive"):
+      return float(self.error_bound(tuple(shape)))
+    if self.error_kind == "unbiased":
+      return 1.0 / (1.0 + float(self.error_bound(tuple(shape))))
+    return None
+
+  def omega(self, shape) -> Optional[float]:
+    """The variance factor ``ω`` of an unbiased compressor on a leaf of ``shape`` (else None)."""
+    return float(self.error_bound(tuple(shape))) if self.error_kind == "unbiased" else None
 
   def add_decoded(self, acc: jax.Array, payload: Payload, state: Any, like) -> jax.Array:
     """``acc + decode(payload, state, like)`` in ``acc``'s dtype (float32).
@@ -131,13 +185,16 @@ class Compressor:
     - ``"tree_wide"``: one selection over every compressed leaf (``encode_tree``).
     - ``"per_leaf"``: none of the last three, so each payload decodes on its
       own: what ``two_phase``, ``hierarchical`` and the robust rules need.
+    - the error kind (:attr:`error_kind`): ``"lossless"``,
+      ``"contractive"``, ``"expected_contractive"``, ``"unbiased"``,
+      ``"direction"`` or ``"biased"``.
 
     Examples:
       >>> import commopt
       >>> sorted(commopt.scaled_sign().capabilities)
-      ['per_leaf']
-      >>> sorted(commopt.power_sgd().capabilities)
-      ['protocol', 'stateful']
+      ['contractive', 'per_leaf']
+      >>> sorted(commopt.qsgd().capabilities)
+      ['per_leaf', 'unbiased']
     """
     caps = {name for name, on in (("linear", self.linear),
                                   ("shared_randomness", self.shared_randomness),
@@ -146,10 +203,16 @@ class Compressor:
                                   ("tree_wide", self.encode_tree is not None)) if on}
     if not caps & {"stateful", "protocol", "tree_wide"}:
       caps.add("per_leaf")
+    caps.add(self.error_kind)
     return frozenset(caps)
 
 
-CAPABILITIES = ("linear", "shared_randomness", "stateful", "protocol", "tree_wide", "per_leaf")
+ERROR_KINDS = ("lossless", "contractive", "expected_contractive", "unbiased", "direction",
+               "biased")
+"""What a compressor's error may be declared as (:attr:`Compressor.error_kind`)."""
+
+CAPABILITIES = ("linear", "shared_randomness", "stateful", "protocol", "tree_wide",
+                "per_leaf") + ERROR_KINDS
 """Everything :attr:`Compressor.capabilities` may hold."""
 
 
@@ -175,11 +238,110 @@ def leaf_size(shape) -> int:
   return int(math.prod(shape))
 
 
-def check_positive_int(name: str, value, *, fn: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-    raise ValueError(
-        f"{fn}: `{name}` must be a positive integer, got {value!r}.")
+class OptionTypeError(TypeError, ValueError):
+  """An option of the wrong type: a string or a bool where a number belongs, a
+  float where an integer does, anything but ``True``/``False`` where a bool does.
+
+  A ``TypeError``, and a ``ValueError`` like every other bad argument of
+  commopt, so ``except ValueError`` around a factory catches both kinds.
+
+  Examples:
+    >>> import commopt
+    >>> try:
+    ...   commopt.int_quant(bits=8.0)
+    ... except TypeError as e:
+    ...   print(e)
+    int_quant: `bits` must be 4 or 8, got 8.0 (float); pass 8 (an int).
+  """
+
+
+def _received(value) -> str:
+  """The value received, as messages show it: its repr and its type."""
+  return f"{value!r} ({type(value).__name__})"
+
+
+def _is_bool(value) -> bool:
+  return isinstance(value, (bool, np.bool_))
+
+
+def _is_int(value) -> bool:
+  """A Python or NumPy integer; a bool is not one."""
+  return isinstance(value, (int, np.integer)) and not _is_bool(value)
+
+
+def is_real_number(value) -> bool:
+  """Whether ``value`` is a real number: a Python or NumPy int or float, or a
+  concrete 0-d array of one (``jnp.float32(0.1)``); bools, strings and tracers
+  are not."""
+  if _is_bool(value):
+    return False
+  if isinstance(value, numbers.Real):
+    return True
+  if isinstance(value, (np.ndarray, jax.Array)) and not compat.is_tracer(value):
+    return (np.ndim(value) == 0 and (jnp.issubdtype(value.dtype, jnp.integer)
+                                     or jnp.issubdtype(value.dtype, jnp.floating)))
+  return False
+
+
+def _int_fix(value) -> str:
+  """What to pass instead of ``value`` where an integer belongs."""
+  if not _is_bool(value) and isinstance(value, (str, float, np.floating)):
+    try:
+      whole = float(value)
+    except ValueError:
+      whole = math.nan
+    if math.isfinite(whole) and whole.is_integer():
+      return f"pass {int(whole)} (an int)"
+  return "pass an int"
+
+
+def _real_fix(value) -> str:
+  """What to pass instead of ``value`` where a real number belongs."""
+  if isinstance(value, str):
+    try:
+      return f"pass {float(value)!r} (a number, not a string)"
+    except ValueError:
+      pass
+  if _is_bool(value):
+    return "pass an int or a float (True and False are not numbers here)"
+  return "pass an int or a float"
+
+
+def check_bool(name: str, value, *, fn: str) -> bool:
+  """``value`` as a bool, or an :class:`OptionTypeError` unless it is ``True`` or ``False``.
+
+  Nothing else is read as a bool: ``"no"`` is truthy, and a ``0`` or ``1`` is
+  more often an argument in the wrong place than a flag.
+
+  Examples:
+    >>> from commopt._src.base import check_bool
+    >>> check_bool("approx", False, fn="top_k")
+    False
+  """
+  if not _is_bool(value):
+    raise OptionTypeError(
+        f"{fn}: `{name}` must be True or False, got {_received(value)}; pass True or False "
+        "(a bool).")
+  return bool(value)
+
+
+def check_integer(name: str, value, *, fn: str, rule: str,
+                  ok: Callable[[int], bool] = lambda v: True) -> int:
+  """``value`` as an int: an :class:`OptionTypeError` unless it is an integer (a
+  bool or an integral float is not), a ValueError unless ``ok(value)``; both
+  messages state ``rule`` (``"an even integer in [2, 256]"``)."""
+  if not _is_int(value):
+    raise OptionTypeError(
+        f"{fn}: `{name}` must be {rule}, got {_received(value)}; {_int_fix(value)}.")
+  if not ok(int(value)):
+    raise ValueError(f"{fn}: `{name}` must be {rule}, got {value!r}.")
   return int(value)
+
+
+def check_positive_int(name: str, value, *, fn: str) -> int:
+  """``value`` as an int: an :class:`OptionTypeError` unless it is an integer (a
+  bool or an integral float is not), a ValueError unless it is positive."""
+  return check_integer(name, value, fn=fn, rule="a positive integer", ok=lambda v: v > 0)
 
 
 def first_true(mask: jax.Array, capacity: int) -> jax.Array:
@@ -243,47 +405,67 @@ def per_element(per_block: jax.Array, n: int, block_size: Optional[int]) -> jax.
 
 
 def check_choice(name: str, value, valid: tuple, fn: str):
-  """``value``, or a ValueError naming ``name`` unless it is one of ``valid``."""
-  if value not in valid:
-    raise ValueError(f"{fn}: `{name}` must be one of {valid}, got {value!r}.")
-  return value
+  """``value`` if it is one of ``valid``, of the same type (``True`` is not ``1``).
+
+  Otherwise an :class:`OptionTypeError` when no choice has ``value``'s type
+  (``1`` among strings), else a ValueError; both name ``name``.
+  """
+  def same_kind(v) -> bool:   # bools apart from ints, NumPy's ints and strs with Python's
+    if _is_bool(v) or _is_bool(value):
+      return _is_bool(v) and _is_bool(value)
+    return _is_int(value) if _is_int(v) else isinstance(value, type(v))
+
+  kin = [v for v in valid if same_kind(v)]
+  if any(v == value for v in kin):
+    return value
+  if not kin:
+    alike = [v for v in valid if (is_real_number(value) and is_real_number(v) and v == value)
+             or (isinstance(value, str) and str(v) == value)]
+    fix = f"pass {alike[0]!r}" if alike else "pass one of them"
+    raise OptionTypeError(
+        f"{fn}: `{name}` must be one of {valid}, got {_received(value)}; {fix}.")
+  raise ValueError(f"{fn}: `{name}` must be one of {valid}, got {value!r}.")
 
 
 def check_block_size(block_size, fn: str, name: str = "block_size") -> Optional[int]:
-  """``None`` (one block) or a positive int, else a ValueError naming ``name``."""
+  """``None`` (one block) or a positive int, else an :class:`OptionTypeError`
+  (not an integer) or a ValueError (not positive) naming ``name``."""
   if block_size is None:
     return None
-  if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or \
-      block_size <= 0:
-    raise ValueError(f"{fn}: `{name}` must be None or a positive integer, got {block_size!r}.")
-  return int(block_size)
+  return check_integer(name, block_size, fn=fn, rule="None or a positive integer",
+                       ok=lambda v: v > 0)
 
 
-def check_int(name: str, value, *, fn: str, minimum: int) -> int:
-  """``value`` as an int, or a ValueError unless it is an integer >= ``minimum``."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{fn}: `{name}` must be an integer >= {minimum}, got {value!r}.")
-  return int(value)
+def check_int(name: str, value, *, fn: str, minimum: Optional[int] = None) -> int:
+  """``value`` as an int: an :class:`OptionTypeError` unless it is an integer (a
+  bool or an integral float is not), a ValueError unless it is >= ``minimum``
+  (any integer when ``minimum`` is None, e.g. a seed)."""
+  if minimum is None:
+    return check_integer(name, value, fn=fn, rule="an integer")
+  return check_integer(name, value, fn=fn, rule=f"an integer >= {minimum}",
+                       ok=lambda v: v >= minimum)
 
 
 def check_number(name: str, value, *, fn: str, low: float, high: float = math.inf,
                  low_open: bool = True, high_open: bool = True,
                  what: Optional[str] = None) -> float:
-  """``value`` as a float, or a ValueError unless it lies in the interval from ``low`` to ``high``.
+  """``value`` as a float if it is a real number in the interval from ``low`` to ``high``.
 
-  The ends are open unless ``low_open``/``high_open`` say otherwise; NaN and
-  booleans are refused. ``what`` replaces the default description
-  ("a number in (low, high)") in the message.
+  The ends are open unless ``low_open``/``high_open`` say otherwise. A value
+  that is not a real number (a string such as ``"0.1"``, a bool, None) raises
+  an :class:`OptionTypeError`; one outside the interval, or NaN, a
+  ValueError. ``what`` replaces the default description ("a number in
+  (low, high)") in the message.
   """
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    v = float("nan")
+  if what is None:
+    lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+    what = f"a number in {lo}{low}, {high}{hi}"
+  if not is_real_number(value):
+    raise OptionTypeError(
+        f"{fn}: `{name}` must be {what}, got {_received(value)}; {_real_fix(value)}.")
+  v = float(value)
   ok = ((v > low) if low_open else (v >= low)) and ((v < high) if high_open else (v <= high))
-  if isinstance(value, bool) or not ok:
-    if what is None:
-      lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-      what = f"a number in {lo}{low}, {high}{hi}"
+  if not ok:
     raise ValueError(f"{fn}: `{name}` must be {what}, got {value!r}.")
   return v
 
@@ -303,7 +485,9 @@ AxisName = Optional[Union[str, tuple[str, ...]]]
 
 
 def check_axis_name(axis_name, fn: str) -> AxisName:
-  """``axis_name``, or a ValueError unless it is None, a name or a tuple of distinct names.
+  """``axis_name`` if it is None, a name or a tuple of distinct names: an
+  :class:`OptionTypeError` for another type, a ValueError for an empty tuple
+  or a repeated name.
 
   Examples:
     >>> from commopt._src.base import check_axis_name
@@ -315,9 +499,11 @@ def check_axis_name(axis_name, fn: str) -> AxisName:
   if (isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name)
       and len(set(axis_name)) == len(axis_name)):
     return axis_name
-  raise ValueError(
-      f"{fn}: `axis_name` must be None, a mesh axis name (str) or a non-empty tuple of "
-      f"distinct axis names such as ('node', 'local'), got {axis_name!r}.")
+  rule = ("None, a mesh axis name (str) or a non-empty tuple of distinct axis names such as "
+          "('node', 'local')")
+  if not isinstance(axis_name, tuple) or not all(isinstance(a, str) for a in axis_name):
+    raise OptionTypeError(f"{fn}: `axis_name` must be {rule}, got {_received(axis_name)}.")
+  raise ValueError(f"{fn}: `axis_name` must be {rule}, got {axis_name!r}.")
 
 
 def check_float_leaf(fn: str, path, leaf, *, verb: str, what: str = "an update") -> None:
@@ -331,14 +517,29 @@ def check_float_leaf(fn: str, path, leaf, *, verb: str, what: str = "an update")
 
 
 def check_ratio(name: str, value, *, fn: str) -> float:
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    v = float("nan")
-  if not 0.0 < v <= 1.0:
-    raise ValueError(
-        f"{fn}: `{name}` must be a fraction in (0, 1], got {value!r}.")
-  return v
+  """``value`` as a float if it is a real number in (0, 1]: an
+  :class:`OptionTypeError` for a string (``"0.1"``) or a bool, a ValueError
+  outside the interval."""
+  return check_number(name, value, fn=fn, low=0.0, high=1.0, high_open=False,
+                      what="a fraction in (0, 1]")
+
+
+def safe_norm(arrays) -> jax.Array:
+  """The Euclidean norm of ``arrays`` taken together (in float32 or wider), without overflow.
+
+  Every array is scaled by one power of two (from the largest magnitude)
+  before it is squared, and the norm scaled back: the same bits as
+  ``sqrt(Σ x²)`` wherever that neither overflows nor underflows, and finite
+  wherever the norm itself is representable. A NaN or inf still propagates.
+  """
+  xs = [jnp.asarray(a) for a in arrays]
+  dtype = jnp.result_type(jnp.float32, *(x.dtype for x in xs))
+  xs = [x.astype(dtype) for x in xs]
+  top = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in xs]))
+  _, e = jnp.frexp(top)
+  e = jnp.where(jnp.isfinite(top) & (top > 0), e, 0)
+  total = sum(jnp.sum(jnp.square(jnp.ldexp(x, -e))) for x in xs)
+  return jnp.ldexp(jnp.sqrt(total), e)
 
 
 def is_float_dtype(dtype) -> bool:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commopt._src import base, tree
+from commopt._src import base, feedback, tree
 from commopt._src.tree import DEFAULT_MIN_SIZE
 from commopt._src.base import AxisName, check_axis_name
 from commopt.comm import _collectives as coll
@@ -85,7 +85,7 @@ class _Wire(NamedTuple):
 
 def _make_wire(fn, compressor, min_size, payload_attack, error_feedback) -> _Wire:
   if compressor is not None and not isinstance(compressor, base.Compressor):
-    raise ValueError(
+    raise base.OptionTypeError(
         f"{fn}: `compressor` must be None (dense) or a commopt Compressor such as "
         f"commopt.int_quant(), got {compressor!r}.")
   if compressor is not None and not base.is_stateless_per_leaf(compressor):
@@ -96,16 +96,18 @@ def _make_wire(fn, compressor, min_size, payload_attack, error_feedback) -> _Wir
         "commopt.qsgd() or commopt.top_k(ratio).")
   base.check_int("min_size", min_size, fn=fn, minimum=0)
   if payload_attack is not None and not callable(payload_attack):
-    raise ValueError(
+    raise base.OptionTypeError(
         f"{fn}: `payload_attack` must be None or a callable "
         f"payload_attack(payload, *, key, axis_name) (e.g. attacks.bit_flip(...)), got "
         f"{payload_attack!r}.")
-  if not isinstance(error_feedback, bool):
-    raise ValueError(f"{fn}: `error_feedback` must be True or False, got {error_feedback!r}.")
+  error_feedback = base.check_bool("error_feedback", error_feedback, fn=fn)
   if error_feedback and compressor is None:
     raise ValueError(
         f"{fn}: `error_feedback=True` needs a `compressor` (dense updates lose nothing); "
         f"pass compressor=... or leave error_feedback False.")
+  if compressor is not None:
+    # A residual only where it stays bounded: C/(1+ω) for an unbiased compressor.
+    compressor, error_feedback = feedback.feedback_compressor(compressor, error_feedback, fn)
   return _Wire(compressor, int(min_size), payload_attack, error_feedback)
 
 
@@ -362,9 +364,8 @@ def robust_aggregate(rule: Rule, *, axis_name: AxisName,
     raise TypeError(
         f"{fn}: `rule` must be a callable rule(x) -> [d] on the [n, d] matrix of the "
         f"workers' updates (e.g. functools.partial(rules.multi_krum, f=2)), got {rule!r}.")
-  for name, value in (("coordinatewise", coordinatewise), ("with_previous", with_previous)):
-    if not isinstance(value, bool):
-      raise TypeError(f"{fn}: `{name}` must be True or False, got {value!r}.")
+  coordinatewise = base.check_bool("coordinatewise", coordinatewise, fn=fn)
+  with_previous = base.check_bool("with_previous", with_previous, fn=fn)
   return robust_transform(fn, rule, axis_name, compressor=compressor, min_size=min_size,
                           payload_attack=payload_attack, error_feedback=error_feedback,
                           seed=seed, coordinatewise=coordinatewise, with_previous=with_previous)
@@ -378,6 +379,7 @@ def robust_transform(fn: str, rule: Rule, axis_name: AxisName, *,
   """:func:`robust_aggregate` whose argument errors name ``fn`` (a named rule's factory)."""
   axis_name = check_axis_name(axis_name, fn)
   wire = _make_wire(fn, compressor, min_size, payload_attack, error_feedback)
+  seed = base.check_int("seed", seed, fn=fn)
 
   def init_fn(params):
     count, key = jnp.zeros([], jnp.int32), jax.random.PRNGKey(seed)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commopt._src import tree
+from commopt._src import base, tree
 from commopt._src.base import AxisName, check_axis_name
 from commopt.comm import _collectives as coll
 
@@ -212,12 +212,14 @@ def attack(kind: str, axis_name: AxisName, byzantine: Sequence[int] | jax.Array,
     Baruch et al., A Little Is Enough, NeurIPS 2019.
     Xie et al., Fall of Empires, UAI 2020.
   """
-  if kind not in KINDS:
-    raise ValueError(f"attack: `kind` must be one of {KINDS}, got {kind!r}.")
+  base.check_choice("kind", kind, KINDS, "attack")
+  seed = base.check_int("seed", seed, fn="attack")
   unknown = sorted(set(params) - set(DEFAULTS))
   if unknown:
     raise ValueError(
         f"attack: unknown parameter(s) {unknown}; valid are {sorted(DEFAULTS)}.")
+  for name, value in params.items():
+    base.check_number(name, value, fn="attack", low=-float("inf"), what="a finite number")
 
   def init_fn(params_):
     del params_
@@ -279,12 +281,9 @@ def bit_flip(byzantine: Sequence[int] | jax.Array, *, rate: float = 0.05,
     Xie, Koyejo and Gupta, Zeno: Distributed Stochastic Gradient Descent
     with Suspicion-based Fault-tolerance, ICML 2019 (bit-flip failures).
   """
-  try:
-    rate_ = float(rate)
-  except (TypeError, ValueError):
-    rate_ = float("nan")
-  if isinstance(rate, bool) or not 0.0 < rate_ <= 1.0:
-    raise ValueError(f"bit_flip: `rate` must be a probability in (0, 1], got {rate!r}.")
+  rate_ = base.check_number("rate", rate, fn="bit_flip", low=0.0, high=1.0, high_open=False,
+                            what="a probability in (0, 1]")
+  floats = base.check_bool("floats", floats, fn="bit_flip")
 
   def hook(payload, *, key, axis_name):
     n = coll.axis_size(axis_name)

@@ -102,7 +102,10 @@ def exchange(payload, decode, strategy: str, axis_name, add=None):
   ``decode(payload)`` returns an array or a pytree of arrays; ``mean`` is the
   float32 mean over the workers of their decoded payloads (``local`` itself
   when ``axis_name`` is None). Linear payloads are all-reduced
-  (``strategy="psum"``) and decoded once. The others are all-gathered and
+  (``strategy="psum"``) and decoded once; a payload of floats is summed
+  pre-scaled by a power of two (:func:`~commopt.comm.mean_factors`, exact, in
+  its own dtype on the wire), so 16-bit payloads whose mean is representable
+  do not overflow in the sum. The others are all-gathered and
   summed in worker order by :func:`sum_decoded` with ``add(acc, payload) ->
   acc + decode(payload)`` (default: exactly that; a compressor's
   :meth:`~commopt.Compressor.add_decoded` may do it in place), then divided by
@@ -113,7 +116,13 @@ def exchange(payload, decode, strategy: str, axis_name, add=None):
     return local, local
   n = coll.axis_size(axis_name)
   if strategy == "psum":
-    mean = jax.tree.map(lambda t: t.astype(jnp.float32) / n, decode(coll.psum(payload, axis_name)))
+    post = n
+    if all(jnp.issubdtype(t.dtype, jnp.floating) for t in jax.tree.leaves(payload)):
+      # A linear decode is homogeneous: decode(Σ p·pre) = pre · decode(Σ p).
+      pre, post = coll.mean_factors(n)
+      payload = jax.tree.map(lambda t: t * jnp.asarray(pre, t.dtype), payload)
+    mean = jax.tree.map(lambda t: t.astype(jnp.float32) / jnp.float32(post),
+                        decode(coll.psum(payload, axis_name)))
   else:
     zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, jnp.float32), local)
     total = sum_decoded(coll.all_gather(payload, axis_name), add or _adder(decode), zeros)

@@ -131,12 +131,43 @@ def psum(tree: Any, axis_name: Optional[str]) -> Any:
   return jax.lax.psum(tree, axis_name)
 
 
+def mean_factors(n: int) -> tuple[float, float]:
+  """``(pre, post)`` for a mean over ``n`` workers that cannot overflow: ``psum(x · pre) / post``.
+
+  ``pre = 2^-k`` with ``2^k`` the least power of two ``>= n``, and
+  ``post = n · pre`` in ``(1/2, 1]``. Every partial sum of ``x · pre`` is at
+  most ``n · pre ≤ 1`` times the largest ``|x|``, so a sum that runs in the
+  values' own dtype (a 16-bit all-reduce on a GPU) or is rounded back to it
+  (XLA:CPU widens it to float32) stays finite whenever the values are, and
+  the mean is finite whenever it is representable. Both factors are exact,
+  so the result is bit for bit ``psum(x) / n`` wherever that is finite and
+  ``x · pre`` is normal; the wire carries ``x``'s dtype, at its size.
+  """
+  k = max(int(n) - 1, 0).bit_length()
+  return 2.0 ** -k, n / 2.0 ** k
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
 def pmean(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
-  """All-reduce mean in ``x``'s dtype (identity locally)."""
+  """All-reduce mean in ``x``'s dtype (identity locally).
+
+  Floating-point ``x`` is summed pre-scaled (:func:`mean_factors`), so a
+  mean of finite values that is representable comes out finite, also in
+  16 bits, with nothing widened on the wire.
+  """
   if axis_name is None:
     return x
   _record("all-reduce", x, axis_name)
-  return (jax.lax.psum(x, axis_name) / axis_size(axis_name)).astype(x.dtype)
+  n = axis_size(axis_name)
+  if not _is_float(x) or n == 1:
+    return (jax.lax.psum(x, axis_name) / n).astype(x.dtype)
+  pre, post = mean_factors(n)
+  dtype = jnp.result_type(x)
+  total = jax.lax.psum(x * jnp.asarray(pre, dtype), axis_name)
+  return (total / jnp.asarray(post, dtype)).astype(dtype)
 
 
 def all_to_all(x: jax.Array, axis_name: Optional[str]) -> jax.Array:

@@ -248,7 +248,8 @@ def hierarchical(p_reduce: Callable, u: jax.Array, residual: Optional[jax.Array]
   rank = coll.axis_index(fast)
 
   padded = jnp.pad(u.astype(jnp.float32), (0, ranks * c - n))
-  dense = coll.psum_scatter(padded, fast) / ranks
+  pre, post = coll.mean_factors(ranks)
+  dense = coll.psum_scatter(padded * jnp.float32(pre), fast) / jnp.float32(post)
   p = dense
   if residual is not None:
     p = p + own_part(residual, n, ranks, rank).astype(jnp.float32)

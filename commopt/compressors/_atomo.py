@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from commopt._src import base
-from commopt.compressors._lowrank import View, _matrix_shape
+from commopt.compressors._lowrank import View, _far_scales, _matrix_shape
 from commopt.compressors._qcommon import _uniform
 from commopt.compressors._registry import register
 
@@ -169,6 +169,10 @@ def atomo(budget: float, *, sampling: str = "systematic", capacity: float = 2.0,
   base.check_choice("sampling", sampling, SAMPLINGS, "atomo")
   capacity = base.check_number("capacity", capacity, fn="atomo", low=1.0, low_open=False,
                                what="a finite number >= 1")
+  if not (callable(view) or isinstance(view, str)):
+    raise base.OptionTypeError(
+        f"atomo: `view` must be 'last', 'first' or a callable shape -> (n, m), got {view!r} "
+        f"({type(view).__name__}).")
   if not (callable(view) or view in ("last", "first")):
     raise ValueError(
         f"atomo: `view` must be 'last', 'first' or a callable shape -> (n, m), got {view!r}.")
@@ -199,7 +203,12 @@ def atomo(budget: float, *, sampling: str = "systematic", capacity: float = 2.0,
   def encode(x, state, key):
     key = base.need_key(key, "atomo")
     n, m, s, slots = dims(x.shape)
-    u, sigma, vt = jnp.linalg.svd(x.reshape(n, m).astype(_F32), full_matrices=False)
+    mat = x.reshape(n, m).astype(_F32)
+    # A matrix of extreme magnitude is decomposed scaled by a power of two
+    # (exact), so the SVD squares nothing out of range; the probabilities
+    # do not depend on the scale, and σ is scaled back into the payload.
+    down, up = _far_scales(jnp.max(jnp.abs(mat)))
+    u, sigma, vt = jnp.linalg.svd(mat * down, full_matrices=False)
     p = atomo_probabilities(sigma, s)
     if sampling == "systematic":
       indices, factor = _systematic(p, key, slots), 1.0
@@ -209,7 +218,7 @@ def atomo(budget: float, *, sampling: str = "systematic", capacity: float = 2.0,
     safe = jnp.where(sent, indices, 0)
     p_sent = p[safe]
     scale = jnp.where(sent & (p_sent > 0), sigma[safe] / jnp.where(p_sent > 0, p_sent, 1.0), 0.0)
-    payload = {"u": (u[:, safe] * (scale * factor)).astype(x.dtype),
+    payload = {"u": (u[:, safe] * (scale * factor) * up).astype(x.dtype),
                "v": jnp.where(sent, vt[safe, :].T, 0.0).astype(x.dtype)}
     return payload, state
 
@@ -224,6 +233,9 @@ def atomo(budget: float, *, sampling: str = "systematic", capacity: float = 2.0,
   extra = "" if sampling == "systematic" else f", sampling=independent, capacity={capacity:g}"
   return base.Compressor(
       name=f"atomo(budget={budget:g}{extra})",
+      # Σσ_i²/p_i − ‖M‖² ≤ (Σσ_i)²/s − ‖M‖² ≤ (r/s − 1)‖M‖².
+      error_kind="unbiased",
+      error_bound=lambda shape: min(dims(shape)[:2]) / dims(shape)[2] - 1.0,
       init=base.stateless_init,
       encode=encode,
       decode=decode,

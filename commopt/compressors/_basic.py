@@ -32,6 +32,7 @@ def identity() -> base.Compressor:
       decode=lambda payload, state, like: payload.astype(like.dtype),
       payload_bits=lambda shape, dtype: base.leaf_size(shape) * base.dtype_bits(dtype),
       linear=True,
+      error_kind="lossless",
   )
 
 
@@ -56,10 +57,14 @@ def cast(dtype="bfloat16") -> base.Compressor:
     Micikevicius et al., Mixed Precision Training, ICLR 2018.
   """
   try:
-    wire = jnp.dtype(dtype)
+    wire = None if dtype is None else jnp.dtype(dtype)
   except TypeError:
     wire = None
-  if wire is None or wire.name not in _CAST_DTYPES:
+  if wire is None:
+    raise base.OptionTypeError(
+        f"cast: `dtype` must be one of {_CAST_DTYPES} (a name or a dtype), got {dtype!r} "
+        f"({type(dtype).__name__}); pass e.g. 'bfloat16'.")
+  if wire.name not in _CAST_DTYPES:
     raise ValueError(
         f"cast: `dtype` must be one of {_CAST_DTYPES}, got {dtype!r}.")
   bits = int(np.dtype(wire).itemsize * 8)
@@ -70,6 +75,9 @@ def cast(dtype="bfloat16") -> base.Compressor:
       decode=lambda payload, state, like: payload.astype(like.dtype),
       payload_bits=lambda shape, in_dtype: base.leaf_size(shape) * bits,
       linear=True,
+      # Rounding to nearest moves each value by at most eps/2 of itself.
+      error_kind="contractive",
+      error_bound=lambda shape: 1.0 - (float(jnp.finfo(wire).eps) / 2) ** 2,
   )
 
 

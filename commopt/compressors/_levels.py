@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -20,10 +22,12 @@ from commopt._src import vma
 from commopt.compressors._registry import register
 from commopt.compressors._qcommon import (
     _F32,
+    _block_norms,
     _check_levels,
     _flat32,
     _inverse,
     _out,
+    _pow2_scales,
     _random_bits,
     _signed_levels,
     _stochastic_round,
@@ -66,7 +70,9 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
   def encode(x, state, key):
     flat = _flat32(x)
     if clip is not None:
-      bound = clip * jnp.std(flat)
+      # σ of the input scaled near 1 (by a power of two), so its squares never overflow.
+      down, up = _pow2_scales(jnp.max(jnp.abs(flat)))
+      bound = clip * (up * jnp.std(flat * down))
       flat = jnp.where(bound > 0, jnp.clip(flat, -bound, bound), flat)
     s = jnp.max(jnp.abs(flat))
     bits = _random_bits(key, flat.shape[0], "terngrad")
@@ -80,7 +86,9 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
 
   return base.Compressor(
       name=f"terngrad(clip={clip})", init=base.stateless_init, encode=encode, decode=decode,
-      payload_bits=lambda shape, dtype: 32 + _words_bits(base.leaf_size(shape), 2))
+      payload_bits=lambda shape, dtype: 32 + _words_bits(base.leaf_size(shape), 2),
+      # Unbiased for the (clipped) input; Σ|x_i|(s − |x_i|) ≤ s‖x‖₁ ≤ √n‖x‖².
+      error_kind="unbiased", error_bound=lambda shape: math.sqrt(base.leaf_size(shape)))
 
 
 def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
@@ -122,16 +130,22 @@ def qsgd(levels: int = 7, bucket_size: Optional[int] = 512) -> base.Compressor:
   def encode(x, state, key):
     flat = _flat32(x)
     n = flat.shape[0]
-    norms = jnp.linalg.norm(base.blocks(flat, bucket_size), axis=1)
+    norms = _block_norms(base.blocks(flat, bucket_size))
     codes = kernels.quantize_pack(flat, _random_bits(key, n, "qsgd"), levels, norms,
                                   block_size=bucket_size)
     return {"norms": norms, "codes": codes}, state
 
   decode, payload_bits = _signed_levels(bucket_size, width, levels, "norms")
 
+  def omega(shape) -> float:
+    # Alistarh et al., Lemma 3.1, for buckets of n coordinates.
+    n = base.block_len(base.leaf_size(shape), bucket_size)
+    return min(n / levels ** 2, math.sqrt(n) / levels)
+
   return base.Compressor(
       name=f"qsgd(levels={levels}, bucket_size={bucket_size})", init=base.stateless_init,
-      encode=encode, decode=decode, payload_bits=payload_bits)
+      encode=encode, decode=decode, payload_bits=payload_bits,
+      error_kind="unbiased", error_bound=omega)
 
 
 def natural() -> base.Compressor:
@@ -187,7 +201,8 @@ def natural() -> base.Compressor:
   return base.Compressor(
       name="natural", init=base.stateless_init, encode=encode, decode=decode,
       payload_bits=lambda shape, dtype: (_words_bits(base.leaf_size(shape), 1)
-                                         + _words_bits(base.leaf_size(shape), 8)))
+                                         + _words_bits(base.leaf_size(shape), 8)),
+      error_kind="unbiased", error_bound=lambda shape: 1.0 / 8.0)
 
 
 def _lookup(table: jax.Array, codes: jax.Array) -> jax.Array:
@@ -234,11 +249,9 @@ def int_quant(bits: int = 8, block_size: Optional[int] = 256,
     Dettmers, 8-Bit Approximations for Parallelism in Deep Learning, ICLR 2016.
     Dettmers et al., 8-bit Optimizers via Block-wise Quantization, ICLR 2022.
   """
-  if bits not in (4, 8) or isinstance(bits, bool):
-    raise ValueError(f"int_quant: `bits` must be 4 or 8, got {bits!r}.")
+  bits = base.check_integer("bits", bits, fn="int_quant", rule="4 or 8", ok=lambda b: b in (4, 8))
   block_size = base.check_block_size(block_size, "int_quant")
-  if rounding not in ROUNDINGS:
-    raise ValueError(f"int_quant: `rounding` must be one of {ROUNDINGS}, got {rounding!r}.")
+  base.check_choice("rounding", rounding, ROUNDINGS, "int_quant")
   q = 2 ** (bits - 1) - 1
 
   def encode(x, state, key):
@@ -255,9 +268,21 @@ def int_quant(bits: int = 8, block_size: Optional[int] = 256,
 
   decode, payload_bits = _signed_levels(block_size, bits, q, "scales")
 
+  def spread(shape) -> float:
+    # A block of n moves by at most a step m/q per coordinate, m ≤ its norm:
+    # stochastic rounding's variance ≤ n (m/q)²/4, nearest's error likewise.
+    return base.block_len(base.leaf_size(shape), block_size) / (4.0 * q * q)
+
+  if rounding == "stochastic":
+    declared = dict(error_kind="unbiased", error_bound=spread)
+  else:
+    declared = dict(error_kind="contractive",
+                    error_bound=lambda shape: max(1.0 - spread(shape), 0.0) or 1.0 / q)
+
   return base.Compressor(
       name=f"int_quant(bits={bits}, block_size={block_size}, rounding={rounding})",
-      init=base.stateless_init, encode=encode, decode=decode, payload_bits=payload_bits)
+      init=base.stateless_init, encode=encode, decode=decode, payload_bits=payload_bits,
+      **declared)
 
 
 def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
@@ -302,13 +327,17 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
     span = hi - lo
     safe = jnp.where(span > 0, span, 1.0)
     idx = jnp.clip(jnp.floor((flat - lo) / safe * bins), 0, bins - 1).astype(jnp.int32)
-    # Moments about lo keep the sums well conditioned.
-    z = flat - lo
+    # Moments about lo keep the sums well conditioned; in units of the span
+    # scaled by a power of two near 1, so the squares never overflow. The
+    # costs are then those of the unscaled points times a power of two: the
+    # same choice of points.
+    down, _ = _pow2_scales(span)
+    z = (flat - lo) * down
     moments = jnp.zeros((3, bins), _F32).at[:, idx].add(jnp.stack([jnp.ones_like(z), z, z * z]))
     prefix = jnp.pad(jnp.cumsum(moments, axis=1), ((0, 0), (1, 0)))
     edges = span * jnp.arange(bins + 1, dtype=_F32) / bins
     s0, s1, s2 = (p[None, :] - p[:, None] for p in prefix)   # [i, j]: bins i..j-1
-    a, b = edges[:, None], edges[None, :]
+    a, b = edges[:, None] * down, edges[None, :] * down
     cost = -s2 + (a + b) * s1 - a * b * s0
     cost = jnp.where(jnp.arange(bins + 1)[:, None] < jnp.arange(bins + 1)[None, :],
                      jnp.maximum(cost, 0.0), jnp.inf)
@@ -348,7 +377,11 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
 
   return base.Compressor(
       name=f"adaptive_levels(levels={levels})", init=base.stateless_init, encode=encode,
-      decode=decode, payload_bits=payload_bits)
+      decode=decode, payload_bits=payload_bits,
+      # No worse than points every ⌈bins/(levels−1)⌉ bins over a range ≤ 2·max|x|.
+      error_kind="unbiased",
+      error_bound=lambda shape: base.leaf_size(shape) * (
+          math.ceil(bins / (levels - 1)) / bins) ** 2)
 
 
 register("terngrad", terngrad, {"clip": 2.5}, variants=({"clip": None},))

@@ -79,9 +79,8 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
     Distributed Optimization, NeurIPS 2018.
   """
   leaf_k = _budget("random_k", ratio, k)
-  for name, value in (("shared_seed", shared_seed), ("scale", scale)):
-    if not isinstance(value, bool):
-      raise ValueError(f"random_k: `{name}` must be True or False, got {value!r}.")
+  shared_seed = base.check_bool("shared_seed", shared_seed, fn="random_k")
+  scale = base.check_bool("scale", scale, fn="random_k")
 
   def draw(key, shape):
     return rng.distinct_indices(base.need_key(key, "random_k"), base.leaf_size(shape),
@@ -121,7 +120,11 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
       name=_budget_name("random_k", ratio, k, shared_seed=shared_seed, scale=scale),
       init=init, stateful=shared_seed, encode=encode, decode=decode, payload_bits=payload_bits,
       accumulate=accumulate,
-      linear=shared_seed, shared_randomness=shared_seed)
+      linear=shared_seed, shared_randomness=shared_seed,
+      **(dict(error_kind="unbiased",
+              error_bound=lambda shape: base.leaf_size(shape) / leaf_k(shape) - 1.0) if scale
+         else dict(error_kind="expected_contractive",
+                   error_bound=lambda shape: leaf_k(shape) / base.leaf_size(shape))))
 
 
 def keep_probabilities(magnitude: jax.Array, k: float, iterations: int) -> jax.Array:
@@ -193,7 +196,10 @@ def variance_balanced(ratio: float | None = None, *, k: int | None = None,
     kept = _take(p, indices)
     return indices, _take(flat.astype(jnp.float32), indices) / jnp.where(kept > 0, kept, 1.0)
 
-  return _sparse_compressor(_budget_name("variance_balanced", ratio, k), slots, pick, None)
+  # Σ x_i²(1/p_i − 1) ≤ ‖x‖₁/λ ≤ ‖x‖₁²/k ≤ (n/k)‖x‖² (λ ≥ k/‖x‖₁).
+  return _sparse_compressor(_budget_name("variance_balanced", ratio, k), slots, pick, None,
+                            error_kind="unbiased",
+                            error_bound=lambda shape: base.leaf_size(shape) / leaf_k(shape))
 
 
 register("random_k", random_k, {"ratio": 0.01}, exclusive=("ratio", "k"),

@@ -55,7 +55,8 @@ def sign() -> base.Compressor:
 
   return base.Compressor(
       name="sign", init=base.stateless_init, encode=encode, decode=decode,
-      payload_bits=lambda shape, dtype: _words_bits(base.leaf_size(shape), 1))
+      payload_bits=lambda shape, dtype: _words_bits(base.leaf_size(shape), 1),
+      error_kind="direction")
 
 
 def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
@@ -66,6 +67,13 @@ def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
   compressor is biased, a contraction with ``δ = ‖x‖₁²/(d‖x‖₂²)`` per block,
   so use it with error feedback. Smaller blocks cost more scales and track
   the magnitudes of different regions of a tensor better.
+
+  What error feedback keeps is bounded by ``√(1−δ)/(1−√(1−δ)) ≤ 2/δ`` times
+  the input's norm, and ``δ`` can be as small as ``1/d`` (``1/block_size``):
+  on a steady gradient the residual keeps growing slowly, about as ``√t``
+  (12 times the gradient's norm after 500 steps on a 256-element leaf), until
+  ``δ`` of the compensated input stops shrinking. Blocks cap the bound at
+  ``2 · block_size``.
 
   Args:
     block_size: coordinates per scale; ``None`` gives one scale per leaf.
@@ -107,7 +115,9 @@ def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
 
   name = "scaled_sign" if block_size is None else f"scaled_sign(block_size={block_size})"
   return base.Compressor(name=name, init=base.stateless_init, encode=encode,
-                         decode=decode, payload_bits=payload_bits)
+                         decode=decode, payload_bits=payload_bits, error_kind="contractive",
+                         error_bound=lambda shape: 1.0 / base.block_len(
+                             base.leaf_size(shape), block_size))
 
 
 def onebit() -> base.Compressor:
@@ -151,7 +161,9 @@ def onebit() -> base.Compressor:
 
   return base.Compressor(
       name="onebit", init=base.stateless_init, encode=encode, decode=decode,
-      payload_bits=lambda shape, dtype: 64 + _words_bits(base.leaf_size(shape), 1))
+      payload_bits=lambda shape, dtype: 64 + _words_bits(base.leaf_size(shape), 1),
+      # Never worse than scaled_sign over the whole leaf.
+      error_kind="contractive", error_bound=lambda shape: 1.0 / base.leaf_size(shape))
 
 
 register("sign", sign)

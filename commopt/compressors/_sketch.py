@@ -233,8 +233,7 @@ def count_sketch(rows: int = 5, cols: Optional[int] = None, *, ratio: Optional[f
   rows, cols = _check_size(fn, rows, cols, ratio)
   if ratio is not None:
     ratio = base.check_ratio("ratio", ratio, fn=fn)
-  if not isinstance(unbiased, bool):
-    raise ValueError(f"{fn}: `unbiased` must be True or False, got {unbiased!r}.")
+  unbiased = base.check_bool("unbiased", unbiased, fn=fn)
 
   def width(shape) -> int:
     if cols is not None:
@@ -265,10 +264,16 @@ def count_sketch(rows: int = 5, cols: Optional[int] = None, *, ratio: Optional[f
   def payload_bits(shape, dtype):
     return rows * width(shape) * base.dtype_bits(dtype)
 
+  def omega(shape) -> float:
+    return (base.leaf_size(shape) - 1) / (rows * width(shape))
+
   size = f"cols={cols}" if cols is not None else f"ratio={ratio}"
   return base.Compressor(
       name=f"{fn}(rows={rows}, {size}{', unbiased=True' if unbiased else ''})",
       init=init, stateful=True, encode=encode, decode=decode, payload_bits=payload_bits,
+      **(dict(error_kind="unbiased", error_bound=omega) if unbiased else
+         dict(error_kind="expected_contractive",
+              error_bound=lambda shape: 1.0 / (1.0 + omega(shape)))),
       linear=True, shared_randomness=True, accepts=accepts)
 
 
@@ -334,8 +339,7 @@ def sketch_sgd(ratio: Optional[float] = None, *, k: Optional[int] = None, rows: 
   rows = base.check_positive_int("rows", rows, fn=fn)
   if cols is not None:
     cols = base.check_positive_int("cols", cols, fn=fn)
-  if not isinstance(second_round, bool):
-    raise ValueError(f"{fn}: `second_round` must be True or False, got {second_round!r}.")
+  second_round = base.check_bool("second_round", second_round, fn=fn)
   budget = _budget(fn, ratio, k)
 
   def leaf_k(shape) -> int:
@@ -394,7 +398,12 @@ def sketch_sgd(ratio: Optional[float] = None, *, k: Optional[int] = None, rows: 
   return base.Compressor(
       name=f"{fn}({budget_name}{extra})", init=init, stateful=True, encode=encode,
       decode=decode, payload_bits=payload_bits, shared_randomness=True, accepts=accepts,
-      reduce=reduce, reduce_collective="all-reduce")
+      reduce=reduce, reduce_collective="all-reduce",
+      # The k sent are the sketch's heavy hitters, drawn through random hashes: where the
+      # input has no heavy hitters (a spread-out residual) they are as good as random,
+      # and a residual would wait about n/k steps per coordinate.
+      error_kind="expected_contractive",
+      error_bound=lambda shape: leaf_k(shape) / base.leaf_size(shape))
 
 
 register("count_sketch", count_sketch, {"rows": 5, "ratio": 0.1}, exclusive=("cols", "ratio"),

@@ -295,12 +295,10 @@ def sketchml(ratio: Optional[float] = None, *, k: Optional[int] = None, buckets:
   """
   fn = "sketchml"
   leaf_k = _budget(fn, ratio, k)
-  if (isinstance(buckets, bool) or not isinstance(buckets, (int, np.integer))
-      or not 2 <= buckets <= _MAX_BUCKETS or buckets % 2):
-    raise ValueError(
-        f"{fn}: `buckets` must be an even integer in [2, {_MAX_BUCKETS}] (half for each "
-        f"sign), got {buckets!r}.")
-  buckets = int(buckets)
+  buckets = base.check_integer(
+      "buckets", buckets, fn=fn,
+      rule=f"an even integer in [2, {_MAX_BUCKETS}] (half for each sign)",
+      ok=lambda b: 2 <= b <= _MAX_BUCKETS and b % 2 == 0)
   if sketch_ratio is not None:
     sketch_ratio = base.check_number("sketch_ratio", sketch_ratio, fn=fn, low=0.0,
                                      what="None or a positive number")

@@ -84,8 +84,10 @@ def _check_value_dtype(value_dtype, fn: str):
   try:
     dtype = jnp.dtype(value_dtype)
   except TypeError:
-    dtype = None
-  if dtype is None or dtype.name not in VALUE_DTYPES:
+    raise base.OptionTypeError(
+        f"{fn}: `value_dtype` must be None (the input dtype) or one of {VALUE_DTYPES} (a name "
+        f"or a dtype), got {value_dtype!r} ({type(value_dtype).__name__}).") from None
+  if dtype.name not in VALUE_DTYPES:
     raise ValueError(
         f"{fn}: `value_dtype` must be None (the input dtype) or one of "
         f"{VALUE_DTYPES}, got {value_dtype!r}.")
@@ -172,11 +174,12 @@ _VALUES_CODEC = _pairs_codec(lambda payload, state: (payload["indices"], payload
 """For payloads ``{"indices", "values"}``."""
 
 
-def _sparse_compressor(name: str, slots, pick, value_dtype) -> base.Compressor:
+def _sparse_compressor(name: str, slots, pick, value_dtype, **declared) -> base.Compressor:
   """A stateless values-and-indices compressor.
 
   ``pick(flat, slots, key) -> (indices, values)`` fills the ``slots`` of a
-  leaf; empty slots carry the index ``size``.
+  leaf; empty slots carry the index ``size``. ``declared`` sets the error
+  kind and bound (:attr:`~commopt.Compressor.error_kind`).
   """
 
   def encode(x, state, key):
@@ -190,7 +193,8 @@ def _sparse_compressor(name: str, slots, pick, value_dtype) -> base.Compressor:
     return slots(shape) * (base.dtype_bits(value_dtype or dtype) + 32)
 
   return base.Compressor(name=name, init=base.stateless_init, encode=encode,
-                         decode=decode, payload_bits=payload_bits, accumulate=accumulate)
+                         decode=decode, payload_bits=payload_bits, accumulate=accumulate,
+                         **declared)
 
 
 def _with_values(select):

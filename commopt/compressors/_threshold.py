@@ -44,6 +44,17 @@ def threshold(tau: float, *, capacity: float = 0.01) -> base.Compressor:
   error residual, where they accumulate until they cross the threshold.
   Biased; use it with error feedback.
 
+  ``tau`` is absolute and must suit the input's scale: one payload moves at
+  most ``capacity · size · tau`` of mass, so with error feedback the residual
+  stays bounded only while the mean magnitude of the input stays below
+  ``capacity · tau`` (``1e-5`` for ``tau = 1e-3`` and a 1% capacity); above
+  that it grows with every step, and the step sizes of the model are
+  ``±tau`` whatever the gradient. A threshold relative to the input's own
+  spread does not help: the residual then grows in proportion to the
+  input, and the same few coordinates cross it. Choose ``tau`` from the
+  gradients you see (e.g. 100× their mean magnitude at a 1% capacity), or
+  use :func:`~commopt.top_k` or :func:`gradient_dropping`, which adapt.
+
   Args:
     tau: the threshold, > 0, in the units of the compressed input.
     capacity: fraction of each leaf that one payload can carry, in (0, 1].
@@ -120,13 +131,8 @@ def gradient_dropping(drop_ratio: float = 0.99, *, sample_ratio: float = 0.001,
     Aji & Heafield, Sparse Communication for Distributed Gradient Descent,
     EMNLP 2017.
   """
-  try:
-    drop = float(drop_ratio)
-  except (TypeError, ValueError):
-    drop = float("nan")
-  if isinstance(drop_ratio, bool) or not 0.0 <= drop < 1.0:
-    raise ValueError(
-        f"gradient_dropping: `drop_ratio` must be a fraction in [0, 1), got {drop_ratio!r}.")
+  drop = base.check_number("drop_ratio", drop_ratio, fn="gradient_dropping", low=0.0, high=1.0,
+                           low_open=False, what="a fraction in [0, 1)")
   sample_ratio = base.check_ratio("sample_ratio", sample_ratio, fn="gradient_dropping")
   value_dtype = _check_value_dtype(value_dtype, "gradient_dropping")
   keep = 1.0 - drop

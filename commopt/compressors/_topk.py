@@ -81,8 +81,7 @@ def top_k(ratio: float | None = None, *, k: int | None = None, approx: bool = Fa
   leaf_k = _budget("top_k", ratio, k)
   base.check_choice("method", method, METHODS, "top_k")
   base.check_choice("scope", scope, SCOPES, "top_k")
-  if not isinstance(approx, bool):
-    raise ValueError(f"top_k: `approx` must be True or False, got {approx!r}.")
+  approx = base.check_bool("approx", approx, fn="top_k")
   if approx and method != "exact":
     raise ValueError(
         f"top_k: `approx=True` selects with approx_max_k and needs method='exact', "
@@ -105,8 +104,12 @@ def top_k(ratio: float | None = None, *, k: int | None = None, approx: bool = Fa
   if value_dtype is not None:
     options["value_dtype"] = value_dtype.name
   pick = _with_values(_magnitude_selector(approx, method, sample_ratio, recall_target))
+  # The exact selection keeps the k largest: ‖x − C(x)‖² ≤ (1 − k/n)‖x‖².
+  declared = (dict(error_kind="contractive",
+                   error_bound=lambda shape: leaf_k(shape) / base.leaf_size(shape))
+              if not approx and method == "exact" else {})
   compressor = _sparse_compressor(_budget_name("top_k", ratio, k, **options), leaf_k,
-                                  pick, value_dtype)
+                                  pick, value_dtype, **declared)
   if scope == "global":
     return _globalise(compressor, leaf_k, pick, value_dtype)
   return compressor

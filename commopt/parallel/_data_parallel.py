@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from commopt._src import compat
+from commopt._src import base, compat
 from commopt.comm import _collectives as coll
 from commopt.parallel import _layout as lay
 from commopt.parallel._layout import keystr, local_value_and_grad
@@ -79,11 +79,12 @@ class DataParallel:
   def __post_init__(self):
     fn = "data_parallel"
     if not callable(self.loss_fn):
-      raise ValueError(f"{fn}: `loss_fn` must be callable, got {self.loss_fn!r}.")
+      raise base.OptionTypeError(f"{fn}: `loss_fn` must be callable, got {self.loss_fn!r}.")
     if not (hasattr(self.tx, "init") and hasattr(self.tx, "update")):
-      raise ValueError(f"{fn}: `tx` must be an optax GradientTransformation, got {self.tx!r}.")
+      raise base.OptionTypeError(
+          f"{fn}: `tx` must be an optax GradientTransformation, got {self.tx!r}.")
     if not isinstance(self.mesh, jax.sharding.Mesh):
-      raise ValueError(
+      raise base.OptionTypeError(
           f"{fn}: `mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh((8,), ('data',))), "
           f"got {self.mesh!r}.")
     if isinstance(self.axis_name, list):
@@ -96,13 +97,9 @@ class DataParallel:
           f"whose axes are {tuple(self.mesh.axis_names)}"
           + (f"; {missing} {'is' if len(missing) == 1 else 'are'} not among them." if missing
              else "."))
-    if self.model_state_sync not in MODEL_STATE_SYNC:
-      raise ValueError(
-          f"{fn}: `model_state_sync` must be one of {MODEL_STATE_SYNC}, got "
-          f"{self.model_state_sync!r}.")
+    base.check_choice("model_state_sync", self.model_state_sync, MODEL_STATE_SYNC, fn)
     for name in ("has_aux", "has_state", "skip_nonfinite", "donate", "local_params"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{fn}: `{name}` must be True or False, got {getattr(self, name)!r}.")
+      object.__setattr__(self, name, base.check_bool(name, getattr(self, name), fn=fn))
     object.__setattr__(self, "_layouts", {})
 
   # -- basic facts ---------------------------------------------------------------
@@ -386,16 +383,60 @@ class DataParallel:
     return self._put(model_state, self._specs_of(model_state, "model state leaf"))
 
   def place_batch(self, batch):
-    """Shards every batch leaf on its leading axis over the data axes."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-      shape = jnp.shape(leaf)
-      if not shape or shape[0] % self.num_workers:
-        raise ValueError(
-            f"data_parallel: batch leaf {keystr(path)} has shape {tuple(shape)}; "
-            f"its leading axis must be divisible by the {self.num_workers} "
-            f"workers on axis {self.axis_name!r}.")
+    """Shards every batch leaf on its leading axis over the data axes.
+
+    The leaves must share their leading size (rows), at least one and
+    divisible by the number of workers (:meth:`_check_batch`).
+    """
+    self._check_batch(batch)
+    return self._put_batch(batch)
+
+  def _put_batch(self, batch):
     data = P(lay.data_spec(self.axes))
     return self._put(batch, jax.tree.map(lambda x: lay.full_spec(data, jnp.ndim(x)), batch))
+
+  def _check_batch(self, batch, fn: str = "data_parallel", workers: int | None = None,
+                   where: str | None = None) -> None:
+    """A ValueError naming the leaves and their shapes unless every batch leaf has a
+    leading axis, all of the same non-zero size, divisible by ``workers``.
+
+    Each worker takes the same contiguous rows of every leaf, so leaves of
+    different lengths would pair row ``i`` of one with another row of the
+    next; a batch of no rows has no loss (a mean over nothing is NaN). Python
+    on static shapes: inside the step it runs when the step is traced (once
+    per batch shape, under the user's ``jit`` or ``scan`` too), not per call.
+
+    Args:
+      batch: a pytree of arrays (or tracers, or ``ShapeDtypeStruct``\\ s).
+      fn: the caller, for messages.
+      workers: what the rows must divide into (default: the step's workers).
+      where: those workers, for messages (default: the data axis).
+    """
+    if workers is None:
+      workers, where = self.num_workers, f"on axis {self.axis_name!r}"
+    shapes = [(keystr(path), tuple(jnp.shape(x)))
+              for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]]
+    listed = ", ".join(f"{k}: {s}" for k, s in shapes)
+    for k, s in shapes:
+      if not s:
+        raise ValueError(
+            f"{fn}: batch leaf {k} has shape (), with no leading axis to split over the "
+            f"{workers} workers {where}; give every batch leaf a leading (batch) axis "
+            f"(batch: {listed}).")
+    if len({s[0] for _, s in shapes}) > 1:
+      raise ValueError(
+          f"{fn}: batch leaves must share their leading size, so that each worker gets the "
+          f"same rows of every leaf; got {listed}. Give every leaf the same number of rows.")
+    if shapes and shapes[0][1][0] == 0:
+      raise ValueError(
+          f"{fn}: the batch is empty, with 0 rows ({listed}): a step on no data has no loss "
+          f"(a mean over nothing is NaN). Skip the step, or give a multiple of the "
+          f"{workers} workers' rows.")
+    if shapes and shapes[0][1][0] % workers:
+      k, s = shapes[0]
+      raise ValueError(
+          f"{fn}: batch leaf {k} has shape {s}; its leading axis must be divisible by the "
+          f"{workers} workers {where}.")
 
   def local_batch(self, batch):
     """The global batch from this process's rows of it (multi-process runs).
@@ -409,14 +450,10 @@ class DataParallel:
     """
     data = P(lay.data_spec(self.axes))
     local_workers = max(1, len(self.mesh.local_devices) * self.num_workers // self.mesh.size)
+    self._check_batch(batch, "data_parallel.local_batch", local_workers, "this process hosts")
 
     def make(path, x):
       x = np.asarray(x)
-      if x.ndim == 0 or x.shape[0] % local_workers:
-        raise ValueError(
-            f"data_parallel.local_batch: batch leaf {keystr(path)} has shape {x.shape}; its "
-            f"leading axis must be divisible by the {local_workers} workers this process "
-            "hosts.")
       sharding = NamedSharding(self.mesh, lay.full_spec(data, x.ndim))
       return jax.make_array_from_process_local_data(sharding, x)
 
@@ -771,7 +808,13 @@ class DataParallel:
       model_state = self.place_model_state(model_state)
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
-    args = (params, opt_state, self.place_batch(batch), model_state, key)
+    try:
+      # Not checked here, per call: the step checks the batch's shapes when it is traced.
+      placed = self._put_batch(batch)
+    except (TypeError, ValueError):
+      self._check_batch(batch)   # a placement that fails on shapes, with the shapes named
+      raise
+    args = (params, opt_state, placed, model_state, key)
     if self._on_cpu:
       jax.block_until_ready(args)
     else:
@@ -809,10 +852,13 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   Faults: with ``skip_nonfinite=True`` the optimizer runs inside
   :func:`commopt.transforms.apply_if_finite`: a non-finite value in any
   worker's gradient makes all workers agree, with one int32 all-reduce, to
-  skip the step. Parameters, optimizer state (error residuals included) and
-  model state stay as they were, and ``opt_state.total_notfinite`` counts the
-  skips. The compressed exchange still runs on a skipped step (its result is
-  discarded), so no worker ever waits in a collective another one skipped.
+  skip the step; so does a non-finite reduced update (finite gradients that
+  overflow in the exchange or the optimizer), which every worker sees the
+  same and judges alike with no collective. Parameters, optimizer state
+  (error residuals included) and model state stay as they were, and
+  ``opt_state.total_notfinite`` counts the skips. The compressed exchange
+  still runs on a skipped step (its result is discarded), so no worker ever
+  waits in a collective another one skipped.
 
   Model state (``has_state=True``), e.g. batch-norm statistics: ``loss_fn``
   returns the new state beside the loss. With ``model_state_sync='mean'``
@@ -835,7 +881,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux comes back per worker.
     has_state: ``loss_fn`` takes and returns model state.
     model_state_sync: ``"mean"`` or ``"none"``.
-    skip_nonfinite: skip steps with a non-finite gradient on any worker.
+    skip_nonfinite: skip steps with a non-finite gradient on any worker or a
+      non-finite reduced update.
     donate: donate params, optimizer state and model state to the jitted step.
     local_params: keep one copy of the parameters per worker, stacked
       ``[num_workers, ...]`` and sharded over the data axes, for transforms

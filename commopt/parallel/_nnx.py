@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.parallel._data_parallel import DataParallel
 
@@ -141,7 +142,9 @@ def nnx_data_parallel(model: nnx.Module, loss_fn: Callable, tx: optax.GradientTr
     (1,)
   """
   if not isinstance(model, nnx.Module):
-    raise ValueError(f"nnx_data_parallel: `model` must be a flax nnx.Module, got {model!r}.")
+    raise base.OptionTypeError(
+        f"nnx_data_parallel: `model` must be a flax nnx.Module, got {model!r}.")
+  has_aux = base.check_bool("has_aux", has_aux, fn="nnx_data_parallel")
   graphdef, _, _ = nnx.split(model, wrt, ...)
   axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 

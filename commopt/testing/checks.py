@@ -33,9 +33,14 @@ What is checked:
   conserve (stateless per-leaf compressors only).
 - :func:`robust_rule_compatible`: a robust rule decodes each worker's payload
   (stateless per-leaf compressors only).
+- :func:`option_types`: a registered factory refuses options of the wrong
+  type when it is called, naming the option.
 """
 
 from __future__ import annotations
+
+import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +65,7 @@ __all__ = [
     "jit_without_retrace",
     "multi_steps_accumulates",
     "one_device_equals_local",
+    "option_types",
     "owed",
     "params_like",
     "payload_bytes_equal_hlo_audit",
@@ -122,7 +128,19 @@ def _first(tree):
 
 
 def _tx(compressor, axis_name=None, **kw):
+  """``compressed_mean`` with a residual wherever one is sound (the error-feedback path:
+  ``C/(1+ω)`` for an unbiased compressor), so the checks exercise it."""
+  kept = compressor.error_kind not in ("direction", "lossless")
+  kw.setdefault("error_feedback", True if kept else "auto")
   return compressed_mean(compressor, axis_name, min_size=MIN_SIZE, **kw)
+
+
+def _residual(state, key, like) -> np.ndarray:
+  """The stacked residual of leaf ``key`` as float32, zeros where none is kept."""
+  r = state.residual[key]
+  if isinstance(r, optax.MaskedNode):
+    return np.zeros(np.shape(like), np.float32)
+  return np.asarray(r, np.float32)
 
 
 def _workers(mesh) -> int:
@@ -204,11 +222,11 @@ def vmap_equals_shard_map(compressor: base.Compressor, mesh, axis_name: str = "d
   eps = float(jnp.finfo(jnp.float32).eps)
   for step in range(3):
     u = worker_updates(10 + step, n=n)
-    before = np.asarray(s_v.residual["w"], np.float32)
+    before = _residual(s_v, "w", u["w"])
     o_v, s_v = vm.update(u, s_v)
     o_s, s_s = sm.update(u, s_s)
     # Each worker's reconstruction: its compensated input less what it kept back.
-    local = np.asarray(u["w"], np.float32) + before - np.asarray(s_v.residual["w"], np.float32)
+    local = np.asarray(u["w"], np.float32) + before - _residual(s_v, "w", u["w"])
     tol = max(atol, n * eps * float(np.abs(local).max()))
     for a, b in zip(jax.tree.leaves((o_v, s_v)), jax.tree.leaves((o_s, s_s))):
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
@@ -242,6 +260,8 @@ def owed(state, key: str, n: int, mesh, axis_name, strategy: str = "auto") -> np
   ``(s, l)`` holds chunk ``s`` of shard ``l`` of the server memory. Takes the
   state stacked over workers, as :func:`shard_map_workers` returns it.
   """
+  if isinstance(state.residual[key], optax.MaskedNode):
+    return np.zeros(n, np.float32)
   residual = np.asarray(state.residual[key], np.float32)
   server = state.server_residual[key] if state.server_residual is not None else None
   has_server = server is not None and not isinstance(server, optax.MaskedNode)
@@ -359,6 +379,95 @@ def robust_rule_compatible(compressor: base.Compressor, num_workers: int = 8) ->
   for key in ("w", "b"):
     assert out[key].shape == (num_workers,) + params_like()[key].shape
     assert bool(jnp.all(jnp.isfinite(out[key]))), f"{compressor.name}: non-finite median"
+
+
+# Values of other types fed to each kind of option. Each is a valid value
+# ``v`` of the option turned into another type (``"8"`` and ``8.0`` for
+# ``v = 8``), so only the type is wrong.
+_WRONG_TYPES = {
+    "bool": lambda v: ["no", "False", 0, 1, 1.0],
+    "int": lambda v: [str(v), float(v), True],
+    "real": lambda v: [str(v), True, False],
+    "str": lambda v: [1, True, b"x"],
+}
+# A valid value of each kind, for options whose default is None.
+_SAMPLE = {"bool": True, "int": 4, "real": 0.5, "str": "x"}
+
+
+def _option_kind(param: inspect.Parameter, registered) -> tuple:
+  """``(kind, none_ok)`` of a factory option: ``kind`` is ``"bool"``, ``"int"``,
+  ``"real"``, ``"str"`` or None (another type: a callable, a dtype, a sequence),
+  from its annotation, else from its default or its registered default."""
+  annotation = param.annotation
+  if annotation is inspect.Parameter.empty:
+    annotation = ""
+  elif not isinstance(annotation, str):
+    annotation = getattr(annotation, "__name__", str(annotation))
+  words = set(re.findall(r"[A-Za-z_][A-Za-z_0-9.]*", annotation))
+  none_ok = param.default is None or bool(words & {"None", "Optional"})
+  words -= {"None", "Optional", "Union", "typing.Optional", "typing.Union"}
+  if not words:
+    sample = param.default if param.default not in (inspect.Parameter.empty, None) else registered
+    words = {type(sample).__name__} if sample is not None else set()
+  kinds = {"bool": "bool", "int": "int", "float": "real", "str": "str"}
+  if words in ({"bool"}, {"int"}, {"str"}, {"float"}, {"float", "int"}):
+    return kinds["float" if "float" in words else next(iter(words))], none_ok
+  return None, none_ok
+
+
+def option_types(name: str) -> list[str]:
+  """Registered compressor ``name``'s factory refuses every option of the wrong type.
+
+  Each option's kind (bool, integer, real number or string, and whether it
+  also takes None) comes from the factory's signature (annotations and
+  defaults) and :data:`commopt.compressors.DEFAULTS`; options of other kinds
+  (callables, dtypes) are left out. The factory is called as
+  :func:`commopt.compressors.make` calls it, with one option replaced by a
+  value of another type: a string where a number or a bool belongs, a bool
+  where a number belongs, a float where an integer belongs, a number or a
+  string where a bool belongs, bytes or a number where a string belongs, and
+  None where None is not accepted. Each call must raise ``TypeError`` at
+  construction, with a message that names the option (```ratio```) and
+  shows the value received.
+
+  Args:
+    name: a key of :data:`commopt.compressors.REGISTRY`.
+
+  Returns:
+    The options checked, in the signature's order.
+  """
+  from commopt.compressors import DEFAULTS, REGISTRY, make
+  factory = REGISTRY[name]
+  make(name)   # the registered defaults are valid
+  checked = []
+  for option, param in inspect.signature(factory).parameters.items():
+    if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+      continue
+    registered = DEFAULTS[name].get(option)
+    kind, none_ok = _option_kind(param, registered)
+    if kind is None:
+      continue
+    valid = next((v for v in (registered, param.default)
+                  if v is not None and v is not inspect.Parameter.empty), _SAMPLE[kind])
+    wrong = _WRONG_TYPES[kind](valid) + ([] if none_ok else [None])
+    for value in wrong:
+      try:
+        if value is None:   # make reads None as "the default"
+          factory(**{**DEFAULTS[name], option: None})
+        else:
+          make(name, **{option: value})
+      except TypeError as e:
+        message = str(e)
+        assert f"`{option}`" in message and repr(value) in message, (
+            f"{name}: {option}={value!r} raised a TypeError that does not name `{option}` "
+            f"and the value received: {message}")
+      except Exception as e:   # noqa: BLE001 - reported as the wrong error
+        raise AssertionError(f"{name}: {option}={value!r} ({kind} option) raised "
+                             f"{type(e).__name__}, not TypeError: {e}") from e
+      else:
+        raise AssertionError(f"{name}: {option}={value!r} ({kind} option) was accepted")
+    checked.append(option)
+  return checked
 
 
 def fused_sum_equals_reference(compressor: base.Compressor, workers=(8, 16, 37),

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base, tree
+from commopt._src import base, feedback, tree
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan, _strategies
@@ -83,7 +83,7 @@ def compressed_mean(
     compressor: base.Compressor,
     axis_name: Optional[str | tuple[str, str]] = None,
     *,
-    error_feedback: bool = True,
+    error_feedback: bool | str = "auto",
     residual_dtype=None,
     min_size: int = DEFAULT_MIN_SIZE,
     strategy: str = "auto",
@@ -154,7 +154,19 @@ def compressed_mean(
     compressor: a :class:`~commopt.Compressor`.
     axis_name: the named axis to reduce over, or ``None`` for one local worker;
       ``(slow, fast)`` for ``strategy="hierarchical"``.
-    error_feedback: keep the residual ``e`` in the state and add it back.
+    error_feedback: ``"auto"`` (the default), ``True`` or ``False``: whether
+      to keep the residual ``e`` in the state and add it back. ``"auto"``
+      keeps it for compressors that are contractions (top-k, scaled sign,
+      PowerSGD, ...: their residual stays bounded) and for undeclared biased
+      ones, and keeps none for lossless, unbiased (QSGD, TernGrad, natural,
+      ATOMO, ...: the mean over workers averages their noise, and their
+      residual would grow), randomly-kept (random-k: every coordinate would
+      wait about ``1/δ`` steps) and sign-only compressors. ``True`` keeps a
+      residual wherever that is sound: for an unbiased compressor with
+      variance factor ω it is the residual of ``C/(1+ω)``, a contraction;
+      for ``sign`` it raises. ``False`` keeps none. See
+      :attr:`~commopt.Compressor.error_kind` and the guide's "Error feedback"
+      section.
     residual_dtype: dtype of the error memories. The default, ``None``, is
       float32 for float leaves narrower than 32 bits (bf16, f16), whose own
       dtype would round a small update away next to a large residual, and
@@ -183,14 +195,15 @@ def compressed_mean(
   References:
     Seide et al., 1-bit SGD, Interspeech 2014 (error feedback).
     Karimireddy et al., Error Feedback Fixes SignSGD, ICML 2019.
+    Stich and Karimireddy, The Error-Feedback Framework: Better Rates for SGD
+    with Delayed Gradients and Compressed Updates, JMLR 2020.
+    Beznosikov et al., On Biased Compression for Distributed Learning, 2020.
   """
   if not isinstance(compressor, base.Compressor):
-    raise ValueError(
+    raise base.OptionTypeError(
         f"compressed_mean: `compressor` must be a commopt Compressor (e.g. "
         f"commopt.scaled_sign()), got {compressor!r}.")
-  if strategy not in STRATEGIES:
-    raise ValueError(
-        f"compressed_mean: `strategy` must be one of {STRATEGIES}, got {strategy!r}.")
+  base.check_choice("strategy", strategy, STRATEGIES, "compressed_mean")
   if strategy == "hierarchical":
     if not (isinstance(axis_name, tuple) and len(axis_name) == 2
             and all(isinstance(a, str) for a in axis_name) and axis_name[0] != axis_name[1]):
@@ -199,25 +212,30 @@ def compressed_mean(
           f"distinct mesh axis names such as ('node', 'local'), got {axis_name!r}"
           + ("; on one device (axis_name=None) use any other strategy." if axis_name is None
              else "."))
-    if inner_strategy not in INNER_STRATEGIES:
-      raise ValueError(
-          f"compressed_mean: `inner_strategy` must be one of {INNER_STRATEGIES}, got "
-          f"{inner_strategy!r}.")
+    base.check_choice("inner_strategy", inner_strategy, INNER_STRATEGIES, "compressed_mean")
   elif axis_name is not None and not isinstance(axis_name, str):
-    raise ValueError(
+    error = ValueError if isinstance(axis_name, tuple) else base.OptionTypeError
+    raise error(
         f"compressed_mean: `axis_name` must be None or a mesh axis name (str), "
         f"got {axis_name!r}; a (slow, fast) pair needs strategy='hierarchical'.")
 
   if strategy != "hierarchical":
     inner_strategy = "auto"
+  compressor, error_feedback = feedback.feedback_compressor(compressor, error_feedback,
+                                                            "compressed_mean")
   reduction = _strategies.resolve(strategy, compressor, "compressed_mean", inner_strategy)
   strategy = reduction.name
   # Two-phase reductions keep a second error memory.
   server_memory = error_feedback and reduction.keeps_server_memory
-  if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-    raise ValueError(
-        f"compressed_mean: `min_size` must be an integer >= 0, got {min_size!r}.")
-  if residual_dtype is not None and not base.is_float_dtype(residual_dtype):
+  min_size = base.check_int("min_size", min_size, fn="compressed_mean", minimum=0)
+  seed = base.check_int("seed", seed, fn="compressed_mean")
+  try:
+    float_residual = residual_dtype is None or base.is_float_dtype(residual_dtype)
+  except TypeError:
+    raise base.OptionTypeError(
+        "compressed_mean: `residual_dtype` must be a floating-point dtype or None, got "
+        f"{residual_dtype!r} ({type(residual_dtype).__name__}); pass e.g. jnp.float32.") from None
+  if not float_residual:
     raise ValueError(
         "compressed_mean: `residual_dtype` must be a floating-point dtype or "
         f"None, got {residual_dtype!r}.")

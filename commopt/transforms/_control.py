@@ -30,11 +30,12 @@ class ApplyIfFiniteState(NamedTuple):
 
   Attributes:
     notfinite_count: consecutive updates in which some worker saw a NaN or an
-      Inf (int32); reset to 0 by a finite update.
-    last_finite: whether the last update was finite on every worker (bool);
-      the same on all workers.
-    total_notfinite: updates with a non-finite value on some worker since
-      ``init`` (int32); never reset.
+      Inf, in its input or in the reduced output (int32); reset to 0 by a
+      finite update.
+    last_finite: whether the last update was finite on every worker, input
+      and reduced output (bool); the same on all workers.
+    total_notfinite: updates with a non-finite value on some worker, or a
+      non-finite reduced output, since ``init`` (int32); never reset.
     inner_state: the state of the wrapped transform.
   """
   notfinite_count: jax.Array
@@ -62,7 +63,7 @@ class MultiStepsState(NamedTuple):
 
 def _check_inner(inner, fn: str) -> optax.GradientTransformationExtraArgs:
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
-    raise ValueError(
+    raise base.OptionTypeError(
         f"{fn}: `inner` must be an optax GradientTransformation (with init and update), "
         f"got {inner!r}.")
   return optax.with_extra_args_support(inner)
@@ -74,7 +75,9 @@ def _check_axes(axis_name, fn: str) -> None:
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   if (not names or not all(isinstance(a, str) for a in names)
       or len(set(names)) != len(names)):
-    raise ValueError(
+    error = ValueError if isinstance(axis_name, tuple) and all(
+        isinstance(a, str) for a in names) else base.OptionTypeError
+    raise error(
         f"{fn}: `axis_name` must be None, a mesh axis name (str) or a tuple of distinct "
         f"names, got {axis_name!r}.")
 
@@ -98,6 +101,13 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves], bool))
 
 
+def _replicated(tree) -> list:
+  """The leaves of ``tree`` typed the same on every device: varying over no mesh axis
+  (all of them where no varying types are known: under ``jax.vmap``, or
+  ``check_vma=False``)."""
+  return [x for x in jax.tree.leaves(tree) if not coll.varying_axes(x)]
+
+
 def apply_if_finite(inner: optax.GradientTransformation,
                     axis_name: Optional[str | tuple[str, ...]] = None,
                     max_consecutive_errors: Optional[int] = None
@@ -107,11 +117,23 @@ def apply_if_finite(inner: optax.GradientTransformation,
   Each worker checks its own input updates; one all-reduce of an int32 flag
   over ``axis_name`` makes every worker agree whether some worker's were not
   finite. The inner update is always computed, so every worker runs the same
-  collectives, and its result is selected with ``jnp.where``: on a skip the
-  returned updates are zeros (negative zeros, so ``params + updates`` leaves
-  every parameter unchanged bit for bit) and the inner state (error-feedback
-  residuals included) is returned unchanged. The counters count the skip and
-  ``last_finite`` is the agreed flag, the same on every worker.
+  collectives. Its output is checked too, since finite inputs can still
+  overflow inside the exchange or the optimizer: the reduced update is the
+  same on every worker, so every worker reaches the same verdict on it with
+  no further collective. Only output leaves typed replicated (varying over
+  no mesh axis) are read; an update that stays per worker (as under
+  :func:`~commopt.local_sgd`) is left to the input check, so no worker's own
+  values decide a skip. Under ``jax.vmap`` or with ``check_vma=False`` no
+  such types exist and every output leaf is read, so ``inner`` must reduce
+  over ``axis_name`` after anything per worker (as
+  :func:`~commopt.data_parallel` requires).
+
+  The result is selected with ``jnp.where``: on a skip the returned updates
+  are zeros (negative zeros, so ``params + updates`` leaves every parameter
+  unchanged bit for bit) and the inner state (error-feedback residuals
+  included) is returned unchanged. The counters count the skip, whichever
+  check caused it, and ``last_finite`` is the agreed flag, the same on every
+  worker.
 
   ``optax.apply_if_finite`` does not work across workers: under
   ``jax.shard_map`` its ``lax.cond`` returns the reduced, replicated updates
@@ -164,12 +186,14 @@ def apply_if_finite(inner: optax.GradientTransformation,
   def update_fn(updates, state, params=None, **extra_args):
     local_bad = jnp.logical_not(all_finite(updates)).astype(jnp.int32)
     finite = coll.psum(local_bad, axis_name) == 0
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    # The reduced output is the same on every worker: so is this verdict.
+    finite = finite & all_finite(_replicated(new_updates))
     notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32),
                                 optax.safe_int32_increment(state.notfinite_count))
     apply = finite
     if max_consecutive_errors is not None:
       apply = finite | (notfinite_count > max_consecutive_errors)
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     new_updates = jax.tree.map(lambda u: jnp.where(apply, u, _skip_zeros(u)), new_updates)
     new_inner = jax.tree.map(lambda new, old: _select(apply, new, old), new_inner,
                              state.inner_state)

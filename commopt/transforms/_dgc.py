@@ -47,22 +47,28 @@ class DGCState(NamedTuple):
 
 
 def _check_schedule(densities, boundaries) -> tuple[tuple[float, ...], tuple[int, ...]]:
-  if isinstance(densities, (int, float, np.floating)) and not isinstance(densities, bool):
+  given = densities
+  if np.ndim(densities) == 0:   # one value (a number, or a string that is none)
     densities = (densities,)
-  try:
-    densities = tuple(densities)
-  except TypeError:
-    densities = ()
-  bad = [d for d in densities if isinstance(d, bool) or not _is_fraction(d)]
+  densities = tuple(densities)
+  rule = "a fraction in (0, 1] or a non-empty sequence of them"
+  wrong = [d for d in densities if not base.is_real_number(d)]
+  if wrong:
+    raise base.OptionTypeError(
+        f"dgc: `densities` must be {rule}, got {given!r} ({wrong[0]!r}, a "
+        f"{type(wrong[0]).__name__}, is not a number); pass numbers such as 0.01.")
+  bad = [d for d in densities if not _is_fraction(d)]
   if not densities or bad:
     raise ValueError(
-        f"dgc: `densities` must be a fraction in (0, 1] or a non-empty sequence of "
-        f"them, got {densities!r}" + (f" ({bad[0]!r} is not)." if bad else "."))
+        f"dgc: `densities` must be {rule}, got {densities!r}"
+        + (f" ({bad[0]!r} is not)." if bad else "."))
   try:
     boundaries = tuple(boundaries)
   except TypeError:
-    boundaries = None
-  if boundaries is None or len(boundaries) != len(densities) - 1:
+    raise base.OptionTypeError(
+        f"dgc: `boundaries` must be a sequence of steps, got {boundaries!r} "
+        f"({type(boundaries).__name__}); pass e.g. (1000,) for two densities.") from None
+  if len(boundaries) != len(densities) - 1:
     raise ValueError(
         f"dgc: `boundaries` must hold one step per change of density, "
         f"len(densities) - 1 = {len(densities) - 1} of them, got {boundaries!r}.")
@@ -229,11 +235,12 @@ def dgc(axis_name: Optional[str] = None, *,
   """
   densities, boundaries = _check_schedule(densities, boundaries)
   m = base.check_number("momentum", momentum, fn="dgc", low=0, high=1, low_open=False)
-  if not isinstance(nesterov, bool):
-    raise ValueError(f"dgc: `nesterov` must be True or False, got {nesterov!r}.")
+  nesterov = base.check_bool("nesterov", nesterov, fn="dgc")
   if clip_norm is not None:
     clip_norm = base.check_number("clip_norm", clip_norm, fn="dgc", low=0.0,
                                   what="None or a finite number > 0")
+  min_size = base.check_int("min_size", min_size, fn="dgc", minimum=0)
+  seed = base.check_int("seed", seed, fn="dgc")
   inner = cm.compressed_mean(scheduled_top_k(densities, boundaries, method=method),
                              axis_name, min_size=min_size, seed=seed)
 
@@ -246,8 +253,7 @@ def dgc(axis_name: Optional[str] = None, *,
     del params, extra_args
     if clip_norm is not None:
       limit = clip_norm / math.sqrt(coll.axis_size(axis_name))
-      norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
-                          for g in jax.tree.leaves(updates)))
+      norm = base.safe_norm(jax.tree.leaves(updates))
       factor = jnp.minimum(1.0, limit / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
       updates = jax.tree.map(lambda g: (g * factor).astype(g.dtype), updates)
     velocity = jax.tree.map(lambda u, g: (m * u + g).astype(u.dtype), state.velocity, updates)

@@ -6,7 +6,6 @@ from typing import NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from commopt._src import base, tree
@@ -121,8 +120,7 @@ def fetch_sgd(learning_rate: Union[float, optax.Schedule], k: int, rows: int, co
   base.check_choice("zeroing", zeroing, ZEROING, fn)
   if not callable(learning_rate):
     base.check_number("learning_rate", learning_rate, fn=fn, low=0, low_open=False)
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-    raise ValueError(f"{fn}: `seed` must be an integer, got {seed!r}.")
+  seed = base.check_int("seed", seed, fn=fn)
 
   def sizes_of(leaves, paths, what):
     sizes = []

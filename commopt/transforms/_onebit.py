@@ -118,6 +118,8 @@ def _momentum_reducer(fn, learning_rate, axis_name, b1, b2, eps, weight_decay, c
   if not callable(learning_rate):
     base.check_number("learning_rate", learning_rate, fn=fn, low=0, low_open=False)
   base.check_choice("strategy", strategy, ("two_phase", "gather"), fn)
+  min_size = base.check_int("min_size", min_size, fn=fn, minimum=0)
+  seed = base.check_int("seed", seed, fn=fn)
   if compressor is None:
     from commopt.compressors import scaled_sign
     compressor = scaled_sign()
@@ -180,7 +182,7 @@ def _check_params(fn, params, weight_decay):
 
 
 def _norm(x):
-  return jnp.sqrt(jnp.sum(x * x))
+  return base.safe_norm([x])
 
 
 def _widened(params):

@@ -171,8 +171,7 @@ def sfb_mean(axis_name, batch_rows: int, mask: Union[Any, Callable[[Any], Any]],
   """
   _check_axes(axis_name, "sfb_mean")
   rows = base.check_positive_int("batch_rows", batch_rows, fn="sfb_mean")
-  if not isinstance(check_rows, bool):
-    raise TypeError(f"sfb_mean: `check_rows` must be True or False, got {check_rows!r}.")
+  check_rows = base.check_bool("check_rows", check_rows, fn="sfb_mean")
   extra = int(check_rows)
   if other is None:
     from commopt.compressors import identity

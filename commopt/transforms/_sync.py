@@ -11,7 +11,10 @@ the same on every worker.
 
 Local SGD is the outer optimizer ``sgd(1.0)``: the new anchor is the mean of
 the workers' parameters. DiLoCo's default outer optimizer is Nesterov SGD
-(learning rate 0.7, momentum 0.9).
+(learning rate 0.7, momentum 0.9) for dense exchanges, and ``sgd(1.0)``
+where the exchange keeps an error-feedback residual, whose memory then
+stands in for the outer momentum (SparseLoCo); :func:`diloco` says which
+pairings of inner and outer optimizer are stable, and why.
 
 The transforms output per-worker updates, so the parameters differ between
 workers between synchronisations: run them under
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base
+from commopt._src import base, feedback
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE, compressed_mean
@@ -66,9 +69,17 @@ def is_sync_step(count, period: int, warmup_steps: int):
   return (count < warmup_steps) | ((after + 1) % period == 0)
 
 
+def _exchange_options(fn: str, error_feedback, min_size, seed) -> tuple[bool | str, int, int]:
+  """The options every mode hands to its exchange, checked: 'auto' or a bool, two integers."""
+  return (feedback.check_error_feedback(error_feedback, fn),
+          base.check_int("min_size", min_size, fn=fn, minimum=0),
+          base.check_int("seed", seed, fn=fn))
+
+
 def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size, seed):
   """The compressed_mean that averages what the workers exchange (dense without a compressor)."""
   _check_axes(axis_name, fn)
+  error_feedback, min_size, seed = _exchange_options(fn, error_feedback, min_size, seed)
   if axis_name is None:
     raise ValueError(f"{fn}: `axis_name` must name the data axis, got None.")
   from commopt.compressors import make
@@ -84,19 +95,32 @@ def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size,
           "commopt.scaled_sign(), commopt.top_k(0.01)) or one data axis.")
     strategy, inner_strategy = "hierarchical", strategy
   return compressed_mean(make("identity") if compressor is None else compressor, axis_name,
-                         error_feedback=error_feedback and compressor is not None,
+                         error_feedback=error_feedback if compressor is not None else False,
                          strategy=strategy, inner_strategy=inner_strategy, min_size=min_size,
                          seed=seed)
 
 
-def _outer(outer, fn: str):
-  """The outer optimizer: DiLoCo's Nesterov SGD (learning rate 0.7, momentum 0.9) by default."""
-  return _check_inner(optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer, fn)
+def _keeps_residual(compressor, error_feedback, fn: str) -> bool:
+  """Whether the exchange keeps an error-feedback residual: a lossy compressor whose error
+  :func:`~commopt.compressed_mean` feeds back (what is not a compressor is left to it)."""
+  if not isinstance(compressor, base.Compressor):
+    return False
+  return feedback.feedback_compressor(compressor, error_feedback, fn)[1]
+
+
+def _outer(outer, fn: str, compressor=None, error_feedback=False):
+  """The outer optimizer. By default DiLoCo's Nesterov SGD (learning rate 0.7, momentum 0.9),
+  and plain ``sgd(1.0)`` where the exchange keeps an error-feedback residual (SparseLoCo's
+  outer step: the residual accumulates pseudo-gradients as the outer momentum would)."""
+  if outer is None:
+    outer = (optax.sgd(1.0) if _keeps_residual(compressor, error_feedback, fn)
+             else optax.sgd(0.7, momentum=0.9, nesterov=True))
+  return _check_inner(outer, fn)
 
 
 def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTransformation] = None,
            *, axis_name, period: int, compressor: Optional[base.Compressor] = None,
-           error_feedback: bool = True, strategy: str = "auto", warmup_steps: int = 0,
+           error_feedback: bool | str = "auto", strategy: str = "auto", warmup_steps: int = 0,
            min_size: int = DEFAULT_MIN_SIZE, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: ``period`` inner steps per worker, then an outer step on the mean pseudo-gradient.
 
@@ -110,17 +134,53 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
 
   Before ``warmup_steps`` every step synchronises (post-local SGD's warm-up).
 
+  The default outer optimizer depends on what is exchanged. Dense (no
+  compressor, a lossless one, or no residual kept): DiLoCo's Nesterov SGD,
+  learning rate 0.7, momentum 0.9, which moves the anchor by up to
+  ``0.7/(1 − 0.9) = 7`` times a pseudo-gradient that keeps its direction.
+  With an error-feedback residual (e.g. ``top_k`` under the default
+  ``error_feedback="auto"``): ``optax.sgd(1.0)``, as SparseLoCo (Sarfi et
+  al., 2025, arXiv:2508.15706). The residual holds what was not sent, about
+  ``1/ratio`` synchronisations' worth for ``top_k(ratio)``, and releases it
+  late and in bursts: it already accumulates past pseudo-gradients as an
+  outer momentum would, and a Nesterov step on top amplifies the late bursts.
+
+  Which pairings are stable:
+
+  - ``outer=optax.sgd(1.0)`` (local SGD) with any inner optimizer, dense or
+    compressed: the anchor moves by the workers' mean move, and on a
+    quadratic the whole is stable for exactly the curvatures the inner
+    optimizer is stable for; a residual is applied once, unamplified.
+  - Nesterov 0.7/0.9 over AdamW, as in DiLoCo: Adam moves each coordinate
+    by about its learning rate per step, so a period's move stays small.
+    Over a compressor with error feedback (passed explicitly) it trained
+    too, and faster than ``sgd(1.0)`` in the guide's measurements.
+  - Not Nesterov 0.7/0.9 over momentum SGD: the inner momentum, carried
+    across synchronisations, compounds with the outer one. On a quadratic,
+    over ``sgd(0.05, momentum=0.9)`` with ``period=8`` the inner optimizer
+    is stable for curvatures below 76 and the whole only below 59; over
+    ``sgd(0.01, momentum=0.95)`` curvatures from 0.1 to 5 already diverge.
+    On an MLP with fresh minibatches the first diverged, dense and
+    compressed alike. Pass ``optax.sgd(1.0)`` there, or a smaller outer
+    momentum (``optax.sgd(0.7, momentum=0.5, nesterov=True)``).
+
+  The guide's "Synchronising less often" page has the measurements.
+
   Args:
     inner: the workers' optimizer (e.g. ``optax.adamw(...)``), stepped on each
       worker's own gradients; its state is per worker.
-    outer: the optimizer of the anchor, fed the mean pseudo-gradient; default
-      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+    outer: the optimizer of the anchor, fed the mean pseudo-gradient; None
+      for ``optax.sgd(1.0)`` where the exchange keeps an error-feedback
+      residual, else ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
     axis_name: the data axis (or tuple of axes).
     period: inner steps between synchronisations (H), at least 1.
     compressor: compresses the pseudo-gradients (e.g. ``commopt.top_k(0.01)``
       as SparseLoCo, ``commopt.int_quant(bits=4)`` as Streaming DiLoCo's
       outer gradients); None sends them dense.
-    error_feedback: keep what the compressor did not send (per worker).
+    error_feedback: keep what the compressor did not send (per worker):
+      ``"auto"`` (the default), ``True`` or ``False``, as in
+      :func:`~commopt.compressed_mean` (a residual for contractive
+      compressors such as top-k, none for unbiased ones such as QSGD).
     strategy: :func:`~commopt.compressed_mean`'s reduction.
     warmup_steps: steps at the start that synchronise every step.
     min_size: leaves with fewer elements are exchanged dense.
@@ -135,7 +195,7 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
     Language Models, 2023.
   """
   fn = "diloco"
-  inner, outer = _check_inner(inner, fn), _outer(outer, fn)
+  inner, outer = _check_inner(inner, fn), _outer(outer, fn, compressor, error_feedback)
   reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
   period = base.check_positive_int("period", period, fn=fn)
   warmup_steps = base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0)
@@ -191,7 +251,7 @@ def _planned(init_fn, update_fn, reducer, synced=None):
 
 def local_sgd(inner: optax.GradientTransformation, *, axis_name,
               period: Union[int, Mapping[str, int]], warmup_steps: int = 0,
-              compressor: Optional[base.Compressor] = None, error_feedback: bool = True,
+              compressor: Optional[base.Compressor] = None, error_feedback: bool | str = "auto",
               strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
               ) -> optax.GradientTransformationExtraArgs:
   """Local SGD / post-local SGD: workers step alone and average parameters every ``period`` steps.
@@ -200,7 +260,10 @@ def local_sgd(inner: optax.GradientTransformation, *, axis_name,
   each worker takes ``period`` steps of ``inner`` on its own gradients and the
   workers average their parameters, optionally through a compressor with
   error feedback (what is averaged is each worker's move since the last
-  average). This is :func:`diloco` with the outer optimizer ``sgd(1.0)``.
+  average). This is :func:`diloco` with the outer optimizer ``sgd(1.0)``,
+  the pairing that is stable with any inner optimizer and any compressor
+  (:func:`diloco` says why): on a quadratic it converges wherever ``inner``
+  does, and an error-feedback residual is applied once, unamplified.
 
   With ``period=1`` and a linear inner optimizer (SGD, momentum SGD), it is
   synchronous data-parallel training: the mean of the workers' steps is the
@@ -298,6 +361,7 @@ def _hierarchical_local_sgd(inner, axis_name, period, warmup_steps, compressor, 
   inner = _check_inner(inner, fn)
   levels = sync_levels(axis_name, period, fn)
   warmup_steps = base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0)
+  error_feedback, min_size, seed = _exchange_options(fn, error_feedback, min_size, seed)
   def level_reducer(i, axes):
     if len(axes) > 1:          # hierarchical: dense inside the fast axis, compressed across
       return _reducer(fn, axes, compressor, error_feedback, strategy, min_size, seed + i)
@@ -394,7 +458,7 @@ class EASGDState(NamedTuple):
 
 def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, period: int = 1,
           beta: Optional[float] = None, compressor: Optional[base.Compressor] = None,
-          error_feedback: bool = True, strategy: str = "auto",
+          error_feedback: bool | str = "auto", strategy: str = "auto",
           min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
           ) -> optax.GradientTransformationExtraArgs:
   """Elastic averaging SGD, synchronous all-reduce form: workers tied to a centre by a spring.
@@ -525,7 +589,7 @@ def budget_top_k(byte_budget: int, tree, fn: str = "stale") -> base.Compressor:
 
 def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
           distribution: str = "uniform", mean_staleness: Optional[float] = None,
-          compressor: Optional[base.Compressor] = None, error_feedback: bool = True,
+          compressor: Optional[base.Compressor] = None, error_feedback: bool | str = "auto",
           strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0,
           byte_budget: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """Stale-synchronous (SSP) and asynchronous (ASP) training, simulated in one SPMD program.
@@ -588,13 +652,14 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
     reducer_for = lambda tree: fixed
   else:
     byte_budget = base.check_positive_int("byte_budget", byte_budget, fn=fn)
+    error_feedback, min_size, seed = _exchange_options(fn, error_feedback, min_size, seed)
     if compressor is not None:
       raise ValueError(f"{fn}: give `byte_budget` or `compressor`, not both: the budget sends "
                        f"the largest entries (a top-k over the model), got compressor "
                        f"{compressor.name!r}.")
-    if not error_feedback:
+    if error_feedback is False:
       raise ValueError(f"{fn}: `byte_budget` keeps what it does not send for later steps and "
-                       "needs error_feedback=True.")
+                       "needs error_feedback=True (or 'auto').")
     _check_axes(axis_name, fn)
     if not isinstance(axis_name, str):
       raise ValueError(f"{fn}: `byte_budget` selects over the whole model on one data axis; "
@@ -603,6 +668,8 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
                                         strategy, 0, seed)
   s = base.check_int("max_staleness", max_staleness, fn=fn, minimum=0)
   base.check_choice("distribution", distribution, STALENESS, fn)
+  if mean_staleness is not None:
+    base.check_number("mean_staleness", mean_staleness, fn=fn, low=0)
   if distribution == "geometric":
     mean_staleness = base.check_number("mean_staleness", mean_staleness, fn=fn, low=0)
   elif mean_staleness is not None:
@@ -675,7 +742,7 @@ def fragment_of(num_leaves: int, fragments: int) -> list[int]:
 def streaming_diloco(inner: optax.GradientTransformation,
                      outer: Optional[optax.GradientTransformation] = None, *, axis_name,
                      period: int, fragments: int = 2, delay: int = 0, mixing: float = 0.5,
-                     compressor: Optional[base.Compressor] = None, error_feedback: bool = True,
+                     compressor: Optional[base.Compressor] = None, error_feedback: bool | str = "auto",
                      strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
                      ) -> optax.GradientTransformationExtraArgs:
   """Streaming DiLoCo: fragments synchronised on a staggered schedule, applied ``delay`` steps late.
@@ -693,9 +760,18 @@ def streaming_diloco(inner: optax.GradientTransformation,
 
   With ``fragments=1, delay=0, mixing=0`` it is :func:`diloco`.
 
+  The default outer optimizer follows :func:`diloco`'s rule: Nesterov SGD
+  (0.7, 0.9) for dense exchanges, ``sgd(1.0)`` where each fragment's
+  exchange keeps an error-feedback residual (e.g. ``top_k``); and, as
+  there, pass ``optax.sgd(1.0)`` over momentum SGD. The merge keeps
+  ``mixing`` of the local parameters, which damps the outer step: with
+  mixing 0.5 and one step of delay, Nesterov over momentum SGD did not
+  diverge where :func:`diloco`'s did, though dense it ended eight times
+  above ``sgd(1.0)``.
+
   Args:
     inner: as in :func:`diloco`.
-    outer: as in :func:`diloco`.
+    outer: as in :func:`diloco` (the default depends on the exchange).
     axis_name: as in :func:`diloco`.
     period: as in :func:`diloco`.
     compressor: as in :func:`diloco`.
@@ -717,7 +793,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
     Towards a Distributed Free Lunch, 2025.
   """
   fn = "streaming_diloco"
-  inner, outer = _check_inner(inner, fn), _outer(outer, fn)
+  inner, outer = _check_inner(inner, fn), _outer(outer, fn, compressor, error_feedback)
   reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
   period = base.check_positive_int("period", period, fn=fn)
   fragments = base.check_positive_int("fragments", fragments, fn=fn)
