@@ -379,40 +379,11 @@ def test_restoring_into_another_dtype_verifies_then_casts(saved, tmp_path):
                                 np.asarray(p["w"].astype(jnp.bfloat16)))
 
 
-KILLED_SAVE = """
-import pathlib, sys, time
-import jax
-jax.config.update("jax_num_cpu_devices", 8)
-import jax.numpy as jnp, numpy as np, optax
-import commopt
-from commopt import checkpoint
-
-out = pathlib.Path(sys.argv[1])
-tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
-                 optax.sgd(0.2, momentum=0.9))
-dp = commopt.data_parallel(lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2), tx,
-                           jax.make_mesh((8,), ("data",)), donate=False)
-params = {"w": jnp.full((64, 48), 0.5), "b": jnp.zeros(48)}
-state = dp.init(params)
-checkpoint.save(out / "step_1", params, state, step=1)
-
-
-def stalls(directory, data):
-  # Every array written, the checksum file half written: the process is killed here.
-  with open(pathlib.Path(directory) / checkpoint.CHECKSUMS, "wb") as f:
-    f.write(data[:len(data) // 2])
-  (out / "stalled").write_text(str(directory))
-  time.sleep(600)
-
-
-checkpoint._write_checksums = stalls
-checkpoint.save(out / "step_2", jax.tree.map(lambda x: x + 1, params), state, step=2)
-"""
+KILLED_SAVE = pathlib.Path(__file__).with_name("killed_save_worker.py")
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_nothing_that_restores(tmp_path):
-  script = tmp_path / "killed_save.py"
-  script.write_text(KILLED_SAVE)
+  script = KILLED_SAVE
   out = tmp_path / "run"
   out.mkdir()
   root = pathlib.Path(__file__).resolve().parents[1]
