@@ -30,7 +30,10 @@ from commopt.compressors import identity
 from commopt.transforms import compressed_mean
 
 SHAPE = (16, 16)
-"""The leaf both studies use (a matrix, so low-rank compressors compress it)."""
+"""The leaf of :func:`quadratic_gap` (a matrix, so low-rank compressors compress it)."""
+
+RESIDUAL_SHAPE = (8, 512)
+"""The leaf of :func:`residual_growth`: a matrix whose rows fill QSGD's default bucket."""
 
 
 class Growth(NamedTuple):
@@ -57,7 +60,7 @@ def _bound(delta) -> float:
 
 def residual_growth(compressor: base.Compressor, gradients: str = "constant", *,
                     num_workers: int = 4, steps: int = 500, error_feedback="auto",
-                    seed: int = 0) -> Growth:
+                    seed: int = 0, shape: tuple[int, ...] = RESIDUAL_SHAPE) -> Growth:
   """Every worker's residual over ``steps`` steps, relative to its input.
 
   Args:
@@ -68,21 +71,22 @@ def residual_growth(compressor: base.Compressor, gradients: str = "constant", *,
     steps: steps run.
     error_feedback: passed to :func:`~commopt.compressed_mean`.
     seed: seed of the gradients.
+    shape: the leaf's shape.
 
   Returns:
     A :class:`Growth`.
   """
   tx = compressed_mean(compressor, "w", min_size=0, error_feedback=error_feedback)
-  x = jnp.zeros(SHAPE, jnp.float32)
+  x = jnp.zeros(shape, jnp.float32)
   state = jax.vmap(tx.init, in_axes=None, axis_size=num_workers, axis_name="w")({"x": x})
   kept = not isinstance(state.residual["x"], optax.MaskedNode)
   key = jax.random.key(seed)
-  constant = jnp.broadcast_to(jax.random.normal(key, SHAPE), (num_workers,) + SHAPE)
+  constant = jnp.broadcast_to(jax.random.normal(key, shape), (num_workers,) + shape)
   update = jax.vmap(lambda u, s: tx.update({"x": u}, s), axis_name="w")
 
   def body(s, t):
     g = (constant if gradients == "constant"
-         else jax.random.normal(jax.random.fold_in(key, t), (num_workers,) + SHAPE))
+         else jax.random.normal(jax.random.fold_in(key, t), (num_workers,) + shape))
     _, s = update(g, s)
     if not kept:
       return s, jnp.zeros([])
@@ -91,7 +95,7 @@ def residual_growth(compressor: base.Compressor, gradients: str = "constant", *,
 
   _, ratios = jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(steps)))(state)
   used, _ = feedback.feedback_compressor(compressor, error_feedback, "residual_growth")
-  return Growth(np.asarray(ratios), _bound(used.delta(SHAPE)), kept)
+  return Growth(np.asarray(ratios), _bound(used.delta(shape)), kept)
 
 
 def _sgd_losses(tx, lr, sigma, num_workers, steps, seed):
