@@ -140,8 +140,11 @@ def mean_factors(n: int) -> tuple[float, float]:
   values' own dtype (a 16-bit all-reduce on a GPU) or is rounded back to it
   (XLA:CPU widens it to float32) stays finite whenever the values are, and
   the mean is finite whenever it is representable. Both factors are exact,
-  so the result is bit for bit ``psum(x) / n`` wherever that is finite and
-  ``x · pre`` is normal; the wire carries ``x``'s dtype, at its size.
+  so the collective's result is bit for bit ``psum(x) / n`` wherever that is
+  finite and ``x · pre`` is normal; the compiler may fuse the scaling into
+  the computation of ``x`` and round that differently (a training run then
+  differs from the unscaled one in its last bits). The wire carries ``x``'s
+  dtype, at its size.
   """
   k = max(int(n) - 1, 0).bit_length()
   return 2.0 ** -k, n / 2.0 ** k
