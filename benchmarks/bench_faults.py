@@ -41,11 +41,12 @@ import pathlib
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+from commopt.testing.processes import alive, all_gone, kill_own, pids_in
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -79,25 +80,6 @@ time.sleep(600)
 KILLED_SAVE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "killed_save_worker.py"
 
 
-def _alive(pid: int) -> bool:
-  """Whether ``pid`` runs (a zombie counts as ended)."""
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().split(")")[-1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
-
-
-def _pids(folder: pathlib.Path) -> list[int]:
-  return [int(p.read_text()) for p in folder.glob("*.pid") if p.read_text().strip()]
-
-
 def _wait_until(ready, proc, seconds: float) -> bool:
   deadline = time.monotonic() + seconds
   while time.monotonic() < deadline and not ready():
@@ -109,14 +91,7 @@ def _wait_until(ready, proc, seconds: float) -> bool:
 
 def _kill_ours(folder: pathlib.Path) -> None:
   """SIGKILL the workers whose pids ``folder`` holds and whose command line names it."""
-  for pid in _pids(folder):
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        ours = str(folder).encode() in f.read()
-    except OSError:
-      ours = False
-    if ours and _alive(pid):
-      os.kill(pid, signal.SIGKILL)
+  kill_own(pids_in(folder), folder)
 
 
 # -- 1. bad inputs --------------------------------------------------------------------
@@ -325,12 +300,12 @@ def killed_launcher(work: pathlib.Path, log):
        "--timeout", "120", str(script), str(out)],
       cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
-    started = _wait_until(lambda: len(_pids(out)) == 2, proc, 120)
-    pids = _pids(out)
+    started = _wait_until(lambda: len(pids_in(out)) == 2, proc, 120)
+    pids = pids_in(out)
     proc.kill()   # SIGKILL: the launcher cleans nothing up
     proc.wait(timeout=30)
     time.sleep(5)
-    orphans = sum(_alive(p) for p in pids)
+    orphans = sum(alive(p) for p in pids)
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -354,11 +329,9 @@ def raising_worker(work: pathlib.Path, log):
   except launch.LaunchError:
     raised = True
     took = time.time() - float((out / "failed_at").read_text())
-  pids = _pids(out)
-  deadline = time.monotonic() + 5
-  while time.monotonic() < deadline and any(_alive(p) for p in pids):
-    time.sleep(0.05)
-  orphans = sum(_alive(p) for p in pids)
+  pids = pids_in(out)
+  all_gone(pids, 5)
+  orphans = sum(alive(p) for p in pids)
   _kill_ours(out)
   log(f"processes: worker raises: LaunchError={raised} after {took} s, {orphans} orphans")
   return {"case": "a worker raises", "killed": 1, "workers": len(pids),
@@ -402,7 +375,7 @@ def killed_save(work: pathlib.Path, mesh, log):
   log(f"processes: save killed mid-way: stalled={stalled}, previous restores={previous}")
   return {"case": "checkpoint save killed mid-way", "killed": 1, "workers": 1,
           "resumed_bit_identical": None, "previous_restores": previous, "orphans":
-          int(_alive(proc.pid)), "ok": ok and previous}
+          int(alive(proc.pid)), "ok": ok and previous}
 
 
 def _ck_dp(mesh):

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commopt
+from commopt.testing import assert_same_bits, host_copy
 from commopt.transforms import (
     ApplyIfFiniteState,
     MultiStepsState,
@@ -22,21 +23,6 @@ from commopt.transforms import (
 )
 
 N = 8
-
-
-def _host(tree):
-  """A host copy (the step donates its inputs)."""
-  return jax.tree.map(np.array, jax.device_get(tree))
-
-
-def _assert_same_bits(a, b):
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
-  assert ta == tb
-  for x, y in zip(la, lb):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.shape == y.shape and x.dtype == y.dtype
-    assert x.tobytes() == y.tobytes()
 
 
 def _sign_sgd(axis):
@@ -72,7 +58,7 @@ def _updates(seed, bad_worker=None, shape=(N, 64)):
 def _check_skipped(out, before, after):
   """Every worker returned zero updates and kept its inner state bit for bit."""
   assert np.all(np.asarray(out["w"]) == 0)
-  _assert_same_bits(before.inner_state, after.inner_state)
+  assert_same_bits(before.inner_state, after.inner_state)
   np.testing.assert_array_equal(after.last_finite, False)
   np.testing.assert_array_equal(after.notfinite_count, 1)
   np.testing.assert_array_equal(after.total_notfinite, 1)
@@ -81,9 +67,9 @@ def _check_skipped(out, before, after):
 def _run_three_steps(update, state, bad_worker):
   """A finite step, a step with a NaN on one worker, a finite step."""
   _, state = update(_updates(0), state)
-  before = _host(state)
+  before = host_copy(state)
   out, state = update(_updates(1, bad_worker), state)
-  _check_skipped(out, before, _host(state))
+  _check_skipped(out, before, host_copy(state))
   out, state = update(_updates(2), state)
   assert np.all(np.isfinite(out["w"])) and np.any(np.asarray(out["w"]) != 0)
   np.testing.assert_array_equal(state.last_finite, True)
@@ -194,7 +180,7 @@ def test_apply_if_finite_skip_leaves_params_bit_identical():
   tx = apply_if_finite(optax.sgd(1.0))
   params = {"w": jnp.array([-0.0, 0.0, 1.5])}
   out, _ = tx.update({"w": jnp.array([jnp.nan, 1.0, 1.0])}, tx.init(params), params)
-  _assert_same_bits(optax.apply_updates(params, out), params)
+  assert_same_bits(optax.apply_updates(params, out), params)
 
 
 def _skip_kwargs():
@@ -226,15 +212,15 @@ def test_apply_if_finite_data_parallel():
   batch = lambda seed, bad=None: _regression_batch(seed, 4, 32, 64, bad)
   for t in range(2):
     params, state, losses = dp.step(params, state, batch(t))
-  params_before, state_before = _host(params), _host(state)
+  params_before, state_before = host_copy(params), host_copy(state)
   residual = state_before.inner_state[0].residual["w"]
   assert residual.shape == (N, 32, 64) and np.any(residual != 0)
 
   params, state, losses = dp.step(params, state, batch(2, bad=3))
   losses = np.asarray(losses)
   assert np.isnan(losses[3]) and np.all(np.isfinite(np.delete(losses, 3)))
-  _assert_same_bits(_host(params), params_before)
-  _assert_same_bits(_host(state.inner_state), state_before.inner_state)
+  assert_same_bits(host_copy(params), params_before)
+  assert_same_bits(host_copy(state.inner_state), state_before.inner_state)
   assert not bool(state.last_finite)
   assert int(state.total_notfinite) == 1 and int(state.notfinite_count) == 1
 
@@ -272,14 +258,14 @@ def test_multi_steps_communicates_every_kth_call():
   state = dp.init(params)
   per_call, counts, moved = [], [], []
   for t in range(8):
-    before = _host(params)
+    before = host_copy(params)
     seen = len(calls)
     params, state, _ = dp.step(params, state, _regression_batch(t, 2, 32, 64))
     jax.effects_barrier()
     per_call.append(len(calls) - seen)
     ms = _unwrap(state)
     counts.append(int(ms.inner_opt_state[1].count))
-    moved.append(bool(np.any(_host(params)["w"] != before["w"])))
+    moved.append(bool(np.any(host_copy(params)["w"] != before["w"])))
     assert int(ms.mini_step) == (t + 1) % 4
   assert per_call == [0, 0, 0, N, 0, 0, 0, N]
   assert counts == [0, 0, 0, 1, 1, 1, 1, 2]

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from commopt import launch
+from commopt.testing.processes import all_gone, kill_own, pids_in
 
 # The checks read processes' states and parents from /proc.
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -66,19 +67,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  # A zombie (ended, not yet reaped by its parent) counts as ended.
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().split(")")[-1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
-
-
 def _wait_for(paths, n: int, proc: subprocess.Popen, seconds: float = 90):
   deadline = time.monotonic() + seconds
   while time.monotonic() < deadline and len(list(paths())) < n and proc.poll() is None:
@@ -88,29 +76,11 @@ def _wait_for(paths, n: int, proc: subprocess.Popen, seconds: float = 90):
   return found
 
 
-def _pids(out: pathlib.Path) -> list[int]:
-  return [int(p.read_text()) for p in out.glob("*.pid")]
-
-
-def _all_gone(pids, seconds: float) -> bool:
-  deadline = time.monotonic() + seconds
-  while time.monotonic() < deadline and any(_alive(p) for p in pids):
-    time.sleep(0.05)
-  return not any(_alive(p) for p in pids)
-
-
 @pytest.fixture
 def out(tmp_path):
   """A folder for the workers' files; the workers found there are killed at the end."""
   yield tmp_path
-  for pid in _pids(tmp_path):
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        ours = str(tmp_path).encode() in f.read()
-    except OSError:
-      ours = False
-    if ours:
-      os.kill(pid, signal.SIGKILL)
+  kill_own(pids_in(tmp_path), tmp_path)
 
 
 def _cli(script: pathlib.Path, out: pathlib.Path, *args: str) -> subprocess.Popen:
@@ -128,7 +98,7 @@ def test_the_processes_die_with_a_killed_launcher(out):
     _wait_for(lambda: out.glob("*.pid"), 2, proc)
     proc.kill()   # SIGKILL: the launcher cleans nothing up
     proc.communicate(timeout=30)
-    assert _all_gone(_pids(out), 5), "a process outlived its launcher"
+    assert all_gone(pids_in(out), 5), "a process outlived its launcher"
   finally:
     proc.kill()
 
@@ -149,11 +119,11 @@ def test_the_processes_die_with_a_killed_launcher_that_is_not_their_parent(out):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     _wait_for(lambda: out.glob("*.pid"), 2, proc)
-    pids = _pids(out)
+    pids = pids_in(out)
     assert all(_parent(p) != proc.pid for p in pids)   # the wrapper is their parent
     proc.kill()
     proc.communicate(timeout=30)
-    assert _all_gone(pids, 5), "a process outlived its launcher"
+    assert all_gone(pids, 5), "a process outlived its launcher"
   finally:
     proc.kill()
 
@@ -172,7 +142,7 @@ def test_sigterm_ends_the_processes_at_once(out):
     _wait_for(lambda: out.glob("*.pid"), 2, proc)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert _all_gone(_pids(out), 2), "a process outlived SIGTERM by 2 s"
+    assert all_gone(pids_in(out), 2), "a process outlived SIGTERM by 2 s"
     text, _ = proc.communicate(timeout=60)
     took = time.monotonic() - t0
     assert proc.returncode == 130, text
@@ -199,7 +169,7 @@ def test_sigterm_lets_every_process_save_at_the_same_step(out):
     steps = {int(p.read_text()) for p in saved}
     assert len(steps) == 1 and steps.pop() > 0, "the processes stopped at different steps"
     assert took < 8, f"the launcher took {took:.1f} s to end"
-    assert _all_gone(_pids(out), 1)
+    assert all_gone(pids_in(out), 1)
   finally:
     proc.kill()
 
@@ -222,7 +192,7 @@ def test_a_failure_ends_the_run_at_once_naming_the_process(out, how):
     assert "RuntimeError: process 1 broke at step 3" in message, message
   assert [r.process_id for r in err.value.results] == [0, 1]
   assert all(r.returncode not in (None, 0) for r in err.value.results)
-  assert _all_gone(_pids(out), 1)
+  assert all_gone(pids_in(out), 1)
 
 
 def test_should_stop_needs_handle_sigterm():
@@ -278,7 +248,7 @@ def test_a_process_that_does_not_stop_is_killed_after_stop_grace(out, twice):
     took = time.monotonic() - t0
     assert proc.returncode == 130 and "ended by signal 15" in text, text
     assert (took < 3) if twice else (1.5 <= took < 4), f"the launcher took {took:.1f} s to end"
-    assert _all_gone(_pids(out), 1)
+    assert all_gone(pids_in(out), 1)
   finally:
     proc.kill()
 
@@ -293,4 +263,4 @@ def test_a_run_past_its_timeout_is_ended(out):
                   env={"PYTHONPATH": str(ROOT)})
   assert time.monotonic() - t0 < 6
   assert all(r.returncode is not None for r in err.value.results)
-  assert _all_gone(_pids(out), 1)
+  assert all_gone(pids_in(out), 1)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from commopt import launch
+from commopt.testing.processes import all_gone
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
@@ -164,20 +165,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-  import os
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  # A zombie (ended, not yet reaped by its parent) counts as ended.
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().split(")")[-1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
-
-
 def test_ending_the_launcher_ends_its_processes(tmp_path):
   import os
   import signal
@@ -197,7 +184,4 @@ def test_ending_the_launcher_ends_its_processes(tmp_path):
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=60)
   assert proc.returncode == 130 and "ended by signal 15; every process was ended" in out, out
-  deadline = time.monotonic() + 15
-  while time.monotonic() < deadline and any(_alive(p) for p in pids):
-    time.sleep(0.2)
-  assert not any(_alive(p) for p in pids)
+  assert all_gone(pids, 15, poll=0.2)

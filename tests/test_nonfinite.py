@@ -7,25 +7,13 @@ import optax
 import pytest
 
 import commopt
+from commopt.testing import assert_same_bits, host_copy
 from commopt import wire
 from commopt.comm import _collectives as coll
 from commopt.transforms import apply_if_finite
 
 N = 8
 BIG = 2.0 ** 64   # ≈ 1.8e19: its squares overflow float32
-
-
-def _host(tree):
-  """A host copy (the step donates its inputs)."""
-  return jax.tree.map(np.array, jax.device_get(tree))
-
-
-def _assert_same_bits(a, b):
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
-  assert ta == tb
-  for x, y in zip(la, lb):
-    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
 def _roundtrip(compressor, x, seed=0):
@@ -156,7 +144,7 @@ def test_pmean_matches_psum_over_n_bit_for_bit():
       old = jax.jit(jax.vmap(lambda t: (jax.lax.psum(t, "i") / n).astype(t.dtype),
                              axis_name="i"))(v)
       new = jax.jit(jax.vmap(lambda t: coll.pmean(t, "i"), axis_name="i"))(v)
-      _assert_same_bits(new, old)
+      assert_same_bits(new, old)
 
 
 # -- the skip covers the reduced update ----------------------------------------------
@@ -167,7 +155,7 @@ def test_apply_if_finite_skips_an_update_that_overflows():
   params = {"w": jnp.ones(3)}
   state = tx.init(params)
   out, state = tx.update({"w": jnp.full(3, 1e10)}, state, params)   # finite in, inf out
-  _assert_same_bits(optax.apply_updates(params, out), params)
+  assert_same_bits(optax.apply_updates(params, out), params)
   assert not bool(state.last_finite) and int(state.total_notfinite) == 1
   out, state = tx.update({"w": jnp.ones(3)}, state, params)
   assert bool(state.last_finite) and int(state.total_notfinite) == 1
@@ -199,15 +187,15 @@ def test_data_parallel_skips_a_reduced_update_that_overflows(mesh):
   state = dp.init(params)
   batch = lambda scale: {"x": scale * jax.random.normal(jax.random.key(6), (N * 2, 32))}
   params, state, losses = dp.step(params, state, batch(1e-25))
-  params_before, state_before = _host(params), _host(state)
+  params_before, state_before = host_copy(params), host_copy(state)
   assert bool(state.last_finite)
   residual = state_before.inner_state[0].residual["w"]
   assert residual.shape == (N, 32, 64) and np.any(residual != 0)
 
   params, state, losses = dp.step(params, state, batch(1e20))
   assert np.all(np.isfinite(losses))
-  _assert_same_bits(_host(params), params_before)
-  _assert_same_bits(_host(state.inner_state), state_before.inner_state)
+  assert_same_bits(host_copy(params), params_before)
+  assert_same_bits(host_copy(state.inner_state), state_before.inner_state)
   assert not bool(state.last_finite)
   assert int(state.total_notfinite) == 1 and int(state.notfinite_count) == 1
 

@@ -524,22 +524,56 @@ def check_ratio(name: str, value, *, fn: str) -> float:
                       what="a fraction in (0, 1]")
 
 
+def power_of_two(e: jax.Array, dtype) -> jax.Array:
+  """``2**e`` in ``dtype``, exactly, for integer ``e`` between the dtype's normal exponents."""
+  info = jnp.finfo(dtype)
+  uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[info.bits // 8]
+  biased = (e + (info.maxexp - 1)).astype(uint)
+  return jax.lax.bitcast_convert_type(biased << info.nmant, dtype)
+
+
+def pow2_scales(m: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(down, up)``: powers of two, ``up = 1/down``, with ``m · down`` in ``[1, 2)``.
+
+  Multiplying by ``down`` before squaring, summing squares or a
+  factorisation, and by ``up`` after, keeps every intermediate of a
+  magnitude about 1, so an input whose norm is representable never
+  overflows (nor underflows) on the way to it. Both are exact powers of
+  two: scaling commutes with every rounding, so the result is the same bit
+  for bit as the unscaled computation wherever that one neither overflows
+  nor underflows.
+
+  Args:
+    m: non-negative magnitudes (e.g. a max-abs per bucket), any float dtype.
+
+  Returns:
+    ``(down, up)`` shaped like ``m``. Both stay normal numbers: ``m`` below
+    the smallest normal is scaled up as far as that allows, and ``m`` in the
+    top binade (``m ≥ 2^127`` in float32) lands in ``[2, 4)``. Where ``m`` is
+    not finite both are 1, so a NaN or an infinity still propagates.
+  """
+  info = jnp.finfo(m.dtype)
+  uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[info.bits // 8]
+  bias = info.maxexp - 1
+  field = (jax.lax.bitcast_convert_type(jnp.abs(m), uint) >> info.nmant).astype(jnp.int32)
+  e = jnp.where(field > 2 * bias, 0, jnp.clip(field - bias, 1 - bias, bias - 1))
+  return power_of_two(-e, m.dtype), power_of_two(e, m.dtype)
+
+
 def safe_norm(arrays) -> jax.Array:
   """The Euclidean norm of ``arrays`` taken together (in float32 or wider), without overflow.
 
-  Every array is scaled by one power of two (from the largest magnitude)
-  before it is squared, and the norm scaled back: the same bits as
-  ``sqrt(Σ x²)`` wherever that neither overflows nor underflows, and finite
-  wherever the norm itself is representable. A NaN or inf still propagates.
+  Every array is scaled by one power of two (:func:`pow2_scales` of the
+  largest magnitude) before it is squared, and the norm scaled back: the
+  same bits as ``sqrt(Σ x²)`` wherever that neither overflows nor
+  underflows, and finite wherever the norm itself is representable. A NaN or
+  inf still propagates.
   """
   xs = [jnp.asarray(a) for a in arrays]
   dtype = jnp.result_type(jnp.float32, *(x.dtype for x in xs))
   xs = [x.astype(dtype) for x in xs]
-  top = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in xs]))
-  _, e = jnp.frexp(top)
-  e = jnp.where(jnp.isfinite(top) & (top > 0), e, 0)
-  total = sum(jnp.sum(jnp.square(jnp.ldexp(x, -e))) for x in xs)
-  return jnp.ldexp(jnp.sqrt(total), e)
+  down, up = pow2_scales(jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0.0) for x in xs])))
+  return up * jnp.sqrt(sum(jnp.sum(jnp.square(x * down)) for x in xs))
 
 
 def is_float_dtype(dtype) -> bool:

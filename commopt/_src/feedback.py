@@ -23,9 +23,6 @@ import dataclasses
 
 from commopt._src import base
 
-FEEDBACK = ("auto", True, False)
-"""The values ``error_feedback`` takes."""
-
 # Kinds whose residual is kept under ``error_feedback="auto"``.
 _AUTO_KEEPS = ("contractive", "biased")
 

@@ -27,7 +27,6 @@ from commopt.compressors._qcommon import (
     _flat32,
     _inverse,
     _out,
-    _pow2_scales,
     _random_bits,
     _signed_levels,
     _stochastic_round,
@@ -71,7 +70,7 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
     flat = _flat32(x)
     if clip is not None:
       # σ of the input scaled near 1 (by a power of two), so its squares never overflow.
-      down, up = _pow2_scales(jnp.max(jnp.abs(flat)))
+      down, up = base.pow2_scales(jnp.max(jnp.abs(flat)))
       bound = clip * (up * jnp.std(flat * down))
       flat = jnp.where(bound > 0, jnp.clip(flat, -bound, bound), flat)
     s = jnp.max(jnp.abs(flat))
@@ -331,7 +330,7 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
     # scaled by a power of two near 1, so the squares never overflow. The
     # costs are then those of the unscaled points times a power of two: the
     # same choice of points.
-    down, _ = _pow2_scales(span)
+    down, _ = base.pow2_scales(span)
     z = (flat - lo) * down
     moments = jnp.zeros((3, bins), _F32).at[:, idx].add(jnp.stack([jnp.ones_like(z), z, z * z]))
     prefix = jnp.pad(jnp.cumsum(moments, axis=1), ((0, 0), (1, 0)))

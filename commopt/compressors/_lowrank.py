@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base, vma
-from commopt.compressors._qcommon import _pow2_scales
 from commopt.compressors._registry import register
 
 View = Union[str, Callable[[tuple[int, ...]], tuple[int, int]]]
@@ -55,14 +54,14 @@ _FAR = 2.0 ** 32
 
 
 def _far_scales(m: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(down, up)`` of :func:`~commopt.compressors._qcommon._pow2_scales` where ``m`` is
+  """``(down, up)`` of :func:`commopt._src.base.pow2_scales` where ``m`` is
   further than :data:`_FAR` from 1, and ``(1, 1)`` elsewhere.
 
   For factorisations (QR, SVD) of a matrix whose max-abs is ``m``: the
   scaling is exact, and leaving ordinary magnitudes alone keeps their
   results bit for bit.
   """
-  down, up = _pow2_scales(m)
+  down, up = base.pow2_scales(m)
   far = (m > _FAR) | (m < 1 / _FAR)
   one = jnp.ones_like(m)
   return jnp.where(far, down, one), jnp.where(far, up, one)
@@ -81,7 +80,7 @@ def _unit(x: jax.Array) -> jax.Array:
 
 def _column_norms(col: jax.Array) -> jax.Array:
   """``‖col‖₂`` over axis -2, keeping it, scaled by a power of two so no square overflows."""
-  down, up = _pow2_scales(jnp.max(jnp.abs(col), axis=-2, keepdims=True))
+  down, up = base.pow2_scales(jnp.max(jnp.abs(col), axis=-2, keepdims=True))
   return up * jnp.linalg.norm(col * down, axis=-2, keepdims=True)
 
 

@@ -41,51 +41,15 @@ def _inverse(scales: jax.Array, top) -> jax.Array:
   return jnp.where(scales > 0, top / jnp.where(scales > 0, scales, 1.0), 0.0)
 
 
-def _power_of_two(e: jax.Array, dtype) -> jax.Array:
-  """``2**e`` in ``dtype``, exactly, for integer ``e`` between the dtype's normal exponents."""
-  info = jnp.finfo(dtype)
-  uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[info.bits // 8]
-  biased = (e + (info.maxexp - 1)).astype(uint)
-  return jax.lax.bitcast_convert_type(biased << info.nmant, dtype)
-
-
-def _pow2_scales(m: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(down, up)``: powers of two, ``up = 1/down``, with ``m · down`` in ``[1, 2)``.
-
-  Multiplying by ``down`` before squaring, summing squares or a
-  factorisation, and by ``up`` after, keeps every intermediate of a
-  magnitude about 1, so an input whose norm is representable never
-  overflows (nor underflows) on the way to it. Both are exact powers of
-  two: scaling commutes with every rounding, so the result is the same bit
-  for bit as the unscaled computation wherever that one neither overflows
-  nor underflows.
-
-  Args:
-    m: non-negative magnitudes (e.g. a max-abs per bucket), any float dtype.
-
-  Returns:
-    ``(down, up)`` shaped like ``m``. Both stay normal numbers: ``m`` below
-    the smallest normal is scaled up as far as that allows, and ``m`` in the
-    top binade (``m ≥ 2^127`` in float32) lands in ``[2, 4)``. Where ``m`` is
-    not finite both are 1, so a NaN or an infinity still propagates.
-  """
-  info = jnp.finfo(m.dtype)
-  uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[info.bits // 8]
-  bias = info.maxexp - 1
-  field = (jax.lax.bitcast_convert_type(jnp.abs(m), uint) >> info.nmant).astype(jnp.int32)
-  e = jnp.where(field > 2 * bias, 0, jnp.clip(field - bias, 1 - bias, bias - 1))
-  return _power_of_two(-e, m.dtype), _power_of_two(e, m.dtype)
-
-
 def _block_norms(blocks: jax.Array) -> jax.Array:
   """``‖row‖₂`` of each row of ``blocks`` (``[B, n]``), computed without overflow.
 
-  Each row is scaled by a power of two (:func:`_pow2_scales` of its
+  Each row is scaled by a power of two (:func:`commopt._src.base.pow2_scales` of its
   max-abs) before it is squared, then its norm scaled back: the same bits as
   ``jnp.linalg.norm(blocks, axis=1)`` wherever that is finite and its
   squares are normal, and finite wherever the norm itself is representable.
   """
-  down, up = _pow2_scales(jnp.max(jnp.abs(blocks), axis=1))
+  down, up = base.pow2_scales(jnp.max(jnp.abs(blocks), axis=1))
   return up * jnp.linalg.norm(blocks * down[:, None], axis=1)
 
 
