@@ -42,7 +42,7 @@ from commopt.aggregators import (
     robust_aggregate,
     trimmed_mean,
 )
-from commopt._src.base import Compressor, Reduced
+from commopt._src.base import AxisNameError, Compressor, OptionTypeError, Reduced
 from commopt.compressors import (
     AdaCompState,
     PowerSGDLeafState,
@@ -116,6 +116,7 @@ __all__ = [
     "apply_if_finite",
     "ApplyIfFiniteState",
     "atomo",
+    "AxisNameError",
     "aggregators",
     "cast",
     "centered_clip",
@@ -155,6 +156,7 @@ __all__ = [
     "NnxDataParallel",
     "NnxTrainState",
     "onebit",
+    "OptionTypeError",
     "parallel",
     "PeriodicState",
     "power_sgd",

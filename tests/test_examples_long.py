@@ -53,11 +53,13 @@ TRAINED = {
 }
 
 # A guide page's own example that trains, by page: (the README block it continues, by a
-# phrase, and the names it leaves to the reader, from the README's namespace and a folder).
+# phrase, or None for a page that sets itself up; the names it leaves to the reader, from
+# the README's namespace and a folder; the steps it trains for here).
 GUIDE = {
     "multihost.md": ("launch.initialize", lambda ns, folder: dict(
         first_step=0, steps=UNSHOWN_STEPS, my_rows=lambda step: ns["batch"],
-        ckpt_dir=str(folder))),
+        ckpt_dir=str(folder)), UNSHOWN_STEPS),
+    "from_optax.md": (None, lambda ns, folder: {}, FACTOR * (50 + 50 + 50 + 30)),
 }
 
 # Transforms the README builds without a loop: (phrase of the block, variable, local_params).
@@ -223,16 +225,17 @@ def test_guide_example_trains(page, tmp_path, monkeypatch):
   """A guide page's own example, after the README block it continues, in this one process:
   launching is replaced by a lone process that is never asked to stop (tests/test_launch.py
   checks the stopping)."""
-  phrase, names = GUIDE[page]
+  phrase, names, steps = GUIDE[page]
   ns = namespace()
-  exec(compile(python_blocks()[_block(phrase)], str(README), "exec"), ns)  # noqa: S102
+  if phrase is not None:
+    exec(compile(python_blocks()[_block(phrase)], str(README), "exec"), ns)  # noqa: S102
   monkeypatch.setattr(commopt.launch, "initialize", lambda **kw: commopt.launch.Context(0, 1))
   monkeypatch.setattr(commopt.launch, "should_stop", lambda: False)
   trace = []
   ns.update(names(ns, tmp_path), _record=_recorder(trace))
   for block in _guide_blocks(TESTS.parent / "docs" / "guide" / page):
     exec(compile(lengthened(block), f"docs/guide/{page}", "exec"), ns)  # noqa: S102
-  assert len(trace) == UNSHOWN_STEPS and _decreased(trace), trace
+  assert len(trace) == steps and _decreased(trace), trace
 
 
 def test_readme_diloco_trains_an_mlp_on_fresh_minibatches():

@@ -238,6 +238,15 @@ def leaf_size(shape) -> int:
   return int(math.prod(shape))
 
 
+class AxisNameError(NameError, ValueError):
+  """A reduction asked for a mesh axis that is not bound where it runs.
+
+  A ``NameError``, as JAX's own unbound-axis error is, and a ``ValueError``
+  like every other bad argument of commopt. The message names the transform,
+  the axis it asked for and the axes bound there.
+  """
+
+
 class OptionTypeError(TypeError, ValueError):
   """An option of the wrong type: a string or a bool where a number belongs, a
   float where an integer does, anything but ``True``/``False`` where a bool does.

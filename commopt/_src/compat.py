@@ -39,6 +39,33 @@ def varying_axes_of_type(aval) -> frozenset:
   return frozenset(getattr(getattr(aval, "mat", None), "varying", None) or ())
 
 
+def bound_axis_names() -> tuple:
+  """The named axes bound where this runs (``jax.shard_map`` manual axes, ``jax.vmap`` names).
+
+  0.10–0.12 keep them in the trace's axis environment
+  (``jax._src.core.get_axis_env().axis_names()``), which has no public
+  spelling; where that is missing, the current abstract mesh's manual axes.
+  Used only to word error messages.
+  """
+  try:
+    from jax._src import core as _core
+    return tuple(_core.get_axis_env().axis_names())
+  except (ImportError, AttributeError):
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+
+
+def tracks_varying(axis_name: str) -> bool:
+  """Whether values' types here record if they vary over the bound ``axis_name``.
+
+  True inside ``jax.shard_map`` with ``check_vma=True`` (the default), false
+  under ``check_vma=False`` and ``jax.vmap``, where every type looks
+  invariant. Read from the public API: ``axis_index`` is typed varying
+  exactly when the types are tracked (0.10–0.12). The probe adds one
+  ``axis_index`` to the trace, which the compiler removes unused.
+  """
+  return axis_name in varying_axes_of_type(jax.typeof(jax.lax.axis_index(axis_name)))
+
+
 def varying_axes_of_struct(s: jax.ShapeDtypeStruct) -> frozenset:
   """The same for a ``jax.ShapeDtypeStruct`` from ``jax.eval_shape`` inside shard_map.
 

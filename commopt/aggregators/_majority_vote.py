@@ -117,6 +117,7 @@ def majority_vote(axis_name: AxisName = None) -> optax.GradientTransformationExt
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    coll.check_input("majority_vote", updates, axis_name)
     return jax.tree_util.tree_map_with_path(vote, updates, is_leaf=tree.is_node), state
 
   def plan(params, workers):

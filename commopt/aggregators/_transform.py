@@ -393,6 +393,7 @@ def robust_transform(fn: str, rule: Rule, axis_name: AxisName, *,
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    coll.check_input(fn, updates, axis_name)
     leaves, treedef, gathered, residual = _gathered_leaves(fn, wire, axis_name, updates, state)
     centers = [None] * len(leaves)
     if with_previous:

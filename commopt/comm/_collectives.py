@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commopt._src import compat
+from commopt._src import base, compat
 from commopt._src.vma import vary, vary_like, varying_axes  # noqa: F401  (re-exported)
 
 
@@ -82,6 +82,113 @@ def bound_axis_size(axis_name) -> Optional[int]:
     return int(jax.lax.psum(1, axis_name))
   except NameError:
     return None
+
+
+_INPUTS_UNCHECKED: list[bool] = []
+
+
+@contextlib.contextmanager
+def inputs_unchecked():
+  """Reductions traced inside skip :func:`check_input`'s varying-type check.
+
+  For tracing that does not give values their real types, e.g. the fixed
+  point :meth:`commopt.DataParallel.layout` runs, whose first rounds see
+  optimizer state typed invariant that the step keeps per worker. Whether
+  the axis is bound is still checked.
+  """
+  _INPUTS_UNCHECKED.append(True)
+  try:
+    yield
+  finally:
+    _INPUTS_UNCHECKED.pop()
+
+
+def check_input(fn: str, tree: Any, axis_name) -> None:
+  """Raises unless ``axis_name`` is bound here and ``tree`` still differs between its workers.
+
+  Every reduction of commopt calls it on its input when it is traced (Python
+  on types; nothing is added to the program but an unused ``axis_index``):
+
+  - an axis that is not bound (a wrong name, or a transform called outside
+    the ``shard_map`` / ``vmap`` over it) raises :class:`~commopt.AxisNameError`
+    naming ``fn``, the axis asked for and the axes bound, where JAX would
+    raise a bare unbound-axis ``NameError`` from deep inside the trace;
+  - inside ``jax.shard_map`` with ``check_vma=True`` (JAX's default), an
+    array leaf whose type is invariant over an axis of ``axis_name`` was
+    already reduced before it came here, usually because ``jax.grad`` of
+    parameters passed replicated (``in_specs=P()``) sums the gradients over
+    the axis with a dense all-reduce (the transpose of the implicit
+    broadcast). Reducing it again would send the dense values and the
+    payload both, so it raises, pointing to
+    :func:`commopt.parallel.local_value_and_grad`. A value the same on every
+    worker on purpose goes through once cast:
+    ``jax.lax.pcast(x, axis_name, to="varying")``.
+
+  Under ``check_vma=False`` and ``jax.vmap`` types carry no such record and
+  only the axis is checked.
+  """
+  if axis_name is None:
+    return
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  missing = [a for a in names if bound_axis_size(a) is None]
+  if missing:
+    bound = compat.bound_axis_names()
+    where = (f"the axes bound here are {bound}" if bound else
+             "no axis is bound here (the transform runs outside any jax.shard_map or "
+             "jax.vmap over a named axis)")
+    raise base.AxisNameError(
+        f"{fn}: axis_name={axis_name!r} asks for axis {missing[0]!r}, which is not bound "
+        f"where the update runs; {where}. Name one of the mesh axes the step maps over "
+        "(commopt.data_parallel maps over its `axis_name`), call the transform inside "
+        "jax.shard_map / jax.vmap over that axis, or pass axis_name=None for one local worker.")
+  tracked = [a for a in names if compat.tracks_varying(a)]
+  if not tracked or _INPUTS_UNCHECKED:
+    return
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not compat.is_tracer(x):
+      continue
+    invariant = [a for a in tracked if a not in varying_axes(x)]
+    if invariant:
+      a = invariant[0]
+      raise ValueError(
+          f"{fn}: the input {jax.tree_util.keystr(path)} is already the same on every worker "
+          f"of axis {a!r} (its type inside jax.shard_map is invariant over {a!r}), so it was "
+          f"reduced before it reached {fn}, and reducing it again would send the dense values "
+          "and the payload both. Usually jax.grad of parameters passed replicated "
+          "(in_specs=P()) did it: JAX sums such gradients over the axis with a dense "
+          "all-reduce. Keep gradients on each worker with commopt.local_value_and_grad("
+          f"loss_fn, {axis_name!r}) (or differentiate with respect to jax.lax.pcast(params, "
+          f"{a!r}, to='varying')). To reduce a value that is the same on every worker on "
+          f"purpose, cast it first: jax.lax.pcast(x, {a!r}, to='varying'). (With Flax nnx, "
+          "commopt.nnx_data_parallel runs the whole step this way.)")
+
+
+def check_state_kept(fn: str, axis_name, what: str) -> None:
+  """Raises inside a ``jax.shard_map(..., check_vma=False)`` over ``axis_name``.
+
+  There the types do not say which values differ between workers, so nothing
+  checks that per-worker state (``what``: error-feedback residuals, ...)
+  leaves the map per worker: with ``out_specs=P()`` for it, ``shard_map``
+  keeps worker 0's copy and drops the others' without a word (an
+  ``nnx.Optimizer`` stepped inside ``nnx.shard_map(..., check_vma=False)``
+  does exactly that). Under ``check_vma=True`` a wrong ``out_specs`` is a
+  type error, and under ``jax.vmap`` the state stays batched, so neither
+  raises here.
+  """
+  if axis_name is None:
+    return
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+  untracked = [a for a in names if a in manual and not compat.tracks_varying(a)]
+  if untracked:
+    raise ValueError(
+        f"{fn}: it keeps {what} per worker, and it runs inside a jax.shard_map over "
+        f"{untracked[0]!r} with check_vma=False, where nothing checks that each worker's copy "
+        "leaves the map: with out_specs=P() for the optimizer state, shard_map keeps worker "
+        "0's and silently drops the others'. Use check_vma=True (JAX's default) with the "
+        "state's per-worker specs (DataParallel.state_specs, commopt.parallel.stack_workers / "
+        "unstack_workers), or commopt.data_parallel / commopt.nnx_data_parallel, which do "
+        f"this; or a {fn} that keeps no per-worker state (error_feedback=False).")
 
 
 def cond(pred, true_fn, false_fn, *operands):

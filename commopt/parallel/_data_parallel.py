@@ -31,11 +31,16 @@ class Layout(NamedTuple):
       per-worker leaves lead with the data axes, e.g. ``P('data', None, 'model')``.
     per_worker: a pytree like the optimizer state of bools.
     state_treedef: the optimizer state's tree structure.
+    reads_value: whether the optimizer's update reads the ``value`` extra
+      argument (optax's extra-args protocol, e.g.
+      ``optax.contrib.reduce_on_plateau``): only then does the step average
+      the loss over the workers to hand it over.
   """
   param_specs: Any
   state_specs: Any
   per_worker: Any
   state_treedef: Any
+  reads_value: bool = False
 
 
 def _manual_specs(layout: Layout, axes) -> Any:
@@ -118,7 +123,7 @@ class DataParallel:
   def optimizer(self) -> optax.GradientTransformation:
     """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip."""
     if not self.skip_nonfinite:
-      return self.tx
+      return optax.with_extra_args_support(self.tx)
     from commopt.transforms._control import apply_if_finite
     return apply_if_finite(self.tx, self.axis_name)
 
@@ -192,24 +197,41 @@ class DataParallel:
       grads = jax.tree.map(lambda x: coll.vary(x, axes), p)
       if self.local_params:
         p = grads
+      reads_value = _reads_value(opt, grads, state, p)
+      extra = {} if reads_value is None else {"value": jnp.zeros((), jnp.float32)}
       mask = [False] * len(leaves)
       new = leaves
       for _ in range(len(leaves) + 1):
         s = jax.tree_util.tree_unflatten(
             treedef, [coll.vary(l, axes) if m else l for l, m in zip(leaves, mask)])
-        new = jax.tree.leaves(jax.eval_shape(lambda g, s: opt.update(g, s, p)[1], grads, s))
+        new = jax.tree.leaves(jax.eval_shape(lambda g, s: opt.update(g, s, p, **extra)[1],
+                                             grads, s))
         seen = [m or lay.per_worker(x, axes) for x, m in zip(new, mask)]
         if seen == mask:
           break
         mask = seen
-      found.update(treedef=treedef, mask=mask, shapes=[jnp.shape(x) for x in leaves])
+      found.update(treedef=treedef, mask=mask, shapes=[jnp.shape(x) for x in leaves],
+                   reads_value=bool(reads_value))
       return jnp.zeros(())
 
     fn = jax.shard_map(probe, mesh=self.mesh, in_specs=(P(),), out_specs=P(),
                        axis_names=set(axes))
     try:
-      jax.eval_shape(fn, abstract)
+      with coll.inputs_unchecked():
+        jax.eval_shape(fn, abstract)
+    except base.AxisNameError as e:
+      raise base.AxisNameError(
+          f"data_parallel: `tx` reduces over an axis the step does not map over. The step "
+          f"maps over axis_name={self.axis_name!r} of a mesh with axes "
+          f"{tuple(self.mesh.axis_names)}; give the transforms inside `tx` that axis_name. "
+          f"({e})") from None
     except (TypeError, ValueError) as e:
+      if isinstance(e, TypeError) and "required keyword-only argument" in str(e):
+        raise TypeError(
+            f"data_parallel: `tx.update` needs an extra argument the step cannot supply when "
+            f"it traces `tx` to find the state's layout (init): {e}. The step passes `value` "
+            "(the workers' mean loss) itself; give any other extra argument a default, and "
+            "pass its value to dp.step(..., name=value).") from e
       if "cond branches must have equal output types" in str(e):
         raise ValueError(
             "data_parallel: `tx` runs a lax.cond whose branches return per-worker state in "
@@ -226,7 +248,8 @@ class DataParallel:
         param_specs=param_specs,
         state_specs=jax.tree_util.tree_unflatten(found["treedef"], state_specs),
         per_worker=jax.tree_util.tree_unflatten(found["treedef"], found["mask"]),
-        state_treedef=found["treedef"])
+        state_treedef=found["treedef"],
+        reads_value=found["reads_value"])
     self._layouts[key] = result
     return result
 
@@ -466,7 +489,10 @@ class DataParallel:
 
     ``tx.init`` runs inside the step's ``shard_map``, so a transform can size
     per-worker chunks by the number of workers. Pure: ``jax.eval_shape(dp.init,
-    params)`` gives the abstract state with its shardings.
+    params)`` gives the state's shapes and dtypes, and its shardings on the
+    mesh's *abstract* mesh (JAX gives device shardings only for a jitted
+    function with ``out_shardings``), which orbax cannot restore onto: for a
+    restore target use :meth:`abstract_state`.
     """
     layout = self.layout(params)
     params = self._put(params, layout.param_specs)
@@ -493,7 +519,7 @@ class DataParallel:
 
   # -- the step ------------------------------------------------------------------
 
-  def step_fn(self, params, opt_state, batch, model_state=None, key=None):
+  def step_fn(self, params, opt_state, batch, model_state=None, key=None, **extra_args):
     """The pure, un-jitted training step (what :meth:`step` jits with donation).
 
     Jit it with your own options, or call it inside your own jitted function.
@@ -508,6 +534,12 @@ class DataParallel:
         batch statistics), replicated over the data axes.
       key: an optional PRNG key for this step; ``loss_fn`` receives
         ``key=fold_in(key, worker_index)``. Fold the step number in yourself.
+      **extra_args: extra keyword arguments for ``tx.update`` (optax's
+        extra-args protocol), the same on every worker: arrays or pytrees of
+        arrays, replicated. A ``tx`` that reads ``value`` (e.g.
+        ``optax.contrib.reduce_on_plateau``) receives the workers' mean loss
+        unless ``value`` is given here (say, a validation loss); the mean
+        costs one scalar all-reduce per step, spent only when ``tx`` reads it.
 
     Returns:
       ``(params, opt_state, metrics)``, or ``(params, opt_state, model_state,
@@ -532,15 +564,16 @@ class DataParallel:
       model_state = self._put(model_state, ms_specs)
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
+    extra_args = self._put(extra_args, jax.tree.map(lambda _: P(), extra_args))
     if self._tensor_parallel(layout):
       if self.local_params:
         raise ValueError("data_parallel: local_params=True keeps whole parameters per worker; "
                          "it does not combine with parameters sharded over other mesh axes.")
       new_params, new_state, metrics, new_ms = self._tensor_parallel_step(
-          layout, params, opt_state, batch, model_state, key)
+          layout, params, opt_state, batch, model_state, key, extra_args)
     else:
       new_params, new_state, metrics, new_ms = self._data_parallel_step(
-          layout, params, opt_state, batch, model_state, key)
+          layout, params, opt_state, batch, model_state, key, extra_args)
     new_params = self._put(new_params, self._param_specs(layout))
     new_state = self._put(new_state, layout.state_specs)
     if self.has_state:
@@ -604,13 +637,13 @@ class DataParallel:
             "transforms that keep parameters per worker between synchronisations "
             "(commopt.local_sgd, commopt.diloco) need data_parallel(..., local_params=True).")
 
-  def _data_parallel_step(self, layout, params, opt_state, batch, model_state, key):
+  def _data_parallel_step(self, layout, params, opt_state, batch, model_state, key, extra_args):
     """One ``shard_map`` over the data axes: local gradients, then the optimizer."""
     axes, opt = self.axes, self.optimizer
     manual = _manual_specs(layout, axes)
     grad_fn = local_value_and_grad(self._loss, axes, has_aux=self.has_aux or self.has_state)
 
-    def body(params, state, batch, model_state, key):
+    def body(params, state, batch, model_state, key, extra_args):
       if self.local_params:
         params = jax.tree.map(lambda x: x[0], params)
       state = lay.unstack_workers(state, layout.state_specs, axes)
@@ -619,7 +652,9 @@ class DataParallel:
       value, grads = grad_fn(params, *args, **kwargs)
       loss, aux, new_ms = self._split_out(value)
       grads = self._poison_if_nonfinite(grads, new_ms)
-      updates, new_state = opt.update(grads, state, params)
+      if layout.reads_value and "value" not in extra_args:
+        extra_args = dict(extra_args, value=coll.pmean(loss, axes))
+      updates, new_state = opt.update(grads, state, params, **extra_args)
       new_params = optax.apply_updates(params, updates)
       if self.local_params:
         new_params = jax.tree.map(lambda x: x[None], new_params)
@@ -636,12 +671,13 @@ class DataParallel:
     pspec = data if self.local_params else P()
     fn = jax.shard_map(
         body, mesh=self.mesh,
-        in_specs=(pspec, manual, data, P(), P()),
+        in_specs=(pspec, manual, data, P(), P(), P()),
         out_specs=(pspec, manual, data, P()),
         axis_names=set(axes))
-    return fn(params, opt_state, batch, model_state, key)
+    return fn(params, opt_state, batch, model_state, key, extra_args)
 
-  def _tensor_parallel_step(self, layout, params, opt_state, batch, model_state, key):
+  def _tensor_parallel_step(self, layout, params, opt_state, batch, model_state, key,
+                            extra_args):
     """Tensor parallel plus data parallel, with no dense value crossing the data axis.
 
     The gradients come from ``jax.vmap`` over the workers (``spmd_axis_name``
@@ -691,12 +727,14 @@ class DataParallel:
 
     opt = self.optimizer
     state_specs = lay.unstacked_specs(layout.state_specs, axes)
+    if layout.reads_value and "value" not in extra_args:
+      extra_args = dict(extra_args, value=jnp.mean(loss))
 
-    def update(g, st, p):
+    def update(g, st, p, extra):
       g = jax.tree.map(lambda x: x[0], g)
       st = lay.unstack_workers(st, layout.state_specs, axes)
       u, new = opt.update(lay.gather_tree(g, layout.param_specs), lay.gather_tree(st, state_specs),
-                          lay.gather_tree(p, layout.param_specs))
+                          lay.gather_tree(p, layout.param_specs), **extra)
       self._check_replicated(u)
       new = lay.stack_workers(lay.slice_tree(new, state_specs), layout.state_specs, axes)
       return lay.slice_tree(u, layout.param_specs), new
@@ -704,8 +742,9 @@ class DataParallel:
     grad_specs = jax.tree.map(lambda s: lay.stacked_spec(s, axes), layout.param_specs,
                               is_leaf=lay.is_spec)
     updates, new_state = jax.shard_map(
-        update, mesh=self.mesh, in_specs=(grad_specs, layout.state_specs, layout.param_specs),
-        out_specs=(layout.param_specs, layout.state_specs))(grads, opt_state, params)
+        update, mesh=self.mesh,
+        in_specs=(grad_specs, layout.state_specs, layout.param_specs, P()),
+        out_specs=(layout.param_specs, layout.state_specs))(grads, opt_state, params, extra_args)
     new_params = optax.apply_updates(params, updates)
     metrics = loss if not self.has_aux else (loss, aux)
     if self.has_state:
@@ -774,17 +813,18 @@ class DataParallel:
     names = ("params", "opt_state", "model_state") if self.donate else ()
     return jax.jit(self.step_fn, donate_argnames=names)
 
-  def step(self, params, opt_state, batch, model_state=None, key=None):
+  def step(self, params, opt_state, batch, model_state=None, key=None, **extra_args):
     """One jitted training step: :meth:`step_fn` with params, state and model state donated.
 
     Callable inside your own ``jax.jit``, ``lax.scan`` and ``fori_loop`` (there
     donation is up to the outer jit). With ``donate=True`` (the default) the
     arrays passed as ``params``, ``opt_state`` and ``model_state`` are consumed:
-    use the returned ones.
+    use the returned ones. ``extra_args`` reach ``tx.update`` (see :meth:`step_fn`).
     """
-    return self._jitted_step(*self._placed(params, opt_state, batch, model_state, key))
+    *args, extra_args = self._placed(params, opt_state, batch, model_state, key, extra_args)
+    return self._jitted_step(*args, **extra_args)
 
-  def _placed(self, params, opt_state, batch, model_state, key):
+  def _placed(self, params, opt_state, batch, model_state, key, extra_args=None):
     """Outside tracing, the arguments placed as the step expects them.
 
     XLA:CPU can deadlock when a multi-device program is launched while the
@@ -798,9 +838,10 @@ class DataParallel:
     are waited for. Arrays already placed pass through untouched (donation
     still aliases them).
     """
-    before = jax.tree.leaves((params, opt_state, batch, model_state, key))
+    extra_args = {} if extra_args is None else extra_args
+    before = jax.tree.leaves((params, opt_state, batch, model_state, key, extra_args))
     if any(compat.is_tracer(x) for x in before):
-      return params, opt_state, batch, model_state, key
+      return params, opt_state, batch, model_state, key, extra_args
     layout = self._checked_layout(params, opt_state)
     params = self._put(params, self._param_specs(layout))
     opt_state = self._put(opt_state, layout.state_specs)
@@ -808,13 +849,14 @@ class DataParallel:
       model_state = self.place_model_state(model_state)
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
+    extra_args = self._put(extra_args, jax.tree.map(lambda _: P(), extra_args))
     try:
       # Not checked here, per call: the step checks the batch's shapes when it is traced.
       placed = self._put_batch(batch)
     except (TypeError, ValueError):
       self._check_batch(batch)   # a placement that fails on shapes, with the shapes named
       raise
-    args = (params, opt_state, placed, model_state, key)
+    args = (params, opt_state, placed, model_state, key, extra_args)
     if self._on_cpu:
       jax.block_until_ready(args)
     else:
@@ -827,9 +869,30 @@ class DataParallel:
   def _on_cpu(self) -> bool:
     return self.mesh.devices.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
 
-  def lower(self, params, opt_state, batch, model_state=None, key=None):
+  def lower(self, params, opt_state, batch, model_state=None, key=None, **extra_args):
     """``jax.jit(...).lower`` of the step, for HLO audits (see :mod:`commopt.wire`)."""
-    return self._jitted_step.lower(*self._placed(params, opt_state, batch, model_state, key))
+    *args, extra_args = self._placed(params, opt_state, batch, model_state, key, extra_args)
+    return self._jitted_step.lower(*args, **extra_args)
+
+
+def _reads_value(opt, grads, state, params) -> bool | None:
+  """Whether ``opt.update`` reads the ``value`` extra argument (traced, nothing computed).
+
+  The update is traced with ``value`` as an input of its own; it is read when
+  some equation of the trace (or the output) uses that input. None when the
+  update does not take it (a transform of the user's that accepts no
+  ``value`` keyword).
+  """
+  try:
+    closed = jax.make_jaxpr(lambda g, s, v: opt.update(g, s, params, value=v))(
+        grads, state, jnp.zeros((), jnp.float32))
+  except TypeError as e:
+    if "unexpected keyword argument 'value'" in str(e):
+      return None
+    raise
+  var = closed.jaxpr.invars[-1]
+  return (any(var is x for eqn in closed.jaxpr.eqns for x in eqn.invars)
+          or any(var is x for x in closed.jaxpr.outvars))
 
 
 def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,

@@ -314,6 +314,7 @@ def compressed_mean(
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    coll.check_input("compressed_mean", updates, axis_name)
     leaves, treedef = tree.flatten(updates)
     for path, u in leaves:
       _check_leaf(path, u, "an update")
@@ -334,6 +335,8 @@ def compressed_mean(
       new_res.append(e)
       new_cs.append(cs)
 
+    if compressed and (error_feedback or server_memory):
+      coll.check_state_kept("compressed_mean", axis_name, "error-feedback residuals")
     servers = _server_memories(state, treedef)
     new_servers = list(servers)
     memories = [None if tree.is_node(m) else m for m in servers]

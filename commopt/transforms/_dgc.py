@@ -251,6 +251,7 @@ def dgc(axis_name: Optional[str] = None, *,
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    coll.check_input("dgc", updates, axis_name)
     if clip_norm is not None:
       limit = clip_norm / math.sqrt(coll.axis_size(axis_name))
       norm = base.safe_norm(jax.tree.leaves(updates))

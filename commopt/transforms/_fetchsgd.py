@@ -144,6 +144,7 @@ def fetch_sgd(learning_rate: Union[float, optax.Schedule], k: int, rows: int, co
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    coll.check_input(fn, updates, axis_name)
     leaves, paths, treedef = _flat_leaves(updates)
     sizes = sizes_of(leaves, paths, "an update")
     seeds = sketch_seeds(jax.random.PRNGKey(seed), rows)

@@ -292,6 +292,7 @@ def onebit_adam(learning_rate: Union[float, optax.Schedule], freeze_step: int, *
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     _check_params(fn, params, weight_decay)
+    coll.check_input(fn, updates, axis_name)
     grads = jax.tree.map(_wide, updates)
 
     def frozen(ops):
@@ -482,6 +483,7 @@ def zero_one_adam(learning_rate: Union[float, optax.Schedule], *, axis_name,
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     _check_params(fn, params, weight_decay)
+    coll.check_input(fn, updates, axis_name)
     grads = jax.tree.map(_wide, updates)
     lr = _lr_at(learning_rate, state.count)
     variance_step, sync_step, frozen = schedule(state.count)
@@ -691,6 +693,7 @@ def onebit_lamb(learning_rate: Union[float, optax.Schedule], freeze_step: int, *
     del extra_args
     if params is None:
       raise ValueError(f"{fn}: `update` needs `params` (the trust ratio is ‖θ‖/‖u‖ per leaf).")
+    coll.check_input(fn, updates, axis_name)
     grads = jax.tree.map(_wide, updates)
 
     def warm(ops):

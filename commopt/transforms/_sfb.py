@@ -216,6 +216,7 @@ def sfb_mean(axis_name, batch_rows: int, mask: Union[Any, Callable[[Any], Any]],
           f"with {seen} rows; pass batch_rows={seen} (the rows of each worker's batch).")
 
   def update(updates, state, params=None, **extra):
+    coll.check_input("sfb_mean", updates, axis_name)
     picks = chosen(updates)
     out, state = other.update(rest(updates, picks), state, params, **extra)
     exact = jax.tree.map(lambda g, c: exact_mean(g) if c else None, updates, picks)

@@ -209,6 +209,7 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f"{fn}: `update` needs `params` (each worker's own parameters).")
+    coll.check_input(fn, updates, axis_name)
     local, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     moved = jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local)
 
@@ -390,6 +391,7 @@ def _hierarchical_local_sgd(inner, axis_name, period, warmup_steps, compressor, 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f"{fn}: `update` needs `params` (each worker's own parameters).")
+    coll.check_input(fn, updates, axis_name)
     local, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     moved = jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local)
     level = level_at(state.count)
@@ -513,6 +515,7 @@ def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, perio
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f"{fn}: `update` needs `params` (each worker's own parameters).")
+    coll.check_input(fn, updates, axis_name)
     local, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     b = alpha * coll.axis_size(axis_name) if beta is None else beta
 
@@ -699,6 +702,7 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f"{fn}: `update` needs `params` (each worker's own, stale, copy).")
+    coll.check_input(fn, updates, axis_name)
     mean, reducer_state = reducer_for(updates).update(updates, state.reducer_state)
     step, inner_state = inner.update(mean, state.inner_state, state.params, **extra_args)
     new = optax.apply_updates(state.params, step)
@@ -832,6 +836,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f"{fn}: `update` needs `params` (each worker's own parameters).")
+    coll.check_input(fn, updates, axis_name)
     local, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     moved = jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local)
     moved_groups, join = split(moved)
