@@ -13,10 +13,11 @@ import re
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from commopt._src import base
-from commopt.comm import _collectives, _strategies
+from commopt.comm import _collectives, _plan, _strategies
 from commopt.comm._plan import (Planned, axis_sizes, planner_of, ring_sent_bytes,
                                 step_planner_of)
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses
@@ -121,17 +122,25 @@ def payload_bytes(compressor: base.Compressor, params,
 
 
 class CommPlan(NamedTuple):
-  """The collectives ``compressed_mean`` runs per step, as :func:`comm_plan` predicts them.
+  """The collectives a reduction runs per step, as :func:`comm_plan` predicts them.
 
   Attributes:
-    collectives: one :class:`Planned` per collective and leaf, in leaf order.
+    collectives: one :class:`Planned` per collective and leaf, in leaf order
+      (for a ``tx`` holding several reductions, each reduction's in turn, in
+      the order ``tx.update`` runs them).
     dense_sent: what a dense all-reduce of every leaf would send per worker
-      (ring model), in bytes.
+      (ring model), in bytes; uncovered leaves included.
     dense_bytes: every leaf's bytes, what a dense all-reduce takes in.
+    uncovered: the paths (``jax.tree_util.keystr``) of the parameter leaves
+      that no reduction in ``tx`` receives (under ``optax.multi_transform``,
+      the leaves of a label without one): they are never exchanged, so each
+      worker's own update is applied to them. Empty for a compressor or a
+      bare reducing transform.
   """
   collectives: list
   dense_sent: float
   dense_bytes: int = 0
+  uncovered: tuple = ()
 
   @property
   def contributed_bytes(self) -> int:
@@ -170,20 +179,40 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
   non-finite gradient.
 
   Args:
-    tx: a reducing transform made by commopt (``compressed_mean``, ``dgc``,
-      ``majority_vote``, the robust rules), or a compressor, which stands for
-      ``compressed_mean(tx, axis_name, strategy=..., inner_strategy=...,
-      min_size=...)``.
+    tx: a compressor, which stands for ``compressed_mean(tx, axis_name,
+      strategy=..., inner_strategy=..., min_size=...)``; a reducing transform
+      made by commopt (``compressed_mean``, ``dgc``, ``majority_vote``, the
+      robust rules, the synchronisation modes); or any optax transform that
+      contains them, such as the ``tx`` given to
+      :func:`~commopt.data_parallel`: ``optax.chain``,
+      ``optax.multi_transform`` (each reduction planned on the leaves its
+      label covers), ``optax.inject_hyperparams``,
+      :func:`~commopt.transforms.apply_if_finite`,
+      :func:`~commopt.multi_steps`, nested in any way. Such a ``tx`` is traced
+      abstractly (``tx.init`` and one ``tx.update`` per worker under
+      ``jax.vmap`` over ``axis_name``, nothing computed); the plan is the sum
+      of the plans of the reductions it runs, each on the updates it
+      receives, and the leaves none receives are listed in
+      :attr:`CommPlan.uncovered`. A reduction run inside another one is part
+      of the outer one's plan, and one traced more than once (as
+      :func:`~commopt.multi_steps` traces its inner update to shape its
+      ``lax.cond``) counts once: under ``multi_steps`` the plan is what
+      each ``k``-th call sends.
     params: a pytree of arrays or ``jax.ShapeDtypeStruct``\\ s.
     workers: workers on the axis (an int), or one count per axis for a tuple
-      of axes (``(slow, fast)`` for ``strategy="hierarchical"``).
+      of axes (``(slow, fast)`` for ``strategy="hierarchical"``). Every
+      reduction traced in a ``tx`` is planned with these counts, so they
+      must be the counts of its own axes.
     axis_name: with a compressor, the axis name(s) it would reduce over; a
-      transform knows its own.
+      bare reducing transform knows its own. For a ``tx`` that is traced, the
+      axis name(s) bound while tracing it: every axis its reductions (and
+      wrappers such as ``apply_if_finite``) use must be among them.
     strategy: with a compressor, as given to ``compressed_mean``.
     inner_strategy: with a compressor, as given to ``compressed_mean``.
     min_size: with a compressor, as given to ``compressed_mean``.
     step: the 0-based optimizer step whose exchange to plan (None: a step
-      that synchronises everything).
+      that synchronises everything). In a traced ``tx`` it is each
+      reduction's own count (under :func:`~commopt.multi_steps`, inner steps).
 
   Returns:
     A :class:`CommPlan`.
@@ -199,29 +228,108 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
     ['all-to-all', 'all-gather']
     >>> round(gather.ratio, 1), round(two_phase.ratio, 1)
     (1.0, 31.0)
+
+    A chain, as given to :func:`~commopt.data_parallel`, plans as the
+    reduction inside it:
+
+    >>> import optax
+    >>> tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"),
+    ...                  optax.adam(1e-3))
+    >>> chained = commopt.wire.comm_plan(tx, params, 64)
+    >>> chained.collectives == gather.collectives, chained.uncovered
+    (True, ())
   """
   if step is not None:
     step = base.check_int("step", step, fn="comm_plan", minimum=0)
+  uncovered = ()
   if isinstance(tx, base.Compressor):
     reduction = _strategies.resolve(strategy, tx, "comm_plan", inner_strategy)
     entries = _strategies.plan_reduction(tx, reduction, params, axis_sizes(axis_name, workers),
                                          axis_name, min_size, step)
   else:
     planner = planner_of(tx) if step is None else step_planner_of(tx)
-    if planner is None:
-      raise ValueError(
-          "comm_plan: `tx` must be a commopt Compressor or a reducing transform made by "
-          f"commopt (compressed_mean, dgc, majority_vote, a robust rule), got {tx!r}; a "
-          "chain's plan is the plan of the reducing transform inside it.")
-    if step is not None:
-      entries = planner(params, workers, step)
+    if planner is not None:                     # a bare reducing transform
+      entries = planner(params, workers) if step is None else planner(params, workers, step)
+    elif callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
+      entries, uncovered = _traced_plan(tx, params, workers, axis_name, step)
     else:
-      entries = planner(params, workers)
+      raise ValueError(
+          "comm_plan: `tx` must be a commopt Compressor, a reducing transform made by commopt "
+          "(compressed_mean, dgc, majority_vote, a robust rule, a synchronisation mode) or an "
+          f"optax transform containing one (optax.chain, multi_transform, ...), got {tx!r}.")
   total = math.prod(workers) if isinstance(workers, tuple) else workers
   dense = sum(base.leaf_size(l.shape) * np.dtype(l.dtype).itemsize
               for l in jax.tree.leaves(params))
   return CommPlan(collectives=entries, dense_sent=ring_sent_bytes("all-reduce", dense, total),
-                  dense_bytes=int(dense))
+                  dense_bytes=int(dense), uncovered=uncovered)
+
+
+_UNBOUND = re.compile(r"(?:unbound axis name:?|asks for axis)\s*'?([^\s'.,;]+)")
+
+
+def _describe(tx) -> str:
+  init = getattr(tx, "init", None)
+  return f"{type(tx).__name__}(init={getattr(init, '__qualname__', init)!r})"
+
+
+def _traced_plan(tx, params, workers, axis_name, step) -> tuple[list, tuple]:
+  """The plans of the reductions ``tx`` runs, found by tracing it abstractly on every worker.
+
+  ``tx.init`` and ``tx.update`` run for one worker under ``jax.vmap`` over
+  each axis of ``axis_name`` (gradients stacked over the workers, parameters
+  shared), inside :func:`jax.make_jaxpr` on ``jax.ShapeDtypeStruct``\\ s:
+  nothing is computed. Each reduction registered by ``_plan.with_planner``
+  records its planner on the updates it receives; only those whose trace
+  lands in the program count.
+  """
+  sizes = axis_sizes(axis_name, workers)
+  shape_of = lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), np.dtype(x.dtype))
+  abstract = jax.tree.map(shape_of, params)
+  counts = tuple(sizes.values())
+  grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(counts + x.shape, x.dtype), abstract)
+
+  def one_worker(g, p):
+    state = tx.init(p)
+    try:
+      # A `tx` that reads optax's `value` extra argument (reduce_on_plateau) gets one,
+      # as data_parallel's step hands it the mean loss.
+      return tx.update(g, state, p, value=jnp.zeros((), jnp.float32))
+    except TypeError as e:
+      if "unexpected keyword argument 'value'" not in str(e):
+        raise
+      return tx.update(g, state, p)
+
+  fn = one_worker
+  for name in reversed(tuple(sizes)):
+    fn = jax.vmap(fn, in_axes=(0, None), axis_name=name, axis_size=sizes[name])
+  with _plan.recording(workers, step) as rec:
+    try:
+      jaxpr = jax.make_jaxpr(fn)(grads, abstract)
+    except NameError as e:
+      # JAX's own unbound-axis NameError, or commopt's AxisNameError (a NameError too).
+      m = _UNBOUND.search(str(e))
+      if m is None and "axis" not in str(e):
+        raise
+      axis = f" {m.group(1)!r}" if m else ""
+      raise base.AxisNameError(
+          f"comm_plan: `tx` communicates over a mesh axis{axis} that `axis_name`="
+          f"{axis_name!r} does not bind ({e}). Pass the axis name(s) its reductions use "
+          "as `axis_name` (a tuple for several) and their worker counts as `workers`."
+      ) from e
+  if not rec.records:
+    raise ValueError(
+        f"comm_plan: `tx` contains no reduction made by commopt, got {_describe(tx)}. `tx` "
+        "must be a "
+        "commopt Compressor, a reducing transform made by commopt (compressed_mean, dgc, "
+        "majority_vote, a robust rule, a synchronisation mode), or an optax transform "
+        "containing one (optax.chain, optax.multi_transform, optax.inject_hyperparams, "
+        "commopt.transforms.apply_if_finite, commopt.multi_steps, ...).")
+  entries, covered = _plan.traced_plans(rec, jaxpr)
+  covered = set(covered)
+  uncovered = tuple(path for path in (jax.tree_util.keystr(k) for k, _ in
+                                      jax.tree_util.tree_flatten_with_path(abstract)[0])
+                    if path not in covered)
+  return entries, uncovered
 
 
 class Collective(NamedTuple):

@@ -8,11 +8,17 @@ entry.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import itertools
+import re
 import weakref
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
          "collective-broadcast")
@@ -74,22 +80,142 @@ _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STEP_PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+class _Recording:
+  """The reductions traced while :func:`recording` is active, by marker token.
+
+  ``inside`` is set while a recorded reduction's own update is traced, so a
+  reduction nested in another one (``dgc`` around ``compressed_mean``, a
+  synchronisation mode around its reducer) is planned once, by the outer one.
+  """
+
+  def __init__(self, workers, step):
+    self.workers = workers
+    self.step = step
+    self.records: dict = {}
+    self.inside = False
+
+
+_RECORDING: contextvars.ContextVar = contextvars.ContextVar("commopt_plan_recording",
+                                                            default=None)
+_TOKENS = itertools.count()
+_MARK = "commopt_plan_"
+_MARKED = re.compile(re.escape(_MARK) + r"(\d+)")
+
+
 def with_planner(tx, planner, step_planner=None):
-  """Registers ``planner(params, workers) -> [Planned]`` for transform ``tx``; returns ``tx``.
+  """Registers ``planner(params, workers) -> [Planned]`` for transform ``tx``; returns it.
 
   ``workers`` counts the workers on the transform's axis (an int), or on each
   of its axes (a tuple, see :func:`axis_sizes`). :func:`commopt.wire.comm_plan`
-  looks the planner up by ``tx.init``.
+  looks the planner up by the returned transform's ``init`` (``tx.init``).
 
   A transform that does not exchange the same thing every step (the
   synchronisation modes) also registers ``step_planner(params, workers, step)
   -> [Planned]``: what runs at its 0-based ``step`` (nothing on a step without
   an exchange). Without one, every step runs ``planner``'s collectives.
+
+  The returned transform is ``tx`` with an ``update`` that, only while
+  :func:`recording` is active, records the planner against the updates it
+  receives (so a reduction inside ``optax.chain``, ``optax.multi_transform``
+  or a wrapper is planned on the leaves that reach it) and marks its own
+  trace; otherwise it calls ``tx.update`` directly.
   """
-  _PLANNERS[tx.init] = planner
+  inner_update = tx.update
+
+  def update_fn(updates, state, params=None, **extra_args):
+    rec = _RECORDING.get()
+    if rec is None or rec.inside:
+      return inner_update(updates, state, params, **extra_args)
+    token = next(_TOKENS)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                            updates)
+    rec.records[token] = (planner, step_planner, abstract)
+    rec.inside = True
+    try:
+      with jax.named_scope(f"{_MARK}{token}"):
+        return inner_update(updates, state, params, **extra_args)
+    finally:
+      rec.inside = False
+
+  extra = isinstance(tx, optax.GradientTransformationExtraArgs)
+  kind = optax.GradientTransformationExtraArgs if extra else optax.GradientTransformation
+  out = kind(tx.init, update_fn)
+  _PLANNERS[out.init] = planner
   if step_planner is not None:
-    _STEP_PLANNERS[tx.init] = step_planner
-  return tx
+    _STEP_PLANNERS[out.init] = step_planner
+  return out
+
+
+@contextlib.contextmanager
+def recording(workers, step=None):
+  """While active, every transform registered by :func:`with_planner` records its planner
+  when its ``update`` is traced; yields the :class:`_Recording` (see :func:`traced_plans`)."""
+  rec = _Recording(workers, step)
+  reset = _RECORDING.set(rec)
+  try:
+    yield rec
+  finally:
+    _RECORDING.reset(reset)
+
+
+def _subjaxprs(value):
+  if hasattr(value, "eqns"):
+    yield value
+  elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+    yield value.jaxpr
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _subjaxprs(v)
+
+
+def _marks(jaxpr) -> set:
+  """The marker tokens in the name stacks of ``jaxpr``'s equations, sub-jaxprs included."""
+  found, seen, todo = set(), set(), [jaxpr]
+  while todo:
+    j = todo.pop()
+    if id(j) in seen:
+      continue
+    seen.add(id(j))
+    for eqn in j.eqns:
+      info = getattr(eqn, "source_info", None)
+      found.update(int(t) for t in _MARKED.findall(str(getattr(info, "name_stack", ""))))
+      for v in eqn.params.values():
+        todo.extend(_subjaxprs(v))
+  return found
+
+
+def traced_plans(rec: _Recording, jaxpr) -> tuple[list, list]:
+  """The plans of the reductions that ``jaxpr`` runs, in trace order, and the paths they cover.
+
+  A reduction traced only on the side (by ``jax.eval_shape``, as ``lax.cond``
+  wrappers do to match their branches) leaves no marker in ``jaxpr`` and is
+  dropped, so a reduction traced several times is planned once.
+
+  Returns:
+    ``(entries, covered)``: every kept reduction's :class:`Planned` entries,
+    concatenated, and the paths (``jax.tree_util.keystr``) of the leaves
+    they received.
+  """
+  kept = _marks(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+  if not kept and any(jax.tree.leaves(r[2]) for r in rec.records.values()):
+    # Every reduction with leaves left its marker out of the program: not a transform
+    # that only shapes a branch, but name stacks no longer reaching the equations.
+    raise RuntimeError(
+        "comm_plan: the reductions traced in `tx` left no marker in its program; this "
+        f"version of JAX (jax {jax.__version__}) does not keep jax.named_scope in the "
+        "equations' name stacks, which comm_plan relies on for a chain or wrapper.")
+  entries, covered = [], []
+  for token in sorted(kept & rec.records.keys()):
+    planner, step_planner, abstract = rec.records[token]
+    if rec.step is None:
+      entries += planner(abstract, rec.workers)
+    elif step_planner is not None:
+      entries += step_planner(abstract, rec.workers, rec.step)
+    else:
+      entries += planner(abstract, rec.workers)
+    covered += [jax.tree_util.keystr(p)
+                for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+  return entries, covered
 
 
 def _lookup(table, tx):
