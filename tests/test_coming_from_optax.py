@@ -185,15 +185,23 @@ def test_abstract_state_is_on_devices_where_eval_shape_is_on_the_abstract_mesh()
 # -- 4. axis names -------------------------------------------------------------------
 
 
-def test_a_wrong_axis_name_is_named_when_data_parallel_first_traces_it():
-  params, _ = _problem()
-  dp = commopt.data_parallel(_loss, _sign_sgd("batch"), _mesh())
+def test_a_wrong_axis_name_is_named_when_data_parallel_is_built():
   with pytest.raises(commopt.AxisNameError) as e:
-    dp.init(params)
+    commopt.data_parallel(_loss, _sign_sgd("batch"), _mesh())
   message = str(e.value)
   for word in ("compressed_mean", "'batch'", "'data'", "axis_name='data'"):
     assert word in message, word
   assert isinstance(e.value, NameError) and isinstance(e.value, ValueError)
+
+
+def test_a_wrong_axis_name_the_build_cannot_see_is_named_at_init():
+  # Labels that name the real parameters: the build's one-scalar trace cannot run
+  # this tx, so the first trace with the parameters (init) names the axis.
+  params, _ = _problem()
+  tx = optax.multi_transform({"a": _sign_sgd("batch")}, {"w": "a"})
+  dp = commopt.data_parallel(_loss, tx, _mesh())
+  with pytest.raises(commopt.AxisNameError, match=r"compressed_mean: .*'batch'.*\('data',\)"):
+    dp.init(params)
 
 
 def test_a_wrong_axis_name_in_a_users_shard_map_names_the_axes_bound():
@@ -310,3 +318,16 @@ def test_the_coming_from_optax_page_runs_in_order(capsys):
   assert float(ns["mlp_loss"](state.params, batch)) < 0.5 * float(np.mean(
       (np.asarray(batch["y"])) ** 2))
   assert isinstance(jax.tree.leaves(ns["target_state"])[0].sharding.mesh, jax.sharding.Mesh)
+
+
+def test_nnx_data_parallel_hands_reduce_on_plateau_the_mean_loss():
+  from flax import nnx
+
+  model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+  _, batch = _problem()
+  tx = optax.chain(_sign_sgd(), optax.contrib.reduce_on_plateau(accumulation_size=1))
+  trainer = commopt.nnx_data_parallel(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                                      tx, _mesh())
+  state, losses = trainer.step(trainer.init(model), batch)
+  best = float(state.opt_state.inner_state[-1].best_value)
+  np.testing.assert_allclose(best, float(np.mean(losses)), rtol=1e-6)

@@ -106,6 +106,38 @@ class DataParallel:
     for name in ("has_aux", "has_state", "skip_nonfinite", "donate", "local_params"):
       object.__setattr__(self, name, base.check_bool(name, getattr(self, name), fn=fn))
     object.__setattr__(self, "_layouts", {})
+    self._check_tx_axes()
+
+  def _axis_error(self, e: Exception) -> Exception:
+    return base.AxisNameError(
+        f"data_parallel: `tx` reduces over an axis the step does not map over. The step "
+        f"maps over axis_name={self.axis_name!r} of a mesh with axes "
+        f"{tuple(self.mesh.axis_names)}; give the transforms inside `tx` that axis_name. "
+        f"({e})")
+
+  def _check_tx_axes(self) -> None:
+    """An :class:`~commopt.AxisNameError` now if ``tx`` reduces over an axis the step does
+    not map over, found by tracing ``tx`` on one scalar parameter (nothing is computed).
+
+    A ``tx`` that cannot run on that parameter (a ``multi_transform`` whose labels
+    name the real parameters, ...) is checked when :meth:`layout` first traces it.
+    """
+    tx, axes = optax.with_extra_args_support(self.tx), self.axes
+
+    def probe(p):
+      g = jax.tree.map(lambda x: coll.vary(x, axes), p)
+      tx.update(g, tx.init(p), p)
+      return jnp.zeros(())
+
+    fn = jax.shard_map(probe, mesh=self.mesh, in_specs=(P(),), out_specs=P(),
+                       axis_names=set(axes))
+    try:
+      with coll.inputs_unchecked():
+        jax.eval_shape(fn, {"probe": jax.ShapeDtypeStruct((), jnp.float32)})
+    except base.AxisNameError as e:
+      raise self._axis_error(e) from None
+    except Exception:   # noqa: BLE001 - anything else is the layout's to report, with params
+      pass
 
   # -- basic facts ---------------------------------------------------------------
 
@@ -220,11 +252,7 @@ class DataParallel:
       with coll.inputs_unchecked():
         jax.eval_shape(fn, abstract)
     except base.AxisNameError as e:
-      raise base.AxisNameError(
-          f"data_parallel: `tx` reduces over an axis the step does not map over. The step "
-          f"maps over axis_name={self.axis_name!r} of a mesh with axes "
-          f"{tuple(self.mesh.axis_names)}; give the transforms inside `tx` that axis_name. "
-          f"({e})") from None
+      raise self._axis_error(e) from None
     except (TypeError, ValueError) as e:
       if isinstance(e, TypeError) and "required keyword-only argument" in str(e):
         raise TypeError(

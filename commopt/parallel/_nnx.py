@@ -64,26 +64,34 @@ class NnxDataParallel:
     """Writes copies of the train state's variables into ``model`` in place."""
     nnx.update(model, *jax.tree.map(jnp.copy, (state.params, state.model_state)))
 
-  def step_fn(self, state: NnxTrainState, batch, key=None):
-    """The pure, un-jitted step: ``(state, batch) -> (state, metrics)``."""
+  def step_fn(self, state: NnxTrainState, batch, key=None, **extra_args):
+    """The pure, un-jitted step: ``(state, batch) -> (state, metrics)``.
+
+    ``extra_args`` reach ``tx.update`` (optax's extra-args protocol; see
+    :meth:`commopt.DataParallel.step_fn`)."""
     params, opt_state, model_state, metrics = self.dp.step_fn(
-        state.params, state.opt_state, batch, state.model_state, key)
+        state.params, state.opt_state, batch, state.model_state, key, **extra_args)
     return NnxTrainState(params, model_state, opt_state), metrics
 
-  def step(self, state: NnxTrainState, batch, key=None):
+  def step(self, state: NnxTrainState, batch, key=None, **extra_args):
     """One jitted step (the train state is donated unless ``donate=False``).
+
+    ``extra_args`` reach ``tx.update``; a ``tx`` that reads ``value`` (e.g.
+    ``optax.contrib.reduce_on_plateau``) gets the workers' mean loss unless
+    one is given.
 
     Returns:
       ``(state, metrics)``: ``metrics`` is each worker's loss ``[num_workers]``,
       or ``(losses, aux)`` with ``has_aux=True``.
     """
     params, opt_state, model_state, metrics = self.dp.step(
-        state.params, state.opt_state, batch, state.model_state, key)
+        state.params, state.opt_state, batch, state.model_state, key, **extra_args)
     return NnxTrainState(params, model_state, opt_state), metrics
 
-  def lower(self, state: NnxTrainState, batch, key=None):
+  def lower(self, state: NnxTrainState, batch, key=None, **extra_args):
     """The lowered step, for :func:`commopt.wire.hlo_collectives`."""
-    return self.dp.lower(state.params, state.opt_state, batch, state.model_state, key)
+    return self.dp.lower(state.params, state.opt_state, batch, state.model_state, key,
+                         **extra_args)
 
 
 def nnx_data_parallel(model: nnx.Module, loss_fn: Callable, tx: optax.GradientTransformation,
