@@ -41,15 +41,18 @@ def record_collectives():
 
   Programs **traced** inside the ``with`` block (build a fresh ``jax.jit``, or a
   fresh :func:`~commopt.data_parallel`, inside it) log one event per
-  collective each time it executes: ``(kind, bytes one worker puts in,
-  worker index on the collective's axis)``. A collective in a ``lax.cond``
+  collective and device each time it executes: its kind, the bytes the
+  device puts in, the device's index over every bound axis (the worker index
+  on a 1-D mesh) and the axis it ran over; on a ``("data", "model")`` mesh a
+  device's data-axis exchange is ``of_worker(i, "data")``. A collective in a ``lax.cond``
   branch that does not run logs nothing, which the HLO (where a conditional
   holds both branches) cannot tell. The events come from debug callbacks, so
   the recorded programs run slower; use it in tests and audits.
 
   Yields:
-    A recorder: ``events``, ``of_worker(index)`` (``[(kind, bytes), ...]``) and
-    ``clear()``.
+    A recorder: ``events`` (:class:`commopt.comm._collectives.Event`: kind, bytes, the
+    device's index over every bound axis, the axis), ``of_worker(index, axis=None)``
+    (``[(kind, bytes), ...]``) and ``clear()``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt

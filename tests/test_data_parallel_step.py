@@ -286,6 +286,26 @@ def test_tensor_parallel_data_axis_carries_only_payloads():
   assert commopt.wire.total_bytes(across_data) == payload + 4
 
 
+def test_recorded_collectives_count_each_worker_once_on_a_2d_mesh():
+  """On 4 data x 2 model (and 2 x 4) each device records its own collectives once: over
+  the data axis, the payload and the skip flag (every model rank sends the whole leaf's
+  payload); the dense gathers inside the model group are over "model"."""
+  compressor = commopt.scaled_sign()
+  payload = commopt.wire.payload_bytes(compressor, make_params(), min_size=0).total
+  for shape in ((4, 2), (2, 4)):
+    mesh = jax.make_mesh(shape, ("data", "model"))
+    params = {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k]))
+              for k, v in make_params().items()}
+    with commopt.wire.record_collectives() as rec:
+      tx = optax.chain(commopt.compressed_mean(compressor, "data", min_size=0), optax.sgd(0.1))
+      dp = commopt.data_parallel(tp_loss, tx, mesh)
+      jax.block_until_ready(dp.step(params, dp.init(params), make_batches(1)[0]))
+    assert len({e.index for e in rec.events}) == 8
+    for device in range(8):
+      assert sum(b for _, b in rec.of_worker(device, "data")) == payload + 4, (shape, device)
+      assert {e.axis for e in rec.events if e.index == device} == {"data", "model"}
+
+
 def test_unsupported_layouts_are_refused():
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)

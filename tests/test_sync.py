@@ -362,7 +362,7 @@ def test_hierarchical_local_sgd_moves_bytes_on_its_levels_only(compressor, mesh2
       p, s, _ = dp.step(p, s, b)
       jax.block_until_ready(p)
       # Every device logs each collective it runs once: the bytes per device.
-      per_device = sum(n for _, n, _ in rec.events) / 8
+      per_device = sum(e.nbytes for e in rec.events) / 8
       assert per_device == plans[t].contributed_bytes + 4, (t, rec.events)   # + skip flag
       rec.clear()
 
