@@ -2,20 +2,23 @@
 
 ``python tests/checkpoint_worker.py OUT MODE`` in every process:
 
-- ``save``: STEPS steps, saving a checkpoint at step SAVE_AT into ``OUT/ckpt``;
-  writes ``OUT/uninterrupted.npz`` (final params and optimizer state).
+- ``save``: STEPS steps, saving a checkpoint at step SAVE_AT into ``OUT/ckpt``,
+  and every step from the first on with an asynchronous
+  ``checkpoint.CheckpointManager`` into ``OUT/managed`` (the last KEEP kept;
+  the step's buffers are donated to the next step while orbax writes); writes
+  ``OUT/uninterrupted.npz`` (final params and optimizer state).
 - ``resume``: first checks that every process refuses a copy of ``OUT/ckpt`` with
   one bit flipped in one worker's residual (only the process holding that shard
   can see it); then restores ``OUT/ckpt`` and runs on to STEPS; writes
-  ``OUT/resumed.npz``.
+  ``OUT/resumed.npz``. The manager's step SAVE_AT restores bit for bit the same.
 - ``resize``: restores ``OUT/ckpt`` onto this run's workers (fewer) and trains
   on; writes ``OUT/resized.npz`` with the workers' mean residual restored and
-  the losses.
+  the losses. The manager's step SAVE_AT restores bit for bit the same.
 """
 
 import sys
 
-STEPS, SAVE_AT = 6, 3
+STEPS, SAVE_AT, KEEP = 6, 3, 3
 
 
 def batch(step):
@@ -118,10 +121,14 @@ if __name__ == "__main__":
   dp, params = make()
   if mode == "save":
     p, s = params, dp.init(params)
-    for step in range(STEPS):
-      if step == SAVE_AT:
-        checkpoint.save(out / "ckpt", p, s, step=step)
-      p, s, _ = dp.step(p, s, dp.local_batch(rows(ctx, batch(step))))
+    with checkpoint.CheckpointManager(out / "managed", max_to_keep=KEEP, async_save=True) as mgr:
+      for step in range(STEPS):
+        if step == SAVE_AT:
+          checkpoint.save(out / "ckpt", p, s, step=step)
+        if step:                            # from the first step's global arrays on
+          assert mgr.save(step, p, s)
+        p, s, _ = dp.step(p, s, dp.local_batch(rows(ctx, batch(step))))
+    assert mgr.all_steps() == list(range(STEPS - KEEP, STEPS)), mgr.all_steps()
     result = host((p, s))
     name = "uninterrupted"
   else:
@@ -129,6 +136,12 @@ if __name__ == "__main__":
       refuses_damaged_copy(ctx, out, dp, params)
     got = checkpoint.restore(out / "ckpt", dp, params)
     assert got.step == SAVE_AT, got.step
+    with checkpoint.CheckpointManager(out / "managed") as mgr:
+      managed = mgr.restore(dp, params, step=SAVE_AT)
+    assert (managed.step, managed.saved_workers) == (got.step, got.saved_workers)
+    want = host((got.params, got.opt_state))
+    for k, v in host((managed.params, managed.opt_state)).items():
+      assert v.dtype == want[k].dtype and v.tobytes() == want[k].tobytes(), k
     p, s, losses = got.params, got.opt_state, []
     first = host(s)
     for step in range(got.step, STEPS if mode == "resume" else STEPS + 10):

@@ -412,3 +412,295 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_nothing_that_re
   got = checkpoint.restore(out / "step_1", dp, params)     # the previous checkpoint, verified
   assert got.step == 1
   np.testing.assert_array_equal(np.asarray(got.params["w"]), np.full((64, 48), 0.5, np.float32))
+
+
+# --- CheckpointManager: retention, best-k, async saves --------------------------------
+
+from typing import Any, NamedTuple  # noqa: E402
+
+from commopt.testing import assert_same_bits  # noqa: E402
+
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "checkpoints.md"
+
+
+class Small(NamedTuple):
+  """A tiny run: 8 workers with per-worker residuals and two-phase server memories, the same
+  step on 4 workers, the parameters, five batches, and (params, opt_state) after each of the
+  first three."""
+  dp: Any
+  dp4: Any
+  params: Any
+  batches: list
+  trained: list
+
+
+@pytest.fixture(scope="module")
+def small():
+  dp = _run((8,), ("data",), REDUCERS["top_k/two_phase"])
+  params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+  batches = _batches(5)
+  p, s, trained = params, dp.init(params), []
+  for b in batches[:3]:
+    p, s, _ = dp.step(p, s, b)
+    trained.append((p, s))
+  return Small(dp, _run((4,), ("data",), REDUCERS["top_k/two_phase"]), params, batches, trained)
+
+
+def _steps_on_disk(root: pathlib.Path) -> list[int]:
+  return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+
+
+def _tiny():
+  """Parameters and an optimizer state to save where nothing trains."""
+  return {"w": jnp.arange(6.0)}, {"count": jnp.ones((), jnp.int32), "mu": {"w": jnp.ones(6)}}
+
+
+def test_the_manager_keeps_the_last_max_to_keep_steps_each_with_its_checksums(tmp_path):
+  p, s = _tiny()
+  root = tmp_path / "run"
+  with checkpoint.CheckpointManager(root, max_to_keep=2) as mgr:
+    assert [mgr.save(step, p, s) for step in range(5)] == [True] * 5
+    assert mgr.all_steps() == [3, 4] and mgr.latest_step() == 4 and mgr.best_step() == 4
+    assert mgr.save(4, p, s) is False                 # not after the latest step
+  assert _steps_on_disk(root) == [3, 4]
+  for step in (3, 4):
+    item = root / str(step) / checkpoint.ITEM
+    assert (item / checkpoint.CHECKSUMS).is_file()
+    # The same file checkpoint.save writes for the same content.
+    plain = pathlib.Path(checkpoint.save(tmp_path / f"plain{step}", p, s, step=step))
+    assert (item / checkpoint.CHECKSUMS).read_bytes() == (plain / checkpoint.CHECKSUMS).read_bytes()
+  # A new manager on the same root sees them; every second step only, by the interval (and,
+  # as orbax decides, the first step saved into an empty directory).
+  with checkpoint.CheckpointManager(root, max_to_keep=3, save_interval_steps=2) as mgr:
+    assert mgr.all_steps() == [3, 4]
+    assert [mgr.save(step, p, s) for step in (5, 6, 7, 8)] == [False, True, False, True]
+    assert mgr.save(9, p, s, force=True) is True      # off the interval
+    assert mgr.all_steps() == [6, 8, 9]
+  assert _steps_on_disk(root) == [6, 8, 9]
+  with checkpoint.CheckpointManager(tmp_path / "new", save_interval_steps=2) as mgr:
+    assert [mgr.save(step, p, s) for step in (1, 2, 3, 4)] == [True, True, False, True]
+
+
+@pytest.mark.parametrize("mode,kept,best", [("min", [2, 4], 4), ("max", [1, 5], 1)])
+def test_the_manager_keeps_the_best_steps_by_a_metric(mode, kept, best, tmp_path):
+  p, s = _tiny()
+  losses = {1: 5.0, 2: 1.0, 3: 3.0, 4: 0.5, 5: 4.0}
+  with checkpoint.CheckpointManager(tmp_path / "run", max_to_keep=2, best_mode=mode,
+                                    best_fn=lambda m: m["loss"]) as mgr:
+    for step, loss in losses.items():
+      assert mgr.save(step, p, s, metrics={"loss": np.float32(loss)})
+    assert mgr.all_steps() == kept and mgr.best_step() == best
+  assert _steps_on_disk(tmp_path / "run") == kept
+  # Steps saved without metrics: kept and not ranked (orbax's default), or deleted first.
+  for keep, survivors in ((True, [1, 3, 4]), (False, [3, 4])):
+    with checkpoint.CheckpointManager(tmp_path / f"keep{keep}", max_to_keep=2,
+                                      best_fn=lambda m: m["loss"],
+                                      keep_checkpoints_without_metrics=keep) as mgr:
+      mgr.save(1, p, s)
+      mgr.save(2, p, s, metrics={"loss": 2.0})
+      mgr.save(3, p, s, metrics={"loss": 1.0})
+      mgr.save(4, p, s, metrics={"loss": 0.5})
+      assert mgr.all_steps() == survivors and mgr.best_step() == 4
+
+
+def test_an_async_save_restores_bit_identically_and_the_run_continues(small, tmp_path):
+  dp, params, batches = small.dp, small.params, small.batches
+  p, s = small.trained[1]
+  want = host((p, s))
+  with checkpoint.CheckpointManager(tmp_path / "run", async_save=True) as mgr:
+    assert mgr.save(2, p, s)                         # returns while orbax writes
+    p1, s1 = p, s
+    for b in batches[2:]:                            # training goes on meanwhile
+      p1, s1, _ = dp.step(p1, s1, b)
+    mgr.wait_until_finished()
+    got = mgr.restore(dp, jax.eval_shape(lambda: params))
+  assert (got.step, got.saved_workers) == (2, 8)
+  assert_same_bits(host((got.params, got.opt_state)), want)
+  p2, s2 = got.params, got.opt_state
+  for b in batches[2:]:
+    p2, s2, _ = dp.step(p2, s2, b)
+  assert_same_bits(host((p2, s2)), host((p1, s1)))
+
+
+def test_the_manager_restores_onto_another_number_of_workers(small, tmp_path):
+  dp4, params, batches = small.dp4, small.params, small.batches
+  p, s = small.trained[1]
+  with checkpoint.CheckpointManager(tmp_path / "run") as mgr:
+    mgr.save(2, p, s)
+    got = mgr.restore(dp4, params)
+  assert (got.step, got.saved_workers) == (2, 8)
+  assert got.opt_state.inner_state[0].residual["w"].shape == (4, 64, 48)
+  # The rule of checkpoint.restore: DataParallel.resize_state of the saved state.
+  assert_same_bits(host(got.opt_state), host(dp4.resize_state(s, params)))
+  assert_same_bits(host(got.params), host(p))
+  p4, s4, losses = got.params, got.opt_state, []
+  for b in batches[2:]:
+    p4, s4, l = dp4.step(p4, s4, b)
+    losses.append(float(np.mean(l)))
+  assert np.isfinite(losses).all()
+
+
+def test_a_damaged_step_names_itself_and_the_step_before_it_restores(small, tmp_path):
+  dp, params, trained = small.dp, small.params, small.trained
+  root = tmp_path / "run"
+  with checkpoint.CheckpointManager(root, max_to_keep=3) as mgr:
+    for step, (p, s) in enumerate(trained, 1):
+      mgr.save(step, p, s)
+    item = root / "3" / checkpoint.ITEM
+    damaged, _ = _flip_one_bit(item, tmp_path, lambda k: True)
+    shutil.rmtree(item)
+    shutil.copytree(damaged, item)
+    step3 = re.escape(repr(str(root / "3")))
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"^CheckpointManager.restore: step 3 \({step3}\) is corrupt: "
+                             rf"the data read for the leaf .* differs from the checksum recorded "
+                             rf"when it was saved \(state/{checkpoint.CHECKSUMS}\).*{EARLIER}.*: "
+                             rf"restore\(dp, params, step=2\)"):
+      mgr.restore(dp, params)
+    got = mgr.restore(dp, params, step=mgr.all_steps()[-2])
+    assert got.step == 2
+    assert_same_bits(host((got.params, got.opt_state)), host(trained[1]))
+    # A damaged metadata file names the file in the step; the first step has no earlier one.
+    (root / "1" / checkpoint.ITEM / checkpoint.CHECKSUMS).unlink()
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"step 1 .* records a checksum file state/{checkpoint.CHECKSUMS}, "
+                             rf"but it is missing; no earlier step is kept"):
+      mgr.restore(dp, params, step=1)
+
+
+def test_a_failed_async_save_leaves_the_steps_before_it(small, tmp_path, monkeypatch):
+  dp, params = small.dp, small.params
+  (p1, s1), (p2, s2) = small.trained[:2]
+  root = tmp_path / "run"
+  mgr = checkpoint.CheckpointManager(root, max_to_keep=1, async_save=True)
+  mgr.save(1, p1, s1)
+  mgr.wait_until_finished()
+
+  def fails(directory, data):                      # as a crash while the step is finalized
+    (pathlib.Path(directory) / checkpoint.CHECKSUMS).write_bytes(data[:len(data) // 2])
+    raise OSError("disk full")
+
+  monkeypatch.setattr(checkpoint, "_write_checksums", fails)
+  assert mgr.save(2, p2, s2)
+  with pytest.raises(OSError, match="disk full"):
+    mgr.wait_until_finished()
+  monkeypatch.undo()
+  assert mgr.all_steps() == [1] and _steps_on_disk(root) == [1]
+  left = [d for d in root.iterdir() if d.name.startswith("2.")]
+  assert left and "tmp" in left[0].name             # orbax's temporary directory, never listed
+  got = mgr.restore(dp, params)
+  assert got.step == 1
+  assert_same_bits(host((got.params, got.opt_state)), host((p1, s1)))
+  mgr.close()
+  with checkpoint.CheckpointManager(root, max_to_keep=1) as again:
+    assert again.all_steps() == [1]
+    again.save(2, p2, s2)                            # after it deleted the remains
+  assert _steps_on_disk(root) == [2] and not [d for d in root.iterdir() if "tmp" in d.name]
+
+
+def test_the_manager_arguments_are_checked(small, tmp_path):
+  Manager = checkpoint.CheckpointManager
+  bad = [
+      (dict(max_to_keep=0), ValueError,
+       r"CheckpointManager: `max_to_keep` must be None \(keep every step\) or a positive "
+       r"integer, got 0\."),
+      (dict(max_to_keep=2.0), commopt.OptionTypeError, r"`max_to_keep` .* got 2\.0 \(float\); "
+                                                       r"pass 2 \(an int\)"),
+      (dict(best_fn="loss"), commopt.OptionTypeError,
+       r"`best_fn` must be None or a function of a step's metrics dict that returns a number, "
+       r"got 'loss' \(str\)"),
+      (dict(best_mode="lowest"), ValueError,
+       r"`best_mode` must be one of \('min', 'max'\), got 'lowest'"),
+      (dict(keep_checkpoints_without_metrics=1), commopt.OptionTypeError,
+       r"`keep_checkpoints_without_metrics` must be True or False, got 1 \(int\)"),
+      (dict(save_interval_steps=0), ValueError,
+       r"`save_interval_steps` must be a positive integer, got 0"),
+      (dict(async_save="yes"), commopt.OptionTypeError,
+       r"`async_save` must be True or False, got 'yes' \(str\)"),
+  ]
+  for kwargs, error, message in bad:
+    with pytest.raises(error, match=message):
+      Manager(tmp_path / "run", **kwargs)
+  with pytest.raises(commopt.OptionTypeError, match=r"`directory` must be a path .* got 3 \(int\)"):
+    Manager(3)
+  dp, params = small.dp, small.params
+  s = small.trained[0][1]
+  with Manager(tmp_path / "run", best_fn=lambda m: m.get("loss")) as mgr:
+    with pytest.raises(ValueError, match=r"CheckpointManager.restore: no step is saved in"):
+      mgr.restore(dp, params)
+    for step, error, message in [
+        (-1, ValueError, r"CheckpointManager.save: `step` must be an integer >= 0, got -1\."),
+        (1.5, commopt.OptionTypeError, r"`step` must be an integer >= 0, got 1\.5 \(float\)")]:
+      with pytest.raises(error, match=message):
+        mgr.save(step, params, s)
+    with pytest.raises(commopt.OptionTypeError, match=r"`metrics\['loss'\]` must be a number .* "
+                                                      r"got 'low' \(str\)"):
+      mgr.save(1, params, s, metrics={"loss": "low"})
+    with pytest.raises(commopt.OptionTypeError, match=r"`metrics` must be None or a dict"):
+      mgr.save(1, params, s, metrics=[0.5])
+    with pytest.raises(ValueError, match=r"`best_fn` must return a finite number for the "
+                                         r"metrics \{'acc': 0\.5\}, got None"):
+      mgr.save(1, params, s, metrics={"acc": 0.5})
+    with pytest.raises(commopt.OptionTypeError, match=r"`force` must be True or False"):
+      mgr.save(1, params, s, force="yes")
+    assert mgr.all_steps() == []                     # nothing was written
+    mgr.save(1, params, s, metrics={"loss": 1.0})
+    with pytest.raises(ValueError, match=r"step 1 is already saved in .*; `force=True` saves "
+                                         r"off the save interval but replaces no step"):
+      mgr.save(1, params, s, force=True)
+    with pytest.raises(ValueError, match=r"CheckpointManager.restore: step 7 is not saved in "
+                                         r".*; the steps kept are \[1\]\."):
+      mgr.restore(dp, params, step=7)
+    with pytest.raises(ValueError, match=r"CheckpointManager.restore: `dp` must be a "
+                                         r"commopt.DataParallel"):
+      mgr.restore("dp", params)
+
+
+def _guide_blocks(phrase: str) -> list[str]:
+  """The Python blocks of the guide's checkpoints page from the one containing ``phrase``."""
+  blocks = re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), flags=re.S | re.M)
+  start = next(i for i, b in enumerate(blocks) if phrase in b)
+  return blocks[start:]
+
+
+def _guide_namespace(small, tmp_path):
+  """What the guide's page defines before its own blocks (the README's section): a step on 8
+  workers, its parameters and optimizer state after one step, and the same step on 4 workers."""
+  p, s = small.trained[0]
+  return dict(dp=small.dp, dp4=small.dp4, params=p, opt_state=s, ckpt_dir=str(tmp_path))
+
+
+def test_the_guides_manager_examples_run_as_written(small, tmp_path):
+  ns = _guide_namespace(small, tmp_path)
+  p, s = ns["params"], ns["opt_state"]
+  blocks = _guide_blocks("checkpoint.CheckpointManager(ckpt_dir")
+  exec(compile(blocks[0], str(GUIDE), "exec"), ns)  # noqa: S102
+  assert ns["restored"].step == 300
+  assert_same_bits(host((ns["restored"].params, ns["restored"].opt_state)), host((p, s)))
+  assert ns["restored4"].opt_state.inner_state[0].residual["w"].shape[0] == 4
+  exec(compile(blocks[1], str(GUIDE), "exec"), ns)  # noqa: S102
+  assert ns["restored"].step == 3
+  # Again, on the same directory, with the latest step damaged: the page's remedy restores
+  # the step before it (the saves of steps already kept are skipped; step 4 ranks last).
+  (tmp_path / "best" / "3" / checkpoint.ITEM / checkpoint.CHECKSUMS).write_bytes(b"{}")
+  exec(compile(blocks[1], str(GUIDE), "exec"), ns)  # noqa: S102
+  assert ns["restored"].step == 2
+
+
+def test_the_guides_own_orbax_manager_recipe_restores_and_resizes(small, tmp_path):
+  """The page's recipe for users of their own orbax CheckpointManager: onto
+  dp.abstract_state(params) bit for bit, and dp.resize_state onto 4 workers."""
+  ns = _guide_namespace(small, tmp_path)
+  p, s, dp, dp4 = ns["params"], ns["opt_state"], ns["dp"], ns["dp4"]
+  exec(compile(_guide_blocks("ocp.CheckpointManager(")[0], str(GUIDE), "exec"), ns)  # noqa: S102
+  restored = ns["restored"]
+  residual = restored["opt_state"].inner_state[0].residual["w"]
+  assert residual.sharding.spec[0] == "data" and residual.shape[0] == 8
+  assert_same_bits(host((restored["params"], restored["opt_state"])), host((p, s)))
+  assert_same_bits(host(ns["opt_state4"]), host(dp4.resize_state(s, p)))
+  # Both continue: bit for bit on 8 workers, and on 4.
+  b = small.batches[1]
+  assert_same_bits(host(dp.step(restored["params"], restored["opt_state"], b)[:2]),
+                   host(dp.step(p, s, b)[:2]))
+  _, _, losses = dp4.step(ns["params4"], ns["opt_state4"], b)
+  assert np.isfinite(np.asarray(losses)).all()
