@@ -454,3 +454,16 @@ def test_every_reducing_transform_reports_a_plan_that_the_compiled_step_follows(
     assert _bytes_by_kind(plan.collectives) == _bytes_by_kind(audit), tx
   with pytest.raises(ValueError, match="reducing transform made by commopt"):
     wire.comm_plan(optax.sgd(0.1), params, N)
+
+
+@pytest.mark.parametrize("strategy,axis", [("two_phase", "data"),
+                                           ("hierarchical", ("node", "local"))])
+def test_a_compressor_that_saves_nothing_on_flat_chunks_is_refused(strategy, axis):
+  atomo = commopt.compressors.make("atomo")
+  assert "per_leaf" in atomo.capabilities and "flat_chunks" not in atomo.capabilities
+  with pytest.raises(ValueError, match=r"flat chunk of 4096 float32 values in \d+ bits, no "
+                                       r"fewer than dense.*strategy='gather'"):
+    commopt.compressed_mean(atomo, axis, strategy=strategy)
+  commopt.compressed_mean(atomo, "data", strategy="gather")
+  for name in ("scaled_sign", "qsgd", "top_k", "identity", "int_quant"):
+    assert "flat_chunks" in commopt.compressors.make(name).capabilities, name

@@ -185,6 +185,11 @@ class Compressor:
     - ``"tree_wide"``: one selection over every compressed leaf (``encode_tree``).
     - ``"per_leaf"``: none of the last three, so each payload decodes on its
       own: what ``two_phase``, ``hierarchical`` and the robust rules need.
+    - ``"flat_chunks"``: ``per_leaf``, and a flat chunk (the 1-D pieces
+      ``two_phase`` and ``hierarchical`` cut each leaf into) is sent in fewer
+      bits than dense float32, or the compressor is lossless. ATOMO's payload
+      depends on the leaf's matrix shape and saves nothing on a vector, so it
+      is ``per_leaf`` but not ``flat_chunks``.
     - the error kind (:attr:`error_kind`): ``"lossless"``,
       ``"contractive"``, ``"expected_contractive"``, ``"unbiased"``,
       ``"direction"`` or ``"biased"``.
@@ -192,9 +197,9 @@ class Compressor:
     Examples:
       >>> import commopt
       >>> sorted(commopt.scaled_sign().capabilities)
-      ['contractive', 'per_leaf']
+      ['contractive', 'flat_chunks', 'per_leaf']
       >>> sorted(commopt.qsgd().capabilities)
-      ['per_leaf', 'unbiased']
+      ['flat_chunks', 'per_leaf', 'unbiased']
     """
     caps = {name for name, on in (("linear", self.linear),
                                   ("shared_randomness", self.shared_randomness),
@@ -203,6 +208,9 @@ class Compressor:
                                   ("tree_wide", self.encode_tree is not None)) if on}
     if not caps & {"stateful", "protocol", "tree_wide"}:
       caps.add("per_leaf")
+      if (self.error_kind == "lossless"
+          or self.payload_bits((FLAT_CHUNK,), jnp.float32) < 32 * FLAT_CHUNK):
+        caps.add("flat_chunks")
     caps.add(self.error_kind)
     return frozenset(caps)
 
@@ -212,7 +220,10 @@ ERROR_KINDS = ("lossless", "contractive", "expected_contractive", "unbiased", "d
 """What a compressor's error may be declared as (:attr:`Compressor.error_kind`)."""
 
 CAPABILITIES = ("linear", "shared_randomness", "stateful", "protocol", "tree_wide",
-                "per_leaf") + ERROR_KINDS
+                "per_leaf", "flat_chunks") + ERROR_KINDS
+
+FLAT_CHUNK = 4096
+"""The flat chunk on which ``"flat_chunks"`` is judged (coordinates)."""
 """Everything :attr:`Compressor.capabilities` may hold."""
 
 

@@ -1,24 +1,17 @@
 """The calls whose spelling differs between the JAX releases commopt supports.
 
 Tested: JAX 0.10.2 (Python 3.11), 0.11.2 (Python 3.12, on GPU) and 0.12.0.1
-(Python 3.13). Every version-specific call in commopt goes through this module;
-each function says which releases need which spelling. Nothing here
-communicates by itself: ``all_gather_invariant`` is called only from
-``commopt.comm``, the one layer allowed to issue collectives.
+(Python 3.13). Every version-specific call in commopt goes through this module,
+except the spellings of collectives (``all_gather(..., to="invarying")``),
+which live in :mod:`commopt.comm._collectives`, the one module that calls
+``jax.lax``'s collectives (``tests/test_layering.py`` checks every other
+module, this one included). Each function says which releases need which
+spelling.
 """
 
 from __future__ import annotations
 
 import jax
-
-
-def all_gather_invariant(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = False):
-  """``all_gather`` whose result is typed invariant over ``axis_name`` (inside shard_map).
-
-  0.10–0.12 spell it ``all_gather(..., to="invarying")``; no supported release
-  has the older ``all_gather_invariant``.
-  """
-  return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
 
 
 def is_tracer(x) -> bool:
@@ -52,18 +45,6 @@ def bound_axis_names() -> tuple:
     return tuple(_core.get_axis_env().axis_names())
   except (ImportError, AttributeError):
     return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
-
-
-def tracks_varying(axis_name: str) -> bool:
-  """Whether values' types here record if they vary over the bound ``axis_name``.
-
-  True inside ``jax.shard_map`` with ``check_vma=True`` (the default), false
-  under ``check_vma=False`` and ``jax.vmap``, where every type looks
-  invariant. Read from the public API: ``axis_index`` is typed varying
-  exactly when the types are tracked (0.10–0.12). The probe adds one
-  ``axis_index`` to the trace, which the compiler removes unused.
-  """
-  return axis_name in varying_axes_of_type(jax.typeof(jax.lax.axis_index(axis_name)))
 
 
 def varying_axes_of_struct(s: jax.ShapeDtypeStruct) -> frozenset:

@@ -91,6 +91,27 @@ def _record(kind: str, tree, axis_name) -> None:
   jax.debug.callback(functools.partial(_RECORDERS[-1].add, kind, nbytes, axis_name), device)
 
 
+def _all_gather_invariant(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = False):
+  """``all_gather`` whose result is typed invariant over ``axis_name`` (inside shard_map).
+
+  JAX 0.10–0.12 spell it ``all_gather(..., to="invarying")``; no supported
+  release has the older ``all_gather_invariant``.
+  """
+  return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
+
+
+def tracks_varying(axis_name: str) -> bool:
+  """Whether values' types here record if they vary over the bound ``axis_name``.
+
+  True inside ``jax.shard_map`` with ``check_vma=True`` (the default), false
+  under ``check_vma=False`` and ``jax.vmap``, where every type looks
+  invariant. Read from the public API: ``axis_index`` is typed varying
+  exactly when the types are tracked (JAX 0.10–0.12). The probe adds one
+  ``axis_index`` to the trace, which the compiler removes unused.
+  """
+  return axis_name in compat.varying_axes_of_type(jax.typeof(jax.lax.axis_index(axis_name)))
+
+
 def bound_axis_size(axis_name) -> Optional[int]:
   """Workers on ``axis_name`` (a name or tuple of names) if it is bound here, else None.
 
@@ -164,7 +185,7 @@ def check_input(fn: str, tree: Any, axis_name) -> None:
         f"where the update runs; {where}. Name one of the mesh axes the step maps over "
         "(commopt.data_parallel maps over its `axis_name`), call the transform inside "
         "jax.shard_map / jax.vmap over that axis, or pass axis_name=None for one local worker.")
-  tracked = [a for a in names if compat.tracks_varying(a)]
+  tracked = [a for a in names if tracks_varying(a)]
   if not tracked or _INPUTS_UNCHECKED:
     return
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -202,7 +223,7 @@ def check_state_kept(fn: str, axis_name, what: str) -> None:
     return
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
-  untracked = [a for a in names if a in manual and not compat.tracks_varying(a)]
+  untracked = [a for a in names if a in manual and not tracks_varying(a)]
   if untracked:
     raise ValueError(
         f"{fn}: it keeps {what} per worker, and it runs inside a jax.shard_map over "
@@ -356,7 +377,7 @@ def all_gather(tree: Any, axis_name) -> Any:
   def gather(x):
     _record("all-gather", x, axis_name)
     if axis_name in varying_axes(x):
-      return compat.all_gather_invariant(x, axis_name)
+      return _all_gather_invariant(x, axis_name)
     return jax.lax.all_gather(x, axis_name)
 
   return jax.tree.map(gather, tree)
@@ -368,5 +389,5 @@ def all_gather_tiled(x, axis_name, axis: int):
     return x
   _record("all-gather", x, axis_name)
   if axis_name in varying_axes(x):
-    return compat.all_gather_invariant(x, axis_name, axis=axis, tiled=True)
+    return _all_gather_invariant(x, axis_name, axis=axis, tiled=True)
   return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)

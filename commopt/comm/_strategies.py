@@ -93,14 +93,23 @@ def payload_words(compressor: base.Compressor, n: int, dtype) -> int:
   return -(-compressor.payload_bits((n,), dtype) // 32)
 
 
-def check_stateless(compressor: base.Compressor, fn: str, strategy: str):
-  """Two-phase and hierarchical re-encode chunks; they need a stateless compressor."""
+def check_chunks(compressor: base.Compressor, fn: str, strategy: str):
+  """Two-phase and hierarchical encode flat chunks of each leaf independently: they need a
+  stateless per-leaf compressor that compresses a flat chunk (``"flat_chunks"``)."""
   if not base.is_stateless_per_leaf(compressor):
     raise ValueError(
         f"{fn}: strategy={strategy!r} splits each leaf into chunks and encodes them "
         f"independently, so it needs a stateless per-leaf compressor; {compressor.name} "
         "keeps per-leaf state, runs its own protocol or selects over the whole tree. "
         "Use strategy='auto' for it.")
+  if "flat_chunks" not in compressor.capabilities:
+    n = base.FLAT_CHUNK
+    bits = compressor.payload_bits((n,), jnp.float32)
+    raise ValueError(
+        f"{fn}: strategy={strategy!r} encodes flat chunks of each leaf, and {compressor.name} "
+        f"sends a flat chunk of {n} float32 values in {bits} bits, no fewer than dense "
+        f"({32 * n}): it compresses a leaf by its matrix shape, which the chunks do not have, "
+        "so this strategy would save nothing. Use strategy='gather' (or 'auto') for it.")
 
 
 # ---------------------------------------------------------------------------
@@ -250,9 +259,10 @@ def hierarchical(p_reduce: Callable, u: jax.Array, residual: Optional[jax.Array]
   padded = jnp.pad(u.astype(jnp.float32), (0, ranks * c - n))
   pre, post = coll.mean_factors(ranks)
   dense = coll.psum_scatter(padded * jnp.float32(pre), fast) / jnp.float32(post)
-  p = dense
-  if residual is not None:
-    p = p + own_part(residual, n, ranks, rank).astype(jnp.float32)
+  # Error feedback on this rank's shard, by the one implementation (compensate /
+  # remember), in float32 whatever the memory's dtype.
+  p = compensate(dense, None if residual is None
+                 else own_part(residual, n, ranks, rank).astype(jnp.float32))
   # A whole memory is cut to this shard; a part is already the inner reduction's own.
   whole = memory is not None and not is_own(memory, n)
   mean, local, new_memory = p_reduce(
@@ -261,7 +271,7 @@ def hierarchical(p_reduce: Callable, u: jax.Array, residual: Optional[jax.Array]
   full = coll.all_gather(mean.astype(jnp.float32), fast).reshape(-1)[:n]
   new_residual = None
   if residual is not None:
-    new_residual = store_part(p - local.astype(jnp.float32), residual, n, ranks, rank)
+    new_residual = store_part(remember(p, local), residual, n, ranks, rank)
   if whole:
     new_memory = store_part(new_memory, memory, n, ranks, rank)
   return full, new_residual, new_memory
@@ -417,7 +427,7 @@ class TwoPhase(Strategy):
   keeps_server_memory = True
 
   def check(self, compressor, fn):
-    check_stateless(compressor, fn, self.name)
+    check_chunks(compressor, fn, self.name)
 
   def memory_shapes(self, shape, axis_name, workers):
     n, count = base.leaf_size(shape), workers(axis_name)
@@ -451,7 +461,7 @@ class Hierarchical(Strategy):
     return self.inner.keeps_server_memory
 
   def check(self, compressor, fn):
-    check_stateless(compressor, fn, self.name)
+    check_chunks(compressor, fn, self.name)
     self.inner.check(compressor, fn)
 
   def memory_shapes(self, shape, axis_name, workers):

@@ -160,6 +160,15 @@ def adacomp(bin_size: int = 50, *, per_bin: int = 2) -> base.Compressor:
   sent stays in the residue. Biased; use it under
   :func:`~commopt.compressed_mean` with error feedback (the default).
 
+  Why it keeps a residue of its own beside the transform's error feedback:
+  a compressor sees only ``G = residue + dW`` (the compressor protocol hands
+  ``encode`` the error-compensated input), and AdaComp's selection also needs
+  the fresh ``dW = G - residue``. Its state keeps the residue it left, which
+  equals :func:`~commopt.compressed_mean`'s residual for the leaf (both are
+  ``G - decode(payload)``); so the residue is stored twice, one leaf-sized
+  buffer more than other compressors, and under ``error_feedback=False``
+  the selection still uses it while nothing is carried over.
+
   Args:
     bin_size: coordinates per bin, a positive integer (the paper uses 50
       for convolutions and 500 for dense layers).
