@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -77,6 +78,230 @@ def _server_memories(state: CompressedMeanState, treedef) -> list:
 
 def _is_global(compressor) -> bool:
   return "tree_wide" in compressor.capabilities
+
+
+FN = "compressed_mean"
+
+
+class _Config(NamedTuple):
+  """What :func:`compressed_mean` decided once, from its options (validated)."""
+  compressor: base.Compressor
+  axis_name: Any
+  reduction: _strategies.Strategy
+  error_feedback: bool
+  server_memory: bool
+  residual_dtype: Any
+  min_size: int
+  seed: int
+
+  def compresses(self, leaf) -> bool:
+    """Whether ``leaf`` goes through the compressor (else it is sent dense)."""
+    return not tree.is_node(leaf) and compresses(self.compressor, leaf.shape, leaf.dtype,
+                                                 self.min_size)
+
+  def memory_dtype(self, dtype):
+    """The error memories' dtype: 16-bit floats cannot hold a small update next to a
+    large residual, so they get float32 unless ``residual_dtype`` says otherwise."""
+    if self.residual_dtype is not None:
+      return self.residual_dtype
+    return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+
+  def memory_shapes(self, shape, workers):
+    """(residual shape, server memory shape) of a compressed leaf (see Strategy.memory_shapes)."""
+    return self.reduction.memory_shapes(shape, self.axis_name, workers)
+
+
+def _check_axis(axis_name, strategy: str, inner_strategy: str) -> None:
+  if strategy == "hierarchical":
+    if not (isinstance(axis_name, tuple) and len(axis_name) == 2
+            and all(isinstance(a, str) for a in axis_name) and axis_name[0] != axis_name[1]):
+      raise ValueError(
+          "compressed_mean: strategy='hierarchical' needs `axis_name` = (slow, fast), two "
+          f"distinct mesh axis names such as ('node', 'local'), got {axis_name!r}"
+          + ("; on one device (axis_name=None) use any other strategy." if axis_name is None
+             else "."))
+    base.check_choice("inner_strategy", inner_strategy, INNER_STRATEGIES, FN)
+  elif axis_name is not None and not isinstance(axis_name, str):
+    error = ValueError if isinstance(axis_name, tuple) else base.OptionTypeError
+    raise error(
+        f"compressed_mean: `axis_name` must be None or a mesh axis name (str), "
+        f"got {axis_name!r}; a (slow, fast) pair needs strategy='hierarchical'.")
+
+
+def _check_residual_dtype(residual_dtype) -> None:
+  try:
+    float_residual = residual_dtype is None or base.is_float_dtype(residual_dtype)
+  except TypeError:
+    raise base.OptionTypeError(
+        "compressed_mean: `residual_dtype` must be a floating-point dtype or None, got "
+        f"{residual_dtype!r} ({type(residual_dtype).__name__}); pass e.g. jnp.float32.") from None
+  if not float_residual:
+    raise ValueError(
+        "compressed_mean: `residual_dtype` must be a floating-point dtype or "
+        f"None, got {residual_dtype!r}.")
+
+
+def _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, strategy,
+               inner_strategy, seed) -> _Config:
+  """Validates every option and decides the strategy and the error-feedback policy, once."""
+  if not isinstance(compressor, base.Compressor):
+    raise base.OptionTypeError(
+        f"compressed_mean: `compressor` must be a commopt Compressor (e.g. "
+        f"commopt.scaled_sign()), got {compressor!r}.")
+  base.check_choice("strategy", strategy, STRATEGIES, FN)
+  _check_axis(axis_name, strategy, inner_strategy)
+  if strategy != "hierarchical":
+    inner_strategy = "auto"
+  compressor, error_feedback = feedback.feedback_compressor(compressor, error_feedback, FN)
+  reduction = _strategies.resolve(strategy, compressor, FN, inner_strategy)
+  min_size = base.check_int("min_size", min_size, fn=FN, minimum=0)
+  seed = base.check_int("seed", seed, fn=FN)
+  _check_residual_dtype(residual_dtype)
+  return _Config(compressor=compressor, axis_name=axis_name, reduction=reduction,
+                 error_feedback=error_feedback,
+                 # Two-phase reductions keep a second error memory.
+                 server_memory=error_feedback and reduction.keeps_server_memory,
+                 residual_dtype=residual_dtype, min_size=min_size, seed=seed)
+
+
+def _init(cfg: _Config, params) -> CompressedMeanState:
+  """Zero memories for the compressed leaves, sized for the workers where the axis is bound."""
+  leaves, treedef = tree.flatten(params)
+  residual, cstate, server = [], [], []
+  for path, leaf in leaves:
+    _check_leaf(path, leaf, "a parameter")
+    if cfg.compresses(leaf):
+      rdtype = cfg.memory_dtype(leaf.dtype)
+      rshape, sshape = cfg.memory_shapes(leaf.shape, coll.bound_axis_size)
+      residual.append(jnp.zeros(rshape, rdtype) if cfg.error_feedback else optax.MaskedNode())
+      cstate.append(cfg.compressor.init(leaf))
+      server.append(jnp.zeros(sshape, rdtype) if cfg.server_memory else optax.MaskedNode())
+    else:
+      residual.append(optax.MaskedNode())
+      cstate.append(optax.MaskedNode())
+      server.append(optax.MaskedNode())
+  unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
+  return CompressedMeanState(count=jnp.zeros([], jnp.int32), key=jax.random.PRNGKey(cfg.seed),
+                             residual=unflat(residual), compressor_state=unflat(cstate),
+                             server_residual=unflat(server))
+
+
+def _check_state(cfg: _Config, state: CompressedMeanState, leaves, treedef) -> None:
+  """A ValueError unless ``state`` was made by ``init`` for updates like these."""
+  def mismatch(detail):
+    return ValueError(
+        f"compressed_mean: the state does not match `updates`: {detail}. Call "
+        "init with the pytree whose updates you pass.")
+
+  r_leaves, r_treedef = tree.flatten(state.residual)
+  if r_treedef != treedef:
+    raise mismatch(f"it was initialised for the structure {r_treedef}, but the "
+                   f"updates have {treedef}")
+  cstates = treedef.flatten_up_to(state.compressor_state)
+  servers = _server_memories(state, treedef)
+  for (path, u), (_, r), cs, m in zip(leaves, r_leaves, cstates, servers):
+    if not cfg.compresses(u):
+      continue
+    where = jax.tree_util.keystr(path)
+    if cfg.error_feedback and isinstance(r, optax.MaskedNode):
+      raise mismatch(f"leaf {where} has no residual, but its update {u.shape} is compressed")
+    if cfg.server_memory and tree.is_node(m):
+      raise mismatch(f"leaf {where} has no server memory, but strategy="
+                     f"{cfg.reduction.name!r} keeps one")
+    # Whole memories, or the parts of this many workers (see CompressedMeanState).
+    shapes = {cfg.memory_shapes(u.shape, lambda a: None),
+              cfg.memory_shapes(u.shape, coll.axis_size)}
+    for memory, i, what in ((r, 0, "a residual"), (m, 1, "a server memory")):
+      if not tree.is_node(memory) and tuple(memory.shape) not in {sh[i] for sh in shapes}:
+        raise mismatch(
+            f"leaf {where} has {what} of shape {tuple(memory.shape)}, but an update of "
+            f"shape {tuple(u.shape)} needs one of {sorted({sh[i] for sh in shapes})}; "
+            "a per-worker part must be made for the number of workers on the axis")
+    expected = jax.eval_shape(cfg.compressor.init, jax.ShapeDtypeStruct(u.shape, u.dtype))
+    got = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), cs)
+    want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), expected)
+    if got != want:
+      raise mismatch(f"leaf {where} has compressor state {got}, but an update of "
+                     f"shape {tuple(u.shape)} needs {want}")
+
+
+class _Leaves(NamedTuple):
+  """One update's leaves on their way through :func:`_update`, in the updates' order."""
+  updates: list
+  residuals: list
+  cstates: list
+  memories: list
+
+
+def _reduce_tree_wide(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new):
+  """One selection (or one protocol) over every compressed leaf: writes ``out`` and the new
+  residuals and compressor states into ``new`` (``(residuals, cstates, memories)``)."""
+  new_res, new_cs, _ = new
+  ps = [_strategies.compensate(leaves.updates[i],
+                               leaves.residuals[i] if cfg.error_feedback else None)
+        for i in compressed]
+  xs = [p.astype(leaves.updates[i].dtype) for p, i in zip(ps, compressed)]
+  if cfg.compressor.reduce_tree is not None:
+    reduced = cfg.compressor.reduce_tree(xs, [leaves.cstates[i] for i in compressed],
+                                         [jax.random.fold_in(wkey, i) for i in compressed],
+                                         Channel(cfg.axis_name))
+    means, locals_ = [r.mean for r in reduced], [r.local for r in reduced]
+    for i, r in zip(compressed, reduced):
+      new_cs[i] = r.state
+  else:
+    means, locals_ = _reduce_global(cfg.compressor, cfg.reduction.name, xs, wkey, cfg.axis_name)
+  for i, p, mean, local in zip(compressed, ps, means, locals_):
+    out[i] = mean.astype(leaves.updates[i].dtype)
+    if cfg.error_feedback:
+      new_res[i] = _strategies.remember(p, local)
+
+
+def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new):
+  """Each compressed leaf through the strategy on its own (see :func:`_reduce_tree_wide`)."""
+  new_res, new_cs, new_servers = new
+  for i in compressed:
+    result = cfg.reduction.reduce(
+        cfg.compressor, leaves.updates[i],
+        leaves.residuals[i] if cfg.error_feedback else None,
+        None if tree.is_node(leaves.memories[i]) else leaves.memories[i],
+        leaves.cstates[i], jax.random.fold_in(wkey, i), cfg.axis_name)
+    out[i] = result.out
+    if cfg.error_feedback:
+      new_res[i] = result.residual
+    new_cs[i] = result.state
+    if result.memory is not None:
+      new_servers[i] = result.memory
+
+
+def _update(cfg: _Config, updates, state: CompressedMeanState, params=None, **extra_args):
+  """Checks, then dense leaves by one all-reduce each and compressed ones by the strategy."""
+  del params, extra_args
+  coll.check_input(FN, updates, cfg.axis_name)
+  flat, treedef = tree.flatten(updates)
+  for path, u in flat:
+    _check_leaf(path, u, "an update")
+  _check_state(cfg, state, flat, treedef)
+  leaves = _Leaves(updates=[u for _, u in flat],
+                   residuals=treedef.flatten_up_to(state.residual),
+                   cstates=treedef.flatten_up_to(state.compressor_state),
+                   memories=_server_memories(state, treedef))
+  compressed = [i for i, u in enumerate(leaves.updates) if cfg.compresses(u)]
+  sent = set(compressed)
+  out = [u if tree.is_node(u) or i in sent else cfg.reduction.dense_mean(u, cfg.axis_name)
+         for i, u in enumerate(leaves.updates)]
+  new = (list(leaves.residuals), list(leaves.cstates), list(leaves.memories))
+  if compressed and (cfg.error_feedback or cfg.server_memory):
+    coll.check_state_kept(FN, cfg.axis_name, "error-feedback residuals")
+  wkey = worker_key(state.key, state.count, cfg.compressor, cfg.axis_name)
+  tree_wide = _is_global(cfg.compressor) or cfg.compressor.reduce_tree is not None
+  if tree_wide and compressed and cfg.reduction.name != "hierarchical":
+    _reduce_tree_wide(cfg, leaves, compressed, wkey, out, new)
+  else:
+    _reduce_each_leaf(cfg, leaves, compressed, wkey, out, new)
+  unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
+  return unflat(out), CompressedMeanState(
+      count=optax.safe_int32_increment(state.count), key=state.key, residual=unflat(new[0]),
+      compressor_state=unflat(new[1]), server_residual=unflat(new[2]))
 
 
 def compressed_mean(
@@ -199,194 +424,15 @@ def compressed_mean(
     with Delayed Gradients and Compressed Updates, JMLR 2020.
     Beznosikov et al., On Biased Compression for Distributed Learning, 2020.
   """
-  if not isinstance(compressor, base.Compressor):
-    raise base.OptionTypeError(
-        f"compressed_mean: `compressor` must be a commopt Compressor (e.g. "
-        f"commopt.scaled_sign()), got {compressor!r}.")
-  base.check_choice("strategy", strategy, STRATEGIES, "compressed_mean")
-  if strategy == "hierarchical":
-    if not (isinstance(axis_name, tuple) and len(axis_name) == 2
-            and all(isinstance(a, str) for a in axis_name) and axis_name[0] != axis_name[1]):
-      raise ValueError(
-          "compressed_mean: strategy='hierarchical' needs `axis_name` = (slow, fast), two "
-          f"distinct mesh axis names such as ('node', 'local'), got {axis_name!r}"
-          + ("; on one device (axis_name=None) use any other strategy." if axis_name is None
-             else "."))
-    base.check_choice("inner_strategy", inner_strategy, INNER_STRATEGIES, "compressed_mean")
-  elif axis_name is not None and not isinstance(axis_name, str):
-    error = ValueError if isinstance(axis_name, tuple) else base.OptionTypeError
-    raise error(
-        f"compressed_mean: `axis_name` must be None or a mesh axis name (str), "
-        f"got {axis_name!r}; a (slow, fast) pair needs strategy='hierarchical'.")
-
-  if strategy != "hierarchical":
-    inner_strategy = "auto"
-  compressor, error_feedback = feedback.feedback_compressor(compressor, error_feedback,
-                                                            "compressed_mean")
-  reduction = _strategies.resolve(strategy, compressor, "compressed_mean", inner_strategy)
-  strategy = reduction.name
-  # Two-phase reductions keep a second error memory.
-  server_memory = error_feedback and reduction.keeps_server_memory
-  min_size = base.check_int("min_size", min_size, fn="compressed_mean", minimum=0)
-  seed = base.check_int("seed", seed, fn="compressed_mean")
-  try:
-    float_residual = residual_dtype is None or base.is_float_dtype(residual_dtype)
-  except TypeError:
-    raise base.OptionTypeError(
-        "compressed_mean: `residual_dtype` must be a floating-point dtype or None, got "
-        f"{residual_dtype!r} ({type(residual_dtype).__name__}); pass e.g. jnp.float32.") from None
-  if not float_residual:
-    raise ValueError(
-        "compressed_mean: `residual_dtype` must be a floating-point dtype or "
-        f"None, got {residual_dtype!r}.")
-
-  def plan(leaf) -> bool:
-    return not tree.is_node(leaf) and compresses(compressor, leaf.shape, leaf.dtype, min_size)
-
-  def memory_dtype(dtype):
-    # 16-bit floats cannot hold a small update next to a large residual.
-    if residual_dtype is not None:
-      return residual_dtype
-    return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
-
-  def memory_shapes(shape, workers):
-    """(residual shape, server memory shape) of a compressed leaf (see Strategy.memory_shapes)."""
-    return reduction.memory_shapes(shape, axis_name, workers)
-
-  def init_fn(params):
-    leaves, treedef = tree.flatten(params)
-    residual, cstate, server = [], [], []
-    for path, leaf in leaves:
-      _check_leaf(path, leaf, "a parameter")
-      if plan(leaf):
-        rdtype = memory_dtype(leaf.dtype)
-        rshape, sshape = memory_shapes(leaf.shape, coll.bound_axis_size)
-        residual.append(jnp.zeros(rshape, rdtype) if error_feedback else optax.MaskedNode())
-        cstate.append(compressor.init(leaf))
-        server.append(jnp.zeros(sshape, rdtype) if server_memory else optax.MaskedNode())
-      else:
-        residual.append(optax.MaskedNode())
-        cstate.append(optax.MaskedNode())
-        server.append(optax.MaskedNode())
-    return CompressedMeanState(
-        count=jnp.zeros([], jnp.int32),
-        key=jax.random.PRNGKey(seed),
-        residual=jax.tree_util.tree_unflatten(treedef, residual),
-        compressor_state=jax.tree_util.tree_unflatten(treedef, cstate),
-        server_residual=jax.tree_util.tree_unflatten(treedef, server),
-    )
-
-  def check_state(state, leaves, treedef):
-    def mismatch(detail):
-      return ValueError(
-          f"compressed_mean: the state does not match `updates`: {detail}. Call "
-          "init with the pytree whose updates you pass.")
-
-    r_leaves, r_treedef = tree.flatten(state.residual)
-    if r_treedef != treedef:
-      raise mismatch(f"it was initialised for the structure {r_treedef}, but the "
-                     f"updates have {treedef}")
-    cstates = treedef.flatten_up_to(state.compressor_state)
-    servers = _server_memories(state, treedef)
-    for (path, u), (_, r), cs, m in zip(leaves, r_leaves, cstates, servers):
-      if not plan(u):
-        continue
-      where = jax.tree_util.keystr(path)
-      if error_feedback and isinstance(r, optax.MaskedNode):
-        raise mismatch(f"leaf {where} has no residual, but its update {u.shape} is compressed")
-      if server_memory and tree.is_node(m):
-        raise mismatch(f"leaf {where} has no server memory, but strategy={strategy!r} "
-                       "keeps one")
-      # Whole memories, or the parts of this many workers (see CompressedMeanState).
-      shapes = {memory_shapes(u.shape, lambda a: None), memory_shapes(u.shape, coll.axis_size)}
-      for memory, i, what in ((r, 0, "a residual"), (m, 1, "a server memory")):
-        if not tree.is_node(memory) and tuple(memory.shape) not in {sh[i] for sh in shapes}:
-          raise mismatch(
-              f"leaf {where} has {what} of shape {tuple(memory.shape)}, but an update of "
-              f"shape {tuple(u.shape)} needs one of {sorted({sh[i] for sh in shapes})}; "
-              "a per-worker part must be made for the number of workers on the axis")
-      expected = jax.eval_shape(compressor.init, jax.ShapeDtypeStruct(u.shape, u.dtype))
-      got = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), cs)
-      want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), expected)
-      if got != want:
-        raise mismatch(f"leaf {where} has compressor state {got}, but an update of "
-                       f"shape {tuple(u.shape)} needs {want}")
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    coll.check_input("compressed_mean", updates, axis_name)
-    leaves, treedef = tree.flatten(updates)
-    for path, u in leaves:
-      _check_leaf(path, u, "an update")
-    check_state(state, leaves, treedef)
-    residuals = treedef.flatten_up_to(state.residual)
-    cstates = treedef.flatten_up_to(state.compressor_state)
-
-    wkey = worker_key(state.key, state.count, compressor, axis_name)
-
-    out, new_res, new_cs = [], [], []
-    compressed = []
-    for (_, u), e, cs in zip(leaves, residuals, cstates):
-      if tree.is_node(u) or not plan(u):
-        out.append(u if tree.is_node(u) else reduction.dense_mean(u, axis_name))
-      else:
-        compressed.append(len(out))
-        out.append(None)
-      new_res.append(e)
-      new_cs.append(cs)
-
-    if compressed and (error_feedback or server_memory):
-      coll.check_state_kept("compressed_mean", axis_name, "error-feedback residuals")
-    servers = _server_memories(state, treedef)
-    new_servers = list(servers)
-    memories = [None if tree.is_node(m) else m for m in servers]
-
-    tree_protocol = compressor.reduce_tree is not None
-    if (_is_global(compressor) or tree_protocol) and compressed and strategy != "hierarchical":
-      # One selection (or one protocol) over every compressed leaf.
-      ps = [_strategies.compensate(leaves[i][1], residuals[i] if error_feedback else None)
-            for i in compressed]
-      xs = [p.astype(leaves[i][1].dtype) for p, i in zip(ps, compressed)]
-      if tree_protocol:
-        reduced = compressor.reduce_tree(xs, [cstates[i] for i in compressed],
-                                         [jax.random.fold_in(wkey, i) for i in compressed],
-                                         Channel(axis_name))
-        means, locals_ = [r.mean for r in reduced], [r.local for r in reduced]
-        for i, r in zip(compressed, reduced):
-          new_cs[i] = r.state
-      else:
-        means, locals_ = _reduce_global(compressor, strategy, xs, wkey, axis_name)
-      for i, p, mean, local in zip(compressed, ps, means, locals_):
-        out[i] = mean.astype(leaves[i][1].dtype)
-        if error_feedback:
-          new_res[i] = _strategies.remember(p, local)
-    else:
-      for i in compressed:
-        u, e = leaves[i][1], residuals[i]
-        result = reduction.reduce(compressor, u, e if error_feedback else None,
-                                      memories[i], cstates[i], jax.random.fold_in(wkey, i),
-                                      axis_name)
-        out[i] = result.out
-        if error_feedback:
-          new_res[i] = result.residual
-        new_cs[i] = result.state
-        if result.memory is not None:
-          new_servers[i] = result.memory
-
-    unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
-    new_state = CompressedMeanState(
-        count=optax.safe_int32_increment(state.count),
-        key=state.key,
-        residual=unflat(new_res),
-        compressor_state=unflat(new_cs),
-        server_residual=unflat(new_servers),
-    )
-    return unflat(out), new_state
+  cfg = _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, strategy,
+                   inner_strategy, seed)
 
   def planner(params, workers, step=None):
-    return _strategies.plan_reduction(compressor, reduction, params,
+    return _strategies.plan_reduction(cfg.compressor, cfg.reduction, params,
                                       _plan.axis_sizes(axis_name, workers), axis_name,
-                                      min_size, step)
+                                      cfg.min_size, step)
 
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn),
-                            planner, planner)
+  return _plan.with_planner(
+      optax.GradientTransformationExtraArgs(functools.partial(_init, cfg),
+                                            functools.partial(_update, cfg)),
+      planner, planner)
