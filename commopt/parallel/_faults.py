@@ -1,0 +1,45 @@
+"""Faults: the agreed non-finite skip (``data_parallel(..., skip_nonfinite=True)``).
+
+The optimizer runs inside :func:`commopt.transforms.apply_if_finite`, whose
+skip every worker agrees on (:func:`optimizer`). Model state rides along: a
+worker whose new model state is not finite poisons its gradients so that the
+skip covers it (:func:`poison_if_nonfinite`), and a skipped step keeps the old
+model state (:func:`keep_on_skip`). The step bodies call both; the functions
+take the :class:`~commopt.DataParallel` as ``dp``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def optimizer(tx, axis_name, skip_nonfinite: bool) -> optax.GradientTransformation:
+  """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip."""
+  if not skip_nonfinite:
+    return optax.with_extra_args_support(tx)
+  from commopt.transforms._control import apply_if_finite
+  return apply_if_finite(tx, axis_name)
+
+
+def poison_if_nonfinite(dp, grads, new_model_state):
+  """A worker whose new model state is not finite sends NaN gradients, so the agreed
+  skip (``skip_nonfinite``) also covers state that the gradients do not reach."""
+  if not (dp.skip_nonfinite and dp.has_state):
+    return grads
+  from commopt.transforms._control import all_finite
+  # Floating-point leaves only: model state may hold PRNG keys, which have no isfinite.
+  floats = [x for x in jax.tree.leaves(new_model_state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not floats:
+    return grads
+  ok = all_finite(floats)
+  return jax.tree.map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), grads)
+
+
+def keep_on_skip(dp, new_model_state, model_state, new_opt_state):
+  """The old model state where the agreed non-finite skip dropped the step."""
+  if not dp.skip_nonfinite:
+    return new_model_state
+  ok = new_opt_state.last_finite
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_model_state, model_state)

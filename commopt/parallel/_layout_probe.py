@@ -1,0 +1,198 @@
+"""What tracing ``tx`` tells the step before anything runs (nothing is computed).
+
+- :class:`Layout` and :func:`find_layout`: which optimizer-state leaves are
+  per-worker, their partition specs, and whether ``tx`` reads the ``value``
+  extra argument (:func:`reads_value`, optax's extra-args protocol).
+- :func:`check_tx_axes`: ``tx`` reduces over the axes the step maps over,
+  checked when the step is built.
+
+The functions take the :class:`~commopt.DataParallel` as ``dp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from commopt._src import base
+from commopt.comm import _collectives as coll
+from commopt.parallel import _layout as lay
+from commopt.parallel import _placement as place
+
+
+class Layout(NamedTuple):
+  """Where the step's values live, for one parameter layout (see :meth:`DataParallel.layout`).
+
+  Attributes:
+    param_specs: a pytree like the parameters of their ``PartitionSpec``\\ s
+      (over the mesh's non-data axes; replicated over the data axes).
+    state_specs: a pytree like the optimizer state of ``PartitionSpec``\\ s:
+      per-worker leaves lead with the data axes, e.g. ``P('data', None, 'model')``.
+    per_worker: a pytree like the optimizer state of bools.
+    state_treedef: the optimizer state's tree structure.
+    reads_value: whether the optimizer's update reads the ``value`` extra
+      argument (optax's extra-args protocol, e.g.
+      ``optax.contrib.reduce_on_plateau``): only then does the step average
+      the loss over the workers to hand it over.
+  """
+  param_specs: Any
+  state_specs: Any
+  per_worker: Any
+  state_treedef: Any
+  reads_value: bool = False
+
+
+def axis_error(dp, e: Exception) -> Exception:
+  """The :class:`~commopt.AxisNameError` for a ``tx`` that reduces over an axis not mapped."""
+  return base.AxisNameError(
+      f"data_parallel: `tx` reduces over an axis the step does not map over. The step "
+      f"maps over axis_name={dp.axis_name!r} of a mesh with axes "
+      f"{tuple(dp.mesh.axis_names)}; give the transforms inside `tx` that axis_name. "
+      f"({e})")
+
+
+def _over_data_axes(dp, probe: Callable) -> Callable:
+  """``probe`` in a ``shard_map`` manual over the data axes, replicated in and out."""
+  return jax.shard_map(probe, mesh=dp.mesh, in_specs=(P(),), out_specs=P(),
+                       axis_names=set(dp.axes))
+
+
+def check_tx_axes(dp) -> None:
+  """An :class:`~commopt.AxisNameError` now if ``tx`` reduces over an axis the step does
+  not map over, found by tracing ``tx`` on one scalar parameter (nothing is computed).
+
+  A ``tx`` that cannot run on that parameter (a ``multi_transform`` whose labels
+  name the real parameters, ...) is checked when :meth:`layout` first traces it.
+  """
+  tx, axes = optax.with_extra_args_support(dp.tx), dp.axes
+
+  def probe(p):
+    g = jax.tree.map(lambda x: coll.vary(x, axes), p)
+    tx.update(g, tx.init(p), p)
+    return jnp.zeros(())
+
+  fn = _over_data_axes(dp, probe)
+  try:
+    with coll.inputs_unchecked():
+      jax.eval_shape(fn, {"probe": jax.ShapeDtypeStruct((), jnp.float32)})
+  except base.AxisNameError as e:
+    raise axis_error(dp, e) from None
+  except Exception:   # noqa: BLE001 - anything else is the layout's to report, with params
+    pass
+
+
+def find_layout(dp, params) -> Layout:
+  """:meth:`DataParallel.layout`: traced once per parameter shapes and specs, then cached."""
+  param_specs = place.specs_of(dp, params, "parameter")
+  flat_specs = jax.tree.leaves(param_specs, is_leaf=lay.is_spec)
+  key = (jax.tree.structure(params),
+         tuple((tuple(jnp.shape(x)), str(getattr(x, "dtype", None) or jnp.result_type(x)), s)
+               for x, s in zip(jax.tree.leaves(params), flat_specs)))
+  cached = dp._layouts.get(key)
+  if cached is not None:
+    return cached
+  abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                        sharding=NamedSharding(dp.mesh, s)),
+      params, param_specs)
+  found = _trace_state(dp, abstract)
+  by_shape = lay.specs_by_shape(params, param_specs)
+  state_specs = [lay.stacked_spec(by_shape.get(tuple(shape), P(*[None] * len(shape))), dp.axes)
+                 if m else by_shape.get(tuple(shape), P(*[None] * len(shape)))
+                 for shape, m in zip(found["shapes"], found["mask"])]
+  result = Layout(
+      param_specs=param_specs,
+      state_specs=jax.tree_util.tree_unflatten(found["treedef"], state_specs),
+      per_worker=jax.tree_util.tree_unflatten(found["treedef"], found["mask"]),
+      state_treedef=found["treedef"],
+      reads_value=found["reads_value"])
+  dp._layouts[key] = result
+  return result
+
+
+def _whole(dp, tree):
+  """Inside the step: ``tree`` replicated over the non-data axes (the optimizer sees whole leaves)."""
+  if not dp._other_axes:
+    return tree
+  return jax.tree.map(lambda x: jax.sharding.reshard(x, P(*[None] * jnp.ndim(x))), tree)
+
+
+def _trace_state(dp, abstract) -> dict:
+  """``tx.init`` and ``tx.update`` traced with local gradients to a fixed point: a state
+  leaf is per-worker when its new value varies over the data axes.
+
+  Returns ``{"treedef", "mask", "shapes", "reads_value"}`` of the state's leaves.
+  """
+  found = {}
+  axes, opt = dp.axes, dp.optimizer
+
+  def probe(p):
+    p = _whole(dp, p)
+    state = opt.init(p)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    grads = jax.tree.map(lambda x: coll.vary(x, axes), p)
+    if dp.local_params:
+      p = grads
+    read = reads_value(opt, grads, state, p)
+    extra = {} if read is None else {"value": jnp.zeros((), jnp.float32)}
+    mask = [False] * len(leaves)
+    new = leaves
+    for _ in range(len(leaves) + 1):
+      s = jax.tree_util.tree_unflatten(
+          treedef, [coll.vary(l, axes) if m else l for l, m in zip(leaves, mask)])
+      new = jax.tree.leaves(jax.eval_shape(lambda g, s: opt.update(g, s, p, **extra)[1],
+                                           grads, s))
+      seen = [m or lay.per_worker(x, axes) for x, m in zip(new, mask)]
+      if seen == mask:
+        break
+      mask = seen
+    found.update(treedef=treedef, mask=mask, shapes=[jnp.shape(x) for x in leaves],
+                 reads_value=bool(read))
+    return jnp.zeros(())
+
+  fn = _over_data_axes(dp, probe)
+  try:
+    with coll.inputs_unchecked():
+      jax.eval_shape(fn, abstract)
+  except base.AxisNameError as e:
+    raise axis_error(dp, e) from None
+  except (TypeError, ValueError) as e:
+    if isinstance(e, TypeError) and "required keyword-only argument" in str(e):
+      raise TypeError(
+          f"data_parallel: `tx.update` needs an extra argument the step cannot supply when "
+          f"it traces `tx` to find the state's layout (init): {e}. The step passes `value` "
+          "(the workers' mean loss) itself; give any other extra argument a default, and "
+          "pass its value to dp.step(..., name=value).") from e
+    if "cond branches must have equal output types" in str(e):
+      raise ValueError(
+          "data_parallel: `tx` runs a lax.cond whose branches return per-worker state in "
+          "one branch and replicated state in the other, which shard_map rejects (as "
+          "optax.MultiSteps and optax.apply_if_finite do). Use commopt.transforms."
+          "multi_steps / commopt.transforms.apply_if_finite (data_parallel already skips "
+          "non-finite steps by agreement, skip_nonfinite=True).") from e
+    raise
+  return found
+
+
+def reads_value(opt, grads, state, params) -> bool | None:
+  """Whether ``opt.update`` reads the ``value`` extra argument (traced, nothing computed).
+
+  The update is traced with ``value`` as an input of its own; it is read when
+  some equation of the trace (or the output) uses that input. None when the
+  update does not take it (a transform of the user's that accepts no
+  ``value`` keyword).
+  """
+  try:
+    closed = jax.make_jaxpr(lambda g, s, v: opt.update(g, s, params, value=v))(
+        grads, state, jnp.zeros((), jnp.float32))
+  except TypeError as e:
+    if "unexpected keyword argument 'value'" in str(e):
+      return None
+    raise
+  var = closed.jaxpr.invars[-1]
+  return (any(var is x for eqn in closed.jaxpr.eqns for x in eqn.invars)
+          or any(var is x for x in closed.jaxpr.outvars))

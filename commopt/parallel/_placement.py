@@ -1,0 +1,273 @@
+"""Placing the step's values on the mesh, and checking what the user placed.
+
+- Specs: a parameter's or model-state leaf's sharding over the non-data axes
+  (:func:`spec_of`), refused over the data axes.
+- Placing: :func:`put` (arrays already placed pass through), the batch split
+  over the data axes (:func:`put_batch`, :func:`check_batch`), per-worker
+  parameters with ``local_params`` (:func:`stack_params`, :func:`unstacked`).
+- The step's arguments outside tracing (:func:`placed`) and an optimizer state
+  checked against the layout (:func:`checked_layout`).
+- A saved state or saved parameters resized to this run's workers (:func:`resized`).
+
+The functions that read the step's options take the
+:class:`~commopt.DataParallel` as ``dp``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from commopt._src import compat
+from commopt.parallel import _layout as lay
+from commopt.parallel._layout import keystr
+
+if TYPE_CHECKING:
+  from commopt.parallel._layout_probe import Layout
+
+
+def explicit(mesh) -> bool:
+  """Whether every axis of ``mesh`` is explicit (shardings are part of the array types)."""
+  return all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def spec_of(dp, x, what: str, path) -> P:
+  """The user's sharding of a parameter or model-state leaf over the non-data axes."""
+  mesh = dp.mesh
+  sharding = getattr(x, "sharding", None)
+  if (isinstance(sharding, NamedSharding) and sharding.mesh is mesh
+      and not compat.is_tracer(x)):
+    # Placed on this mesh already (every step after the first): its spec is the layout.
+    spec = lay.full_spec(sharding.spec, len(x.shape))
+    if explicit(mesh) or all(e is None for e in spec):
+      lay.check_no_data_axes(what, path, spec, dp.axes)
+      return spec
+  spec = lay.leaf_spec(x)
+  if not compat.is_tracer(x) and isinstance(sharding, NamedSharding):
+    placed = lay.full_spec(sharding.spec, len(jnp.shape(x)))
+    if any(e is not None for e in placed) and placed != spec:
+      if sharding.mesh.shape_tuple != mesh.shape_tuple:
+        raise ValueError(
+            f"data_parallel: {what} {keystr(path)} is sharded ({placed}) on a mesh of shape "
+            f"{dict(sharding.mesh.shape)}, not on the step's mesh {dict(mesh.shape)}; "
+            "place it on the mesh given to data_parallel.")
+      if not explicit(mesh):
+        raise ValueError(
+            f"data_parallel: {what} {keystr(path)} is placed with {placed} on a mesh whose "
+            f"axes are not all explicit ({dict(zip(mesh.axis_names, mesh.axis_types))}). "
+            "The optimizer state can only follow a tensor-parallel layout whose sharding "
+            "is part of the array type: build the mesh with jax.make_mesh(shape, names) "
+            "(explicit axes by default) and place the parameters on it.")
+      spec = placed
+  lay.check_no_data_axes(what, path, spec, dp.axes)
+  return spec
+
+
+def specs_of(dp, tree, what: str):
+  """:func:`spec_of` of every leaf of ``tree``."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return jax.tree_util.tree_unflatten(treedef, [spec_of(dp, x, what, p) for p, x in leaves])
+
+
+def put(mesh, tree, specs):
+  """``tree`` placed by ``specs``; arrays already placed so pass through untouched."""
+  def put_leaf(x, spec):
+    target = NamedSharding(mesh, spec)
+    if isinstance(x, jax.Array) and not compat.is_tracer(x):
+      if x.sharding == target:
+        return x
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        # device_put refuses typed keys on a mesh that spans processes: place
+        # their data (a trailing key axis, replicated) and wrap it again.
+        data = put_leaf(jax.random.key_data(x), P(*lay.full_spec(spec, x.ndim), None))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+      # A copy, never an alias: the step donates what it is given, and the
+      # caller's own arrays (e.g. one device's parameters) must survive that.
+      # (device_put(..., may_alias=False) still aliases onto a mesh in JAX 0.10.)
+      if x.is_fully_addressable:
+        x = jnp.copy(x)
+    return jax.device_put(x, target)
+
+  return lay.map_specs(put_leaf, tree, specs)
+
+
+def put_replicated(mesh, tree):
+  """``tree`` (extra arguments for ``tx.update``) replicated over the whole mesh."""
+  return put(mesh, tree, jax.tree.map(lambda _: P(), tree))
+
+
+def put_batch(dp, batch):
+  """Every batch leaf sharded on its leading axis over the data axes (shapes unchecked)."""
+  data = P(lay.data_spec(dp.axes))
+  return put(dp.mesh, batch, jax.tree.map(lambda x: lay.full_spec(data, jnp.ndim(x)), batch))
+
+
+def check_batch(batch, fn: str, workers: int, where: str) -> None:
+  """A ValueError naming the leaves and their shapes unless every batch leaf has a
+  leading axis, all of the same non-zero size, divisible by ``workers``.
+
+  Each worker takes the same contiguous rows of every leaf, so leaves of
+  different lengths would pair row ``i`` of one with another row of the
+  next; a batch of no rows has no loss (a mean over nothing is NaN). Python
+  on static shapes: inside the step it runs when the step is traced (once
+  per batch shape, under the user's ``jit`` or ``scan`` too), not per call.
+
+  Args:
+    batch: a pytree of arrays (or tracers, or ``ShapeDtypeStruct``\\ s).
+    fn: the caller, for messages.
+    workers: what the rows must divide into.
+    where: those workers, for messages.
+  """
+  shapes = [(keystr(path), tuple(jnp.shape(x)))
+            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]]
+  listed = ", ".join(f"{k}: {s}" for k, s in shapes)
+  for k, s in shapes:
+    if not s:
+      raise ValueError(
+          f"{fn}: batch leaf {k} has shape (), with no leading axis to split over the "
+          f"{workers} workers {where}; give every batch leaf a leading (batch) axis "
+          f"(batch: {listed}).")
+  if len({s[0] for _, s in shapes}) > 1:
+    raise ValueError(
+        f"{fn}: batch leaves must share their leading size, so that each worker gets the "
+        f"same rows of every leaf; got {listed}. Give every leaf the same number of rows.")
+  if shapes and shapes[0][1][0] == 0:
+    raise ValueError(
+        f"{fn}: the batch is empty, with 0 rows ({listed}): a step on no data has no loss "
+        f"(a mean over nothing is NaN). Skip the step, or give a multiple of the "
+        f"{workers} workers' rows.")
+  if shapes and shapes[0][1][0] % workers:
+    k, s = shapes[0]
+    raise ValueError(
+        f"{fn}: batch leaf {k} has shape {s}; its leading axis must be divisible by the "
+        f"{workers} workers {where}.")
+
+
+# -- per-worker parameters (local_params=True) ----------------------------------------
+
+def stack_params(dp, params):
+  """With ``local_params``: one copy of ``params`` per worker, stacked ``[num_workers, ...]``."""
+  if not dp.local_params:
+    return params
+  n = dp.num_workers
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + tuple(jnp.shape(x))), params)
+
+
+def param_specs(dp, layout: Layout):
+  """How the step's parameters are placed: the layout's, stacked with ``local_params``."""
+  if not dp.local_params:
+    return layout.param_specs
+  return jax.tree.map(lambda s: lay.stacked_spec(s, dp.axes), layout.param_specs,
+                      is_leaf=lay.is_spec)
+
+
+def unstacked(dp, params):
+  """With ``local_params``: per-worker parameters checked and seen as one worker's shapes."""
+  if not dp.local_params:
+    return params
+  n = dp.num_workers
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not jnp.shape(x) or jnp.shape(x)[0] != n:
+      raise ValueError(
+          f"data_parallel: with local_params=True the parameters are per worker, stacked "
+          f"[{n}, ...]; parameter {keystr(path)} has shape {tuple(jnp.shape(x))}. Pass "
+          "dp.place_params(params) to the first step.")
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(jnp.shape(x))[1:], x.dtype), params)
+
+
+# -- the step's arguments ---------------------------------------------------------------
+
+def checked_layout(dp, params, opt_state) -> Layout:
+  """The layout of the step's ``params``, with ``opt_state`` checked against it."""
+  layout = dp.layout(unstacked(dp, params))
+  treedef = jax.tree.structure(opt_state)
+  if treedef != layout.state_treedef:
+    raise ValueError(
+        "data_parallel: `opt_state` does not have the structure that `init` returns "
+        f"({layout.state_treedef}); got {treedef}.")
+  leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+  for (path, x), stacked in zip(leaves, jax.tree.leaves(layout.per_worker)):
+    if stacked and (not jnp.shape(x) or jnp.shape(x)[0] != dp.num_workers):
+      raise ValueError(
+          f"data_parallel: optimizer-state leaf {keystr(path)} is per-worker and must lead "
+          f"with the {dp.num_workers} workers of axis {dp.axis_name!r}, but has shape "
+          f"{tuple(jnp.shape(x))}: a state made for another number of workers cannot be "
+          "used as it is (its error residuals would be dropped or duplicated).")
+  return layout
+
+
+def on_cpu(mesh) -> bool:
+  """Whether ``mesh`` spans several CPU devices (see :func:`placed`)."""
+  return mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+
+
+def placed(dp, params, opt_state, batch, model_state, key, extra_args=None):
+  """Outside tracing, the arguments placed as the step expects them.
+
+  XLA:CPU can deadlock when a multi-device program is launched while the
+  previous one is still running: in the native stacks of a stuck process,
+  seven devices wait in the step's first all-reduce while the eighth
+  device's launch waits for that device's in-flight-computation semaphore,
+  until the rendezvous times out and aborts the process ("only 7 of 8
+  arrived"). Seen in 6 of 20 runs of 300 small steps under CPU contention. So on CPU meshes the step waits until its inputs (the
+  previous step's outputs, the batch's copies) are ready: 0 of 48 runs
+  failed after. On other platforms only arguments that had to be copied
+  are waited for. Arrays already placed pass through untouched (donation
+  still aliases them).
+  """
+  extra_args = {} if extra_args is None else extra_args
+  before = jax.tree.leaves((params, opt_state, batch, model_state, key, extra_args))
+  if any(compat.is_tracer(x) for x in before):
+    return params, opt_state, batch, model_state, key, extra_args
+  layout = checked_layout(dp, params, opt_state)
+  params = put(dp.mesh, params, param_specs(dp, layout))
+  opt_state = put(dp.mesh, opt_state, layout.state_specs)
+  if model_state is not None:
+    model_state = dp.place_model_state(model_state)
+  if key is not None:
+    key = jax.device_put(key, NamedSharding(dp.mesh, P()))
+  extra_args = put_replicated(dp.mesh, extra_args)
+  try:
+    # Not checked here, per call: the step checks the batch's shapes when it is traced.
+    batch_placed = put_batch(dp, batch)
+  except (TypeError, ValueError):
+    dp._check_batch(batch)   # a placement that fails on shapes, with the shapes named
+    raise
+  args = (params, opt_state, batch_placed, model_state, key, extra_args)
+  if on_cpu(dp.mesh):
+    jax.block_until_ready(args)
+  else:
+    copied = [y for x, y in zip(before, jax.tree.leaves(args)) if y is not x]
+    if copied:
+      jax.block_until_ready(copied)
+  return args
+
+
+# -- resizing ---------------------------------------------------------------------------
+
+def resized(dp, saved, target, per_worker, name: str):
+  """``saved`` resized to ``target``'s shapes by :mod:`commopt.parallel._resize`, placed
+  by ``target``'s shardings (``name`` is the caller, for messages)."""
+  from jax.experimental import multihost_utils
+
+  from commopt.parallel import _resize
+
+  def host(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      x = multihost_utils.process_allgather(x, tiled=True)
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(x)
+
+  saved = {_resize.path_key(p): host(x) for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  leaves = _resize.resize(saved, target, per_worker,
+                          data_sizes=tuple(dp.mesh.shape[a] for a in dp.axes),
+                          fn=f"data_parallel.{name}")
+  flat, treedef = jax.tree_util.tree_flatten(target)
+  placed_leaves = [jax.make_array_from_callback(t.shape, t.sharding, lambda idx, v=v: v[idx])
+                   for t, v in zip(flat, leaves)]
+  return jax.tree_util.tree_unflatten(treedef, placed_leaves)

@@ -1,0 +1,117 @@
+"""What every step body shares: its contract, the loss's output, the replicated-update
+check and model state made the same on every worker.
+
+A step body is one way of running the step for one kind of parameter layout
+(:mod:`._replicated_step`, :mod:`._tensor_parallel_step`): a module with the
+functions of :class:`StepBody`, picked by ``DataParallel._body``. The functions
+here take the :class:`~commopt.DataParallel` as ``dp``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from commopt.comm import _collectives as coll
+from commopt.parallel import _layout as lay
+from commopt.parallel._layout import keystr
+
+if TYPE_CHECKING:
+  from commopt.parallel._layout_probe import Layout
+
+
+class StepBody(Protocol):
+  """The functions a step-body module defines (a module is a ``StepBody``).
+
+  Both get the parameters and the state already placed by the layout
+  (``DataParallel.init`` and ``step_fn`` place them, and place what they return).
+  """
+
+  def init(self, dp, layout: Layout, params) -> Any:
+    """The optimizer state for ``params``: per-worker leaves stacked ``[num_workers, ...]``."""
+
+  def step(self, dp, layout: Layout, params, opt_state, batch, model_state, key,
+           extra_args) -> tuple[Any, Any, Any, Any]:
+    """``(params, opt_state, metrics, model_state)`` after one step (``model_state`` is
+    None without ``has_state``); the arguments are as :meth:`DataParallel.step_fn`'s."""
+
+
+# -- the loss -----------------------------------------------------------------------------
+
+def checked_loss(dp, *args, **kwargs):
+  """``loss_fn``, with its output checked against ``has_aux`` / ``has_state``."""
+  out = dp.loss_fn(*args, **kwargs)
+  pair = isinstance(out, (tuple, list)) and len(out) == 2
+  if (dp.has_aux or dp.has_state) and not pair:
+    flags = " and ".join(f for f in ("has_aux=True", "has_state=True") if getattr(dp, f[:-5]))
+    want = ("(loss, (new_model_state, aux))" if dp.has_aux and dp.has_state
+            else "(loss, new_model_state)" if dp.has_state else "(loss, aux)")
+    raise ValueError(f"data_parallel: with {flags}, `loss_fn` must return {want}; it "
+                     f"returned {type(out).__name__}.")
+  if dp.has_state and dp.has_aux and not (isinstance(out[1], (tuple, list))
+                                          and len(out[1]) == 2):
+    raise ValueError("data_parallel: with has_aux=True and has_state=True, `loss_fn` must "
+                     "return (loss, (new_model_state, aux)).")
+  return out
+
+
+def split_out(dp, value):
+  """``(loss, aux, new_model_state)`` from what the loss returned."""
+  loss, out = value if (dp.has_aux or dp.has_state) else (value, None)
+  aux = new_ms = None
+  if dp.has_state:
+    new_ms, aux = out if dp.has_aux else (out, None)
+  elif dp.has_aux:
+    aux = out
+  return loss, aux, new_ms
+
+
+# -- replicas that stay the same ----------------------------------------------------------
+
+def check_replicated(dp, tree, what="the update of parameter"):
+  """A ValueError if a leaf of ``tree`` differs between workers (inside ``shard_map``)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if lay.per_worker(leaf, dp.axes):
+      raise ValueError(
+          f"data_parallel: {what} {keystr(path)} differs between "
+          f"workers on axis {dp.axis_name!r}, so the replicas would drift apart. "
+          "`tx` must reduce over that axis after anything per-worker, e.g. "
+          f"optax.chain(commopt.compressed_mean(c, {dp.axis_name!r}), optax.sgd(lr)); "
+          "transforms that keep parameters per worker between synchronisations "
+          "(commopt.local_sgd, commopt.diloco) need data_parallel(..., local_params=True).")
+
+
+def sync_model_state(dp, new):
+  """Inside ``shard_map``: averages model state that differs between workers
+  (``model_state_sync='mean'``)."""
+  axes = dp.axes
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
+  out = []
+  for path, x in leaves:
+    if not lay.per_worker(x, axes):
+      out.append(x)
+      continue
+    if dp.model_state_sync == "none" or not jnp.issubdtype(x.dtype, jnp.inexact):
+      raise ValueError(
+          f"data_parallel: model state leaf {keystr(path)} ({x.dtype}) differs between "
+          f"workers after the loss, and model_state_sync={dp.model_state_sync!r} "
+          + ("keeps model state replicated without communicating; use "
+             "model_state_sync='mean' to average it." if dp.model_state_sync == "none"
+             else "can only average floating-point state."))
+    out.append((coll.psum(x.astype(jnp.float32), axes) / dp.num_workers).astype(x.dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def mean_over_workers(mesh, stacked):
+  """Outside ``shard_map``: model state stacked ``[num_workers, ...]`` made one.
+
+  Floating-point state is averaged over the workers; the rest (counters)
+  advances the same way on every worker, so the first worker's is kept.
+  """
+  replicated = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+  return jax.tree.map(
+      lambda x: jnp.mean(x.astype(jnp.float32), 0).astype(x.dtype)
+      if jnp.issubdtype(x.dtype, jnp.inexact) else replicated(x)[0], stacked)
