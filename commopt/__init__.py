@@ -196,8 +196,22 @@ __all__ = [
 ]
 
 
+MOVED = {
+    "identity": ("commopt.compressors.identity",
+                 "it left the top level, where it shadowed optax.identity"),
+    "EmptyState": ("commopt.compressors.EmptyState", "a compressor's per-leaf empty state"),
+    "GlobalCompressor": ("commopt.Compressor(..., encode_tree=..., decode_tree=...)",
+                         "one Compressor class now declares tree-wide selection"),
+}
+"""Public names that left the top level: ``{name: (new home, why)}`` (see CHANGELOG.md)."""
+
+
 def __getattr__(name):
   # The nnx entry points import flax on first use (see commopt.parallel).
   if name in parallel._NNX + parallel._SFB_NNX:
     return getattr(parallel, name)
+  if name in MOVED:
+    home, why = MOVED[name]
+    raise AttributeError(
+        f"commopt.{name} moved to {home} ({why}); see CHANGELOG.md.", name=name, obj=None)
   raise AttributeError(f"module 'commopt' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """The package's layering, as stated in ``commopt/__init__.py``, holds in its imports."""
 
 import ast
+import re
 import pathlib
 
 import commopt
@@ -122,3 +123,16 @@ def test_no_module_or_function_outgrows_one_concept():
         if length > MAX_FUNCTION_LINES:
           big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
   assert not big, "\n".join(big)
+
+
+def test_a_removed_public_name_says_where_it_went():
+  import pytest
+  for name, (home, _) in commopt.MOVED.items():
+    with pytest.raises(AttributeError, match=f"commopt.{name} moved to {re.escape(home)}"):
+      getattr(commopt, name)
+  with pytest.raises(AttributeError, match="encode_tree"):
+    commopt.compressors.GlobalCompressor   # noqa: B018
+  assert commopt.compressors.identity().name == "identity"
+  changelog = (ROOT.parent / "CHANGELOG.md").read_text()
+  for name in [*commopt.MOVED, "GlobalCompressor"]:
+    assert f"`{name}`" in changelog, name

@@ -40,3 +40,12 @@ __all__ = [
     "CountSketchState", "count_sketch", "sketch_sgd", "sketchml",
     "terngrad", "threshold", "top_k", "unregister", "variance_balanced",
 ]
+
+
+def __getattr__(name):
+  if name == "GlobalCompressor":
+    raise AttributeError(
+        "commopt.compressors.GlobalCompressor is gone: a commopt.Compressor with "
+        "encode_tree= and decode_tree= declares tree-wide selection (see CHANGELOG.md).",
+        name=name, obj=None)
+  raise AttributeError(f"module 'commopt.compressors' has no attribute {name!r}")
