@@ -500,3 +500,158 @@ def test_steps_inside_the_users_scan_equal_plain_calls(case, mesh, mesh2d):
     return jax.lax.scan(lambda c, _: (dp.step(*c, batch)[:2], None), (p, s), None, length=5)[0]
 
   _assert_bitwise_equal((p, s), run(copy(dp.place_params(params)), dp.init(params)))
+
+
+# ---------------------------------------------------------------------------
+# exp_avg_mask (DeepSpeed's momentum mask).
+
+MASK_WORKERS, MASKED_ROWS = 4, slice(20, 28)       # rows 20-27 of w: parts of two chunks
+MASK_FREEZE = {"onebit_adam": 3, "zero_one_adam": 4, "onebit_lamb": 3}
+
+
+def _masked_tx(name, **kw):
+  if name == "zero_one_adam":
+    return commopt.zero_one_adam(1e-2, axis_name="data", eps=1e-4, min_size=0,
+                                 var_freeze_step=MASK_FREEZE[name], var_update_scaler=1,
+                                 local_step_scaler=2, local_step_clipper=4, **kw)
+  return getattr(commopt, name)(1e-2, MASK_FREEZE[name], axis_name="data", eps=1e-4,
+                                min_size=0, **kw)
+
+
+def _row_mask():
+  """w's mask: 0 on MASKED_ROWS, 1 elsewhere."""
+  mask = np.ones((32, 16), np.float32)
+  mask[MASKED_ROWS] = 0
+  return mask
+
+
+def _masked_run(tx, steps, *, zero_rows, seed=0):
+  """``tx`` on MASK_WORKERS workers (vmap), each with its own gradients (zero on w's
+  MASKED_ROWS if ``zero_rows``), from the same parameters {"w": [32, 16], "b": [16]}:
+  per step, the parameters after it and the state."""
+  rng = np.random.default_rng(seed)
+  n = MASK_WORKERS
+  start = {"w": rng.normal(size=(32, 16)), "b": rng.normal(size=16)}
+  params = {k: np.broadcast_to(x, (n, *x.shape)).astype(np.float32) for k, x in start.items()}
+  update = jax.jit(jax.vmap(tx.update, axis_name="data"))
+  p, s, out = params, jax.vmap(tx.init, axis_name="data")(params), []
+  for _ in range(steps):
+    g = {k: rng.normal(size=x.shape).astype(np.float32) for k, x in params.items()}
+    if zero_rows:
+      g["w"][:, MASKED_ROWS] = 0
+    u, s = update(g, s, p)
+    p = optax.apply_updates(p, u)
+    out.append((p, s))
+  return out
+
+
+@pytest.mark.parametrize("name", list(MASK_FREEZE))
+def test_an_exp_avg_mask_of_ones_changes_nothing(name):
+  """Masks of ones (float32 for w, bool for b) give the unmasked run's parameters and state
+  bit for bit, across the freeze (and 0/1 Adam's 1-bit, local and synchronising steps)."""
+  ones = {"w": np.ones((32, 16), np.float32), "b": np.ones(16, bool)}
+  plain = _masked_run(_masked_tx(name, weight_decay=0.01), 12, zero_rows=False)
+  masked = _masked_run(_masked_tx(name, weight_decay=0.01, exp_avg_mask=ones), 12,
+                       zero_rows=False)
+  _assert_bitwise_equal(plain, masked)
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "onebit_lamb"])
+def test_exp_avg_mask_zeroes_the_momentum_and_stops_the_parameters_after_the_freeze(name):
+  """With gradients everywhere, from the freeze on the masked rows' momentum is exactly 0 on
+  every worker and (without weight decay) their parameters stay as the warm-up left them;
+  the other rows, and b (None: unmasked), keep moving."""
+  freeze = MASK_FREEZE[name]
+  run = _masked_run(_masked_tx(name, exp_avg_mask={"w": _row_mask(), "b": None}), 8,
+                    zero_rows=False)
+  warm = np.asarray(run[freeze - 1][0]["w"])
+  assert np.abs(np.asarray(run[freeze - 1][1].mu["w"])[:, MASKED_ROWS]).min() > 0
+  for t in range(freeze, len(run)):
+    p, s = run[t]
+    mu, w = np.asarray(s.mu["w"]), np.asarray(p["w"])
+    assert (mu[:, MASKED_ROWS] == 0).all(), t
+    np.testing.assert_array_equal(w[:, MASKED_ROWS], warm[:, MASKED_ROWS], err_msg=str(t))
+    assert (w[:, :20] != np.asarray(run[t - 1][0]["w"])[:, :20]).all(), t
+    assert (np.asarray(p["b"]) != np.asarray(run[t - 1][0]["b"])).all(), t
+
+
+def test_exp_avg_mask_makes_zero_one_adams_synchronisations_undo_the_masked_moves():
+  """0/1 Adam with gradients everywhere: the masked rows move on the local steps, but every
+  synchronisation leaves their momentum exactly 0 on every worker and their parameters as
+  the previous synchronisation (or the freeze) left them; the other rows move on."""
+  kinds = zero_one_schedule_np(14, var_freeze_step=4, var_update_scaler=1, local_step_scaler=2,
+                               local_step_clipper=4)
+  assert "local" in kinds and kinds.count("sync") >= 4
+  run = _masked_run(_masked_tx("zero_one_adam", exp_avg_mask={"w": _row_mask(), "b": None}),
+                    14, zero_rows=False)
+  last = np.asarray(run[MASK_FREEZE["zero_one_adam"] - 1][0]["w"])
+  for t, kind in enumerate(kinds):
+    if kind != "sync":
+      continue
+    mu, w = np.asarray(run[t][1].mu["w"]), np.asarray(run[t][0]["w"])
+    assert (mu[:, MASKED_ROWS] == 0).all(), t
+    np.testing.assert_allclose(w[:, MASKED_ROWS], last[:, MASKED_ROWS], rtol=0, atol=1e-6,
+                               err_msg=str(t))
+    assert np.abs(w[:, :20] - last[:, :20]).min() > 0, t
+    last = w
+  local = next(t for t, k in enumerate(kinds) if k == "local")
+  assert np.abs(np.asarray(run[local][1].mu["w"])[:, MASKED_ROWS]).min() > 0
+
+
+@pytest.mark.parametrize("name", list(MASK_FREEZE))
+def test_exp_avg_mask_stops_the_drift_of_coordinates_without_gradients(name):
+  """DeepSpeed's case: rows whose gradient is always 0 (position embeddings past the trained
+  sequence length). Without the mask the 1-bit exchanges (which cannot send an exact 0)
+  give them momentum and they drift; with it their momentum is exactly 0 at every step
+  and their parameters never move."""
+  plain = _masked_run(_masked_tx(name), 10, zero_rows=True)
+  masked = _masked_run(_masked_tx(name, exp_avg_mask={"w": _row_mask(), "b": None}), 10,
+                       zero_rows=True)
+  start = np.asarray(plain[0][0]["w"])[:, MASKED_ROWS]
+  assert np.abs(np.asarray(plain[-1][1].mu["w"])[:, MASKED_ROWS]).min() > 0
+  assert (np.asarray(plain[-1][0]["w"])[:, MASKED_ROWS] != start).all()
+  for t, (p, s) in enumerate(masked):
+    assert (np.asarray(s.mu["w"])[:, MASKED_ROWS] == 0).all(), t
+    np.testing.assert_array_equal(np.asarray(p["w"])[:, MASKED_ROWS], start, err_msg=str(t))
+
+
+def test_exp_avg_mask_under_data_parallel(mesh):
+  """1-bit Adam with a mask on w's first 16 rows through data_parallel on 8 workers: the
+  mask is a constant of the step; after the freeze those rows' momentum is 0 and their
+  parameters stay put."""
+  params, batch = _problem()
+  mask = {"w": np.ones((256, 64), bool), "b": None}
+  mask["w"][:16] = False
+  dp = commopt.data_parallel(_loss, commopt.onebit_adam(1e-3, 2, axis_name="data",
+                                                        exp_avg_mask=mask), mesh)
+  p, s = dp.place_params(params), dp.init(params)
+  for t in range(5):
+    p, s, _ = dp.step(p, s, batch)
+    if t == 1:
+      warm = np.asarray(p["w"])
+  assert (np.asarray(s.inner_state.mu["w"])[:16] == 0).all()
+  np.testing.assert_array_equal(np.asarray(p["w"])[:16], warm[:16])
+  assert (np.asarray(p["w"])[16:] != warm[16:]).any()
+
+
+def test_exp_avg_mask_is_checked():
+  """Values other than 0 and 1, or a leaf that is no array, at construction; a structure or
+  a shape unlike the parameters' at init. Each message names the argument and the leaf."""
+  with pytest.raises(ValueError, match=r"zero_one_adam: `exp_avg_mask` leaf \['w'\] must hold "
+                                       r"only 0s and 1s .*, got 0\.5 among its values"):
+    commopt.zero_one_adam(1e-3, axis_name="data", exp_avg_mask={"w": np.full((4, 3), 0.5)})
+  with pytest.raises(ValueError, match=r"onebit_lamb: `exp_avg_mask` leaf \['w'\] must be an "
+                                       r"array of 0s and 1s .*, got str"):
+    commopt.onebit_lamb(1e-3, 10, axis_name="data", exp_avg_mask={"w": "rows 0-3"})
+  params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+  for name in MASK_FREEZE:
+    bad_structure = _masked_tx(name, exp_avg_mask={"w": np.ones((4, 3))})
+    with pytest.raises(ValueError, match=rf"{name}: `exp_avg_mask` must be a pytree with the "
+                                         r"parameters' structure"):
+      bad_structure.init(params)
+    bad_shape = _masked_tx(name, exp_avg_mask={"w": np.ones((3, 4)), "b": None})
+    with pytest.raises(ValueError, match=rf"{name}: `exp_avg_mask` leaf \['w'\] has shape "
+                                         r"\(3, 4\), but its parameter has shape \(4, 3\)"):
+      bad_shape.init(params)
+  fine = _masked_tx("onebit_adam", exp_avg_mask={"w": np.eye(4, 3, dtype=int), "b": None})
+  assert fine.init(params).mu["w"].shape == (4, 3)

@@ -21,15 +21,8 @@ from commopt.transforms._dgc import (
     warmup_density,
 )
 from commopt.transforms._fetchsgd import FetchSGDState, fetch_sgd
-
-from commopt.transforms._onebit import (
-    OneBitAdamState,
-    OneBitLambState,
-    ZeroOneAdamState,
-    onebit_adam,
-    onebit_lamb,
-    zero_one_adam,
-)
+from commopt.transforms._onebit_adam import OneBitAdamState, onebit_adam
+from commopt.transforms._onebit_lamb import OneBitLambState, onebit_lamb
 from commopt.transforms._sfb import sfb_dense, sfb_mean, sfb_pays
 from commopt.transforms._sync import (
     EASGDState,
@@ -48,6 +41,7 @@ from commopt.transforms._sync import (
     streaming_diloco,
     sync_levels,
 )
+from commopt.transforms._zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
            "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState",

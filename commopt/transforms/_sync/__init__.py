@@ -30,7 +30,7 @@ mode takes), ``_global_params`` reads the global model out of their states.
 
 from __future__ import annotations
 
-from commopt.transforms._sync._common import _wide, is_sync_step  # _onebit uses _wide
+from commopt.transforms._sync._common import _wide, is_sync_step  # _compressed_momentum uses _wide
 from commopt.transforms._sync._diloco import PeriodicState, diloco
 from commopt.transforms._sync._easgd import EASGDState, easgd
 from commopt.transforms._sync._global_params import global_params
