@@ -370,6 +370,20 @@ def test_a_checkpoint_without_checksums_restores_unverified(saved, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, host((got.params, got.opt_state)), host((p, s)))
 
 
+def test_the_handler_name_orbax_records_stays_what_checkpoints_already_hold(saved, tmp_path):
+  # Orbax records the item's handler by this name in _CHECKPOINT_METADATA; checkpoints written
+  # when commopt.checkpoint was one module hold it, and must still restore.
+  import json
+  name = "commopt.checkpoint.ChecksummedHandler"
+  *_, path = saved["per_worker"]
+  assert json.loads((path / "_CHECKPOINT_METADATA").read_text())["item_handlers"] == name
+  p, s = saved["per_worker"][2:4]
+  with checkpoint.CheckpointManager(tmp_path / "run") as mgr:
+    mgr.save(1, p, s)
+  step = json.loads((tmp_path / "run" / "1" / "_CHECKPOINT_METADATA").read_text())
+  assert step["item_handlers"] == {checkpoint.ITEM: name}
+
+
 def test_restoring_into_another_dtype_verifies_then_casts(saved, tmp_path):
   dp, params, (p, s), path = _copy(saved, "per_worker", tmp_path)
   half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
@@ -580,7 +594,7 @@ def test_a_failed_async_save_leaves_the_steps_before_it(small, tmp_path, monkeyp
     (pathlib.Path(directory) / checkpoint.CHECKSUMS).write_bytes(data[:len(data) // 2])
     raise OSError("disk full")
 
-  monkeypatch.setattr(checkpoint, "_write_checksums", fails)
+  monkeypatch.setattr(checkpoint._checksums, "write", fails)   # what the handler calls
   assert mgr.save(2, p2, s2)
   with pytest.raises(OSError, match="disk full"):
     mgr.wait_until_finished()
