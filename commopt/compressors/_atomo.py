@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from commopt._src import base
-from commopt.compressors._lowrank import View, _far_scales, _matrix_shape
+from commopt.compressors._lowrank import View, _check_view, _far_scales, _matrix_shape
 from commopt.compressors._qcommon import _uniform
 from commopt.compressors._registry import register
 
@@ -90,6 +92,92 @@ def _independent(p: jax.Array, key, slots: int) -> tuple[jax.Array, jax.Array]:
   return indices, jnp.maximum(1.0, count / slots)
 
 
+class _Options(NamedTuple):
+  """:func:`atomo`'s options, checked (:func:`_options`)."""
+  budget: float
+  sampling: str
+  capacity: float
+  view: View
+  min_compression_rate: float
+
+
+def _options(budget, sampling, capacity, view, min_compression_rate) -> _Options:
+  """:func:`atomo`'s arguments, each checked (its errors name ``atomo``)."""
+  budget = base.check_number("budget", budget, fn="atomo", low=0.0,
+                             what="a finite number > 0")
+  base.check_choice("sampling", sampling, SAMPLINGS, "atomo")
+  capacity = base.check_number("capacity", capacity, fn="atomo", low=1.0, low_open=False,
+                               what="a finite number >= 1")
+  view = _check_view(view, "atomo")
+  min_compression_rate = base.check_number(
+      "min_compression_rate", min_compression_rate, fn="atomo", low=0.0, low_open=False,
+      what="a finite number >= 0")
+  return _Options(budget, sampling, capacity, view, min_compression_rate)
+
+
+def _dims(opts: _Options, shape) -> tuple[int, int, float, int]:
+  """``(n, m, s, C)``: the matrix view, the leaf's budget and its slots."""
+  if len(shape) < 2:   # chunked strategies hand over 1-D pieces: one row
+    n, m = 1, base.leaf_size(shape)
+  else:
+    n, m = _matrix_shape(shape, opts.view, "atomo")
+  r = min(n, m)
+  s = min(opts.budget, float(r))
+  per = 1.0 if opts.sampling == "systematic" else opts.capacity
+  return n, m, s, min(r, math.ceil(round(per * s, 6)))
+
+
+def _accepts(opts: _Options, shape, dtype) -> bool:
+  """Whether a leaf is compressed: a matrix compressing at least ``min_compression_rate``."""
+  if len(shape) < 2:
+    return False
+  n, m, _, slots = _dims(opts, shape)
+  return n * m >= opts.min_compression_rate * slots * (n + m)
+
+
+def _error_bound(opts: _Options, shape) -> float:
+  """ω: ``Σσ_i²/p_i − ‖M‖² ≤ (Σσ_i)²/s − ‖M‖² ≤ (r/s − 1)‖M‖²``."""
+  n, m, s, _ = _dims(opts, shape)
+  return min(n, m) / s - 1.0
+
+
+def _encode(opts: _Options, x, state, key):
+  """The drawn triples as ``{"u": [n, C], "v": [m, C]}`` in ``x``'s dtype (``σ_i / p_i``
+  folded into ``u``), and the state as it was."""
+  key = base.need_key(key, "atomo")
+  n, m, s, slots = _dims(opts, x.shape)
+  mat = x.reshape(n, m).astype(_F32)
+  # A matrix of extreme magnitude is decomposed scaled by a power of two
+  # (exact), so the SVD squares nothing out of range; the probabilities
+  # do not depend on the scale, and σ is scaled back into the payload.
+  down, up = _far_scales(jnp.max(jnp.abs(mat)))
+  u, sigma, vt = jnp.linalg.svd(mat * down, full_matrices=False)
+  p = atomo_probabilities(sigma, s)
+  if opts.sampling == "systematic":
+    indices, factor = _systematic(p, key, slots), 1.0
+  else:
+    indices, factor = _independent(p, key, slots)
+  sent = indices < sigma.shape[0]
+  safe = jnp.where(sent, indices, 0)
+  p_sent = p[safe]
+  scale = jnp.where(sent & (p_sent > 0), sigma[safe] / jnp.where(p_sent > 0, p_sent, 1.0), 0.0)
+  payload = {"u": (u[:, safe] * (scale * factor) * up).astype(x.dtype),
+             "v": jnp.where(sent, vt[safe, :].T, 0.0).astype(x.dtype)}
+  return payload, state
+
+
+def _decode(payload, state, like) -> jax.Array:
+  """``u vᵀ`` with ``like``'s shape and dtype."""
+  mat = payload["u"].astype(_F32) @ payload["v"].astype(_F32).T
+  return mat.reshape(like.shape).astype(like.dtype)
+
+
+def _payload_bits(opts: _Options, shape, dtype) -> int:
+  """``C (n + m)`` values of the leaf's dtype."""
+  n, m, _, slots = _dims(opts, shape)
+  return slots * (n + m) * base.dtype_bits(dtype)
+
+
 def atomo(budget: float, *, sampling: str = "systematic", capacity: float = 2.0,
           view: View = "last", min_compression_rate: float = 2.0) -> base.Compressor:
   """ATOMO: an unbiased random sparsification of each leaf's singular value decomposition.
@@ -164,84 +252,19 @@ def atomo(budget: float, *, sampling: str = "systematic", capacity: float = 2.0,
     Hoeffding, On the Distribution of the Number of Successes in Independent
     Trials, Annals of Mathematical Statistics, 1956.
   """
-  budget = base.check_number("budget", budget, fn="atomo", low=0.0,
-                             what="a finite number > 0")
-  base.check_choice("sampling", sampling, SAMPLINGS, "atomo")
-  capacity = base.check_number("capacity", capacity, fn="atomo", low=1.0, low_open=False,
-                               what="a finite number >= 1")
-  if not (callable(view) or isinstance(view, str)):
-    raise base.OptionTypeError(
-        f"atomo: `view` must be 'last', 'first' or a callable shape -> (n, m), got {view!r} "
-        f"({type(view).__name__}).")
-  if not (callable(view) or view in ("last", "first")):
-    raise ValueError(
-        f"atomo: `view` must be 'last', 'first' or a callable shape -> (n, m), got {view!r}.")
-  min_compression_rate = base.check_number(
-      "min_compression_rate", min_compression_rate, fn="atomo", low=0.0, low_open=False,
-      what="a finite number >= 0")
-
-  def dims(shape) -> tuple[int, int, float, int]:
-    """``(n, m, s, C)``: the matrix view, the leaf's budget and its slots."""
-    if len(shape) < 2:   # chunked strategies hand over 1-D pieces: one row
-      n, m = 1, base.leaf_size(shape)
-    else:
-      try:
-        n, m = _matrix_shape(shape, view)
-      except ValueError as e:
-        raise ValueError(str(e).replace("power_sgd:", "atomo:", 1)) from None
-    r = min(n, m)
-    s = min(budget, float(r))
-    per = 1.0 if sampling == "systematic" else capacity
-    return n, m, s, min(r, math.ceil(round(per * s, 6)))
-
-  def accepts(shape, dtype):
-    if len(shape) < 2:
-      return False
-    n, m, _, slots = dims(shape)
-    return n * m >= min_compression_rate * slots * (n + m)
-
-  def encode(x, state, key):
-    key = base.need_key(key, "atomo")
-    n, m, s, slots = dims(x.shape)
-    mat = x.reshape(n, m).astype(_F32)
-    # A matrix of extreme magnitude is decomposed scaled by a power of two
-    # (exact), so the SVD squares nothing out of range; the probabilities
-    # do not depend on the scale, and σ is scaled back into the payload.
-    down, up = _far_scales(jnp.max(jnp.abs(mat)))
-    u, sigma, vt = jnp.linalg.svd(mat * down, full_matrices=False)
-    p = atomo_probabilities(sigma, s)
-    if sampling == "systematic":
-      indices, factor = _systematic(p, key, slots), 1.0
-    else:
-      indices, factor = _independent(p, key, slots)
-    sent = indices < sigma.shape[0]
-    safe = jnp.where(sent, indices, 0)
-    p_sent = p[safe]
-    scale = jnp.where(sent & (p_sent > 0), sigma[safe] / jnp.where(p_sent > 0, p_sent, 1.0), 0.0)
-    payload = {"u": (u[:, safe] * (scale * factor) * up).astype(x.dtype),
-               "v": jnp.where(sent, vt[safe, :].T, 0.0).astype(x.dtype)}
-    return payload, state
-
-  def decode(payload, state, like):
-    mat = payload["u"].astype(_F32) @ payload["v"].astype(_F32).T
-    return mat.reshape(like.shape).astype(like.dtype)
-
-  def payload_bits(shape, dtype):
-    n, m, _, slots = dims(shape)
-    return slots * (n + m) * base.dtype_bits(dtype)
-
-  extra = "" if sampling == "systematic" else f", sampling=independent, capacity={capacity:g}"
+  opts = _options(budget, sampling, capacity, view, min_compression_rate)
+  extra = ("" if opts.sampling == "systematic"
+           else f", sampling=independent, capacity={opts.capacity:g}")
   return base.Compressor(
-      name=f"atomo(budget={budget:g}{extra})",
-      # Σσ_i²/p_i − ‖M‖² ≤ (Σσ_i)²/s − ‖M‖² ≤ (r/s − 1)‖M‖².
+      name=f"atomo(budget={opts.budget:g}{extra})",
       error_kind="unbiased",
-      error_bound=lambda shape: min(dims(shape)[:2]) / dims(shape)[2] - 1.0,
+      error_bound=functools.partial(_error_bound, opts),
       init=base.stateless_init,
-      encode=encode,
-      decode=decode,
-      payload_bits=payload_bits,
+      encode=functools.partial(_encode, opts),
+      decode=_decode,
+      payload_bits=functools.partial(_payload_bits, opts),
       linear=False,
-      accepts=accepts,
+      accepts=functools.partial(_accepts, opts),
   )
 
 

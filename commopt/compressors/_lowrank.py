@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Union
 
 import jax
@@ -30,7 +31,8 @@ class PowerSGDLeafState(NamedTuple):
   count: jax.Array
 
 
-def _matrix_shape(shape, view: View) -> tuple[int, int]:
+def _matrix_shape(shape, view: View, fn: str = "power_sgd") -> tuple[int, int]:
+  """``(n, m)``: the matrix a leaf of ``shape`` is viewed as (errors name ``fn``)."""
   if callable(view):
     n, m = view(tuple(shape))
   elif view == "last":
@@ -39,9 +41,22 @@ def _matrix_shape(shape, view: View) -> tuple[int, int]:
     n, m = shape[0], base.leaf_size(shape[1:])
   if n * m != base.leaf_size(shape):
     raise ValueError(
-        f"power_sgd: `view` mapped shape {tuple(shape)} to ({n}, {m}), which "
+        f"{fn}: `view` mapped shape {tuple(shape)} to ({n}, {m}), which "
         f"does not hold its {base.leaf_size(shape)} elements.")
   return int(n), int(m)
+
+
+def _check_view(view: View, fn: str) -> View:
+  """``view`` if it is ``"last"``, ``"first"`` or a callable (for :func:`power_sgd` and ATOMO)."""
+  if not (callable(view) or isinstance(view, str)):
+    raise base.OptionTypeError(
+        f"{fn}: `view` must be 'last', 'first' or a callable shape -> (n, m), "
+        f"got {view!r} ({type(view).__name__}).")
+  if not (callable(view) or view in ("last", "first")):
+    raise ValueError(
+        f"{fn}: `view` must be 'last', 'first' or a callable shape -> (n, m), "
+        f"got {view!r}.")
+  return view
 
 
 def _work_dtype(dtype):
@@ -110,6 +125,166 @@ def _orthogonalize(p: jax.Array, epsilon: float = 0.0) -> jax.Array:
 
 def _transpose(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, -1, -2)
+
+
+class _Options(NamedTuple):
+  """:func:`power_sgd`'s options, checked (:func:`_options`)."""
+  rank: int
+  view: View
+  min_compression_rate: float
+  seed: int
+  start_iter: int
+  orthogonalization_epsilon: float
+  residual: str
+  batched: bool
+
+
+def _options(rank, view, min_compression_rate, seed, start_iter, orthogonalization_epsilon,
+             residual, batched) -> _Options:
+  """:func:`power_sgd`'s arguments, each checked (its errors name ``power_sgd``)."""
+  fn = "power_sgd"
+  rank = base.check_positive_int("rank", rank, fn=fn)
+  view = _check_view(view, fn)
+  min_compression_rate = base.check_number(
+      "min_compression_rate", min_compression_rate, fn=fn, low=0.0, high=float("inf"),
+      low_open=False, high_open=False, what="a number >= 0")
+  seed = base.check_int("seed", seed, fn=fn)
+  start_iter = base.check_int("start_iter", start_iter, fn=fn, minimum=0)
+  orthogonalization_epsilon = base.check_number(
+      "orthogonalization_epsilon", orthogonalization_epsilon, fn=fn, low=0, low_open=False,
+      what="a number >= 0")
+  base.check_choice("residual", residual, RESIDUALS, fn)
+  batched = base.check_bool("batched", batched, fn=fn)
+  return _Options(rank, view, min_compression_rate, seed, start_iter,
+                  orthogonalization_epsilon, residual, batched)
+
+
+def _dims(opts: _Options, shape) -> tuple[int, int, int]:
+  """``(n, m, r)``: a leaf's matrix view and its rank, clipped to ``min(n, m)``."""
+  n, m = _matrix_shape(shape, opts.view)
+  return n, m, min(opts.rank, n, m)
+
+
+def _accepts(opts: _Options, shape, dtype) -> bool:
+  """Whether a leaf is compressed: a matrix compressing at least ``min_compression_rate``."""
+  if len(shape) < 2:
+    return False
+  n, m, r = _dims(opts, shape)
+  return n * m >= opts.min_compression_rate * (n + m) * r
+
+
+def _init(opts: _Options, leaf) -> PowerSGDLeafState:
+  """The seeded ``Q`` ``[m, r]`` in the work dtype, the same on every worker; no reductions yet."""
+  _, m, r = _dims(opts, leaf.shape)
+  q = jax.random.normal(jax.random.PRNGKey(opts.seed), (m, r), _work_dtype(leaf.dtype))
+  return PowerSGDLeafState(q=q, count=jnp.zeros([], jnp.int32))
+
+
+# ---------------------------------------------------------------------------
+# The multi-round protocol: a gradient's way through ``reduce`` (or ``reduce_tree``).
+
+
+def _reduce(opts: _Options, x, state, key, channel) -> base.Reduced:
+  """One leaf: the protocol on a group of one."""
+  del key
+  return _reduce_group(opts, [x], [state], channel)[0]
+
+
+def _reduce_tree(opts: _Options, xs, states, keys, channel) -> list:
+  """Every compressed leaf at once (``batched=True``): one protocol per group of
+  leaves with the same matrix shape, rank and dtype; the results in ``xs``'s order."""
+  del keys
+  groups = {}
+  for i, x in enumerate(xs):
+    groups.setdefault((_dims(opts, x.shape), jnp.dtype(x.dtype)), []).append(i)
+  out = [None] * len(xs)
+  for idx in groups.values():
+    for i, got in zip(idx, _reduce_group(opts, [xs[i] for i in idx], [states[i] for i in idx],
+                                         channel)):
+      out[i] = got
+  return out
+
+
+def _reduce_group(opts: _Options, xs, states, channel) -> list:
+  """The protocol on leaves of one matrix shape and dtype (stacked when several).
+
+  Dense for the first ``start_iter`` reductions (:func:`_dense_round`), the
+  two rounds after (:func:`_two_rounds`); one :class:`~commopt._src.base.Reduced`
+  per leaf, with its next state.
+  """
+  n, m, _ = _dims(opts, xs[0].shape)
+  wire = xs[0].dtype
+  single = len(xs) == 1
+  stack = (lambda t: t[0]) if single else jnp.stack
+  mat = stack([x.reshape(n, m).astype(_work_dtype(wire)) for x in xs])
+  q, count = stack([s.q for s in states]), states[0].count
+  if opts.start_iter:
+    mean, local, q_next = jax.lax.cond(
+        count < opts.start_iter, lambda ops: _dense_round(*ops, wire, channel),
+        lambda ops: _two_rounds(opts, *ops, wire, channel), (mat, q))
+  else:
+    mean, local, q_next = _two_rounds(opts, mat, q, wire, channel)
+  if single:
+    mean, local, q_next = mean[None], local[None], q_next[None]
+  count = optax.safe_int32_increment(count)
+  return [base.Reduced(mean=mean[i].reshape(x.shape).astype(x.dtype),
+                       local=local[i].reshape(x.shape).astype(x.dtype),
+                       state=PowerSGDLeafState(q=q_next[i], count=count))
+          for i, x in enumerate(xs)]
+
+
+def _dense_round(mat, q, wire, channel):
+  """The warm-up: the exact mean of ``mat``, sent in the wire dtype; nothing is owed."""
+  sent = mat.astype(wire)
+  return channel.mean(sent).astype(mat.dtype), sent.astype(mat.dtype), q
+
+
+def _two_rounds(opts: _Options, mat, q, wire, channel):
+  """The two rounds on ``mat`` ``[..., n, m]`` (work dtype): ``(mean, local, q_next)``."""
+  work = mat.dtype
+  # Q carries the inputs' magnitude from the last step; only its span
+  # matters here, so it enters at a max-abs near 1 (the same on every
+  # worker: Q is), and M Q overflows only where M's own rows would.
+  p = channel.mean((mat @ _unit(q)).astype(wire)).astype(work)
+  p_hat = _orthogonalize(p, opts.orthogonalization_epsilon)
+  # What this worker sends, rounded to the wire dtype so that its own
+  # reconstruction matches its share of the mean exactly.
+  q_local = (_transpose(mat) @ p_hat).astype(wire)
+  q_mean = channel.mean(q_local).astype(work)
+  mean = p_hat @ _transpose(q_mean)
+  local = mean if opts.residual == "aggregate" else p_hat @ _transpose(q_local.astype(work))
+  # An all-zero step (e.g. a frozen layer) would leave Q = 0 and lose the
+  # warm start; keep the previous Q then.
+  q_next = jnp.where(jnp.any(q_mean != 0, axis=(-2, -1), keepdims=True), q_mean, q)
+  return mean, vma.vary_like(local, mat), q_next
+
+
+# ---------------------------------------------------------------------------
+# The one-worker protocol as a payload: ``encode``, ``decode``, ``payload_bits``.
+
+
+def _encode(opts: _Options, x, state, key):
+  """The payload ``{"p": P̂, "q": MᵀP̂}`` (``P̂`` orthonormal) in ``x``'s dtype; the next state."""
+  del key
+  n, m, _ = _dims(opts, x.shape)
+  mat = x.reshape(n, m).astype(_work_dtype(x.dtype))
+  p_hat = _orthogonalize(mat @ _unit(state.q), opts.orthogonalization_epsilon)
+  q = mat.T @ p_hat
+  payload = {"p": p_hat.astype(x.dtype), "q": q.astype(x.dtype)}
+  return payload, PowerSGDLeafState(q=q, count=optax.safe_int32_increment(state.count))
+
+
+def _decode(payload, state, like) -> jax.Array:
+  """``P̂ Qᵀ`` with ``like``'s shape and dtype."""
+  work = _work_dtype(like.dtype)
+  mat = payload["p"].astype(work) @ payload["q"].astype(work).T
+  return mat.reshape(like.shape).astype(like.dtype)
+
+
+def _payload_bits(opts: _Options, shape, dtype) -> int:
+  """``(n + m) r`` values of the leaf's dtype."""
+  n, m, r = _dims(opts, shape)
+  return (n + m) * r * base.dtype_bits(dtype)
 
 
 def power_sgd(rank: int = 1, *, view: View = "last",
@@ -217,135 +392,20 @@ def power_sgd(rank: int = 1, *, view: View = "last",
     ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``
     (PyTorch), whose options these mirror.
   """
-  fn = "power_sgd"
-  rank = base.check_positive_int("rank", rank, fn=fn)
-  if not (callable(view) or isinstance(view, str)):
-    raise base.OptionTypeError(
-        f"power_sgd: `view` must be 'last', 'first' or a callable shape -> (n, m), "
-        f"got {view!r} ({type(view).__name__}).")
-  if not (callable(view) or view in ("last", "first")):
-    raise ValueError(
-        f"power_sgd: `view` must be 'last', 'first' or a callable shape -> (n, m), "
-        f"got {view!r}.")
-  min_compression_rate = base.check_number(
-      "min_compression_rate", min_compression_rate, fn=fn, low=0.0, high=float("inf"),
-      low_open=False, high_open=False, what="a number >= 0")
-  seed = base.check_int("seed", seed, fn=fn)
-  start_iter = base.check_int("start_iter", start_iter, fn=fn, minimum=0)
-  orthogonalization_epsilon = base.check_number(
-      "orthogonalization_epsilon", orthogonalization_epsilon, fn=fn, low=0, low_open=False,
-      what="a number >= 0")
-  base.check_choice("residual", residual, RESIDUALS, fn)
-  batched = base.check_bool("batched", batched, fn=fn)
-
-  def dims(shape):
-    n, m = _matrix_shape(shape, view)
-    return n, m, min(rank, n, m)
-
-  def accepts(shape, dtype):
-    if len(shape) < 2:
-      return False
-    n, m, r = dims(shape)
-    return n * m >= min_compression_rate * (n + m) * r
-
-  def init(leaf):
-    _, m, r = dims(leaf.shape)
-    q = jax.random.normal(jax.random.PRNGKey(seed), (m, r), _work_dtype(leaf.dtype))
-    return PowerSGDLeafState(q=q, count=jnp.zeros([], jnp.int32))
-
-  def compress(mat, q, wire, channel):
-    """The two rounds on ``mat`` ``[..., n, m]`` (work dtype): ``(mean, local, q_next)``."""
-    work = mat.dtype
-    # Q carries the inputs' magnitude from the last step; only its span
-    # matters here, so it enters at a max-abs near 1 (the same on every
-    # worker: Q is), and M Q overflows only where M's own rows would.
-    p = channel.mean((mat @ _unit(q)).astype(wire)).astype(work)
-    p_hat = _orthogonalize(p, orthogonalization_epsilon)
-    # What this worker sends, rounded to the wire dtype so that its own
-    # reconstruction matches its share of the mean exactly.
-    q_local = (_transpose(mat) @ p_hat).astype(wire)
-    q_mean = channel.mean(q_local).astype(work)
-    mean = p_hat @ _transpose(q_mean)
-    local = mean if residual == "aggregate" else p_hat @ _transpose(q_local.astype(work))
-    # An all-zero step (e.g. a frozen layer) would leave Q = 0 and lose the
-    # warm start; keep the previous Q then.
-    q_next = jnp.where(jnp.any(q_mean != 0, axis=(-2, -1), keepdims=True), q_mean, q)
-    return mean, vma.vary_like(local, mat), q_next
-
-  def dense(mat, q, wire, channel):
-    """The warm-up: the exact mean of ``mat``, sent in the wire dtype; nothing is owed."""
-    sent = mat.astype(wire)
-    return channel.mean(sent).astype(mat.dtype), sent.astype(mat.dtype), q
-
-  def reduce_group(xs, states, channel):
-    """The protocol on leaves of one matrix shape and dtype (stacked when several)."""
-    n, m, _ = dims(xs[0].shape)
-    wire = xs[0].dtype
-    single = len(xs) == 1
-    stack = (lambda t: t[0]) if single else jnp.stack
-    mat = stack([x.reshape(n, m).astype(_work_dtype(wire)) for x in xs])
-    q, count = stack([s.q for s in states]), states[0].count
-    if start_iter:
-      mean, local, q_next = jax.lax.cond(
-          count < start_iter, lambda ops: dense(*ops, wire, channel),
-          lambda ops: compress(*ops, wire, channel), (mat, q))
-    else:
-      mean, local, q_next = compress(mat, q, wire, channel)
-    if single:
-      mean, local, q_next = mean[None], local[None], q_next[None]
-    count = optax.safe_int32_increment(count)
-    return [base.Reduced(mean=mean[i].reshape(x.shape).astype(x.dtype),
-                         local=local[i].reshape(x.shape).astype(x.dtype),
-                         state=PowerSGDLeafState(q=q_next[i], count=count))
-            for i, x in enumerate(xs)]
-
-  def reduce(x, state, key, channel):
-    del key
-    return reduce_group([x], [state], channel)[0]
-
-  def reduce_tree(xs, states, keys, channel):
-    del keys
-    groups = {}
-    for i, x in enumerate(xs):
-      groups.setdefault((dims(x.shape), jnp.dtype(x.dtype)), []).append(i)
-    out = [None] * len(xs)
-    for idx in groups.values():
-      for i, got in zip(idx, reduce_group([xs[i] for i in idx], [states[i] for i in idx],
-                                          channel)):
-        out[i] = got
-    return out
-
-  def encode(x, state, key):
-    # The one-worker protocol as a payload: orthonormal P̂ and Q = Mᵀ P̂.
-    del key
-    n, m, _ = dims(x.shape)
-    mat = x.reshape(n, m).astype(_work_dtype(x.dtype))
-    p_hat = _orthogonalize(mat @ _unit(state.q), orthogonalization_epsilon)
-    q = mat.T @ p_hat
-    payload = {"p": p_hat.astype(x.dtype), "q": q.astype(x.dtype)}
-    return payload, PowerSGDLeafState(q=q, count=optax.safe_int32_increment(state.count))
-
-  def decode(payload, state, like):
-    work = _work_dtype(like.dtype)
-    mat = payload["p"].astype(work) @ payload["q"].astype(work).T
-    return mat.reshape(like.shape).astype(like.dtype)
-
-  def payload_bits(shape, dtype):
-    n, m, r = dims(shape)
-    return (n + m) * r * base.dtype_bits(dtype)
-
+  opts = _options(rank, view, min_compression_rate, seed, start_iter,
+                  orthogonalization_epsilon, residual, batched)
   return base.Compressor(
-      name=f"power_sgd(rank={rank})",
-      init=init,
+      name=f"power_sgd(rank={opts.rank})",
+      init=functools.partial(_init, opts),
       stateful=True,
-      encode=encode,
-      decode=decode,
-      payload_bits=payload_bits,
+      encode=functools.partial(_encode, opts),
+      decode=_decode,
+      payload_bits=functools.partial(_payload_bits, opts),
       linear=False,
-      accepts=accepts,
-      reduce=reduce,
-      reduce_tree=reduce_tree if batched else None,
-      dense_steps=start_iter,
+      accepts=functools.partial(_accepts, opts),
+      reduce=functools.partial(_reduce, opts),
+      reduce_tree=functools.partial(_reduce_tree, opts) if opts.batched else None,
+      dense_steps=opts.start_iter,
   )
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +212,114 @@ def _hash_seeds(rows: int, seed: int) -> np.ndarray:
   return words.astype(np.uint32)
 
 
+_SELECT = _magnitude_selector(False, "exact", 0.01, 0.95)
+"""The top-k selection of :func:`~commopt.top_k`'s defaults: the ``k`` largest magnitudes."""
+
+
+class _Options(NamedTuple):
+  """:func:`sketchml`'s options, checked (:func:`_options`)."""
+  leaf_k: Callable[[tuple[int, ...]], int]
+  buckets: int
+  sketch_ratio: Optional[float]
+  rows: int
+  seed: int
+  seeds: np.ndarray       # the MinMaxSketch's hash seeds, from rows and seed (_hash_seeds)
+
+
+def _options(ratio, k, buckets, sketch_ratio, rows, seed) -> _Options:
+  """:func:`sketchml`'s arguments, each checked (its errors name ``sketchml``)."""
+  fn = "sketchml"
+  leaf_k = _budget(fn, ratio, k)
+  buckets = base.check_integer(
+      "buckets", buckets, fn=fn,
+      rule=f"an even integer in [2, {_MAX_BUCKETS}] (half for each sign)",
+      ok=lambda b: 2 <= b <= _MAX_BUCKETS and b % 2 == 0)
+  if sketch_ratio is not None:
+    sketch_ratio = base.check_number("sketch_ratio", sketch_ratio, fn=fn, low=0.0,
+                                     what="None or a positive number")
+  rows = base.check_positive_int("rows", rows, fn=fn)
+  seed = base.check_int("seed", seed, fn=fn, minimum=0)
+  return _Options(leaf_k, buckets, sketch_ratio, rows, seed, _hash_seeds(rows, seed))
+
+
+def _name(ratio, k, opts: _Options) -> str:
+  """``sketchml(ratio=…)`` or ``sketchml(k=…)``, then the options that are not the defaults."""
+  options = {}
+  if opts.buckets != 256:
+    options["buckets"] = opts.buckets
+  if opts.sketch_ratio is not None:
+    options.update(sketch_ratio=opts.sketch_ratio, rows=opts.rows, seed=opts.seed)
+  return _budget_name("sketchml", ratio, k, **options)
+
+
+def _layout(opts: _Options, shape):
+  """``(k, buckets per sign, index bits, cells per row or None)`` of a leaf."""
+  size = base.leaf_size(shape)
+  if size > _MAX_SIZE:
+    raise ValueError(f"sketchml: a leaf of {size} elements is too large for int32 keys (at "
+                     f"most {_MAX_SIZE}); split it.")
+  n = opts.leaf_k(shape)
+  q = min(opts.buckets // 2, n)
+  cols = (None if opts.sketch_ratio is None
+          else max(1, math.ceil(round(opts.sketch_ratio * n, 6) / opts.rows)))
+  return n, q, bitops.code_bits(q), cols
+
+
+def _field_bits(b, cols) -> int:
+  """Bits of a key's field: its length flag, its sign and (without the sketch) its index."""
+  return _FLAG_BITS + 1 + (b if cols is None else 0)
+
+
+def _encode_flat(opts: _Options, flat, shape, choice):
+  """The payload of a leaf of ``shape``, flattened to ``flat``.
+
+  ``choice`` (:func:`commopt.kernels.current`) only keys the trace.
+  """
+  del choice
+  n, q, b, cols = _layout(opts, shape)
+  keys = _SELECT(flat, n, None).astype(jnp.int32)
+  values = flat[keys].astype(_F32)
+  codes, splits = quantile_buckets(values, q)
+  flags, words = delta_encode(keys, flat.shape[0])
+  field = flags | ((values < 0).astype(_U32) << _FLAG_BITS)
+  payload = {"keys": words, "splits": splits}
+  if cols is None:
+    field = field | (codes << (_FLAG_BITS + 1))
+  else:
+    table = minmax_sketch(keys, codes, jnp.asarray(opts.seeds), cols, q - 1)
+    payload["sketch"] = kernels.pack_bits(table, b)
+  payload["fields"] = kernels.pack_bits(field, _field_bits(b, cols))
+  return payload
+
+
+def _pairs(opts: _Options, payload, shape, choice):
+  """``(keys, values)`` of a payload for a leaf of ``shape`` (``choice``: as for
+  :func:`_encode_flat`)."""
+  del choice
+  n, q, b, cols = _layout(opts, shape)
+  field = kernels.unpack_bits(payload["fields"], _field_bits(b, cols), n)
+  keys = delta_decode(field & _U32(3), payload["keys"], base.leaf_size(shape))
+  negative = (field >> _FLAG_BITS) & _U32(1)
+  if cols is None:
+    codes = field >> (_FLAG_BITS + 1)
+  else:
+    table = kernels.unpack_bits(payload["sketch"], b, opts.rows * cols)
+    codes = minmax_query(table, keys, jnp.asarray(opts.seeds), cols)
+  magnitude = payload["splits"][split_index(negative, codes, q)]
+  return keys, jnp.where(negative == 1, -magnitude, magnitude)
+
+
+def _payload_bits(opts: _Options, shape, dtype) -> int:
+  """Keys, fields, the sketch (if any), each packed into uint32 words, and the splits."""
+  del dtype
+  n, q, b, cols = _layout(opts, shape)
+  words = bitops.packed_words(key_bytes_bound(n, base.leaf_size(shape)), 8)
+  words += bitops.packed_words(n, _field_bits(b, cols))
+  if cols is not None:
+    words += bitops.packed_words(opts.rows * cols, b)
+  return 32 * words + 32 * split_slots(n, q)
+
+
 def sketchml(ratio: Optional[float] = None, *, k: Optional[int] = None, buckets: int = 256,
              sketch_ratio: Optional[float] = None, rows: int = 2,
              seed: int = 0) -> base.Compressor:
@@ -293,74 +401,16 @@ def sketchml(ratio: Optional[float] = None, *, k: Optional[int] = None, buckets:
     Jiang et al., SketchML: Accelerating Distributed Machine Learning with
     Data Sketches, SIGMOD 2018.
   """
-  fn = "sketchml"
-  leaf_k = _budget(fn, ratio, k)
-  buckets = base.check_integer(
-      "buckets", buckets, fn=fn,
-      rule=f"an even integer in [2, {_MAX_BUCKETS}] (half for each sign)",
-      ok=lambda b: 2 <= b <= _MAX_BUCKETS and b % 2 == 0)
-  if sketch_ratio is not None:
-    sketch_ratio = base.check_number("sketch_ratio", sketch_ratio, fn=fn, low=0.0,
-                                     what="None or a positive number")
-  rows = base.check_positive_int("rows", rows, fn=fn)
-  seed = base.check_int("seed", seed, fn=fn, minimum=0)
-  seeds = _hash_seeds(rows, seed)
-  select = _magnitude_selector(False, "exact", 0.01, 0.95)
-
-  def layout(shape):
-    """``(k, buckets per sign, index bits, cells per row or None)`` of a leaf."""
-    size = base.leaf_size(shape)
-    if size > _MAX_SIZE:
-      raise ValueError(f"{fn}: a leaf of {size} elements is too large for int32 keys (at "
-                       f"most {_MAX_SIZE}); split it.")
-    n = leaf_k(shape)
-    q = min(buckets // 2, n)
-    cols = None if sketch_ratio is None else max(1, math.ceil(round(sketch_ratio * n, 6) / rows))
-    return n, q, bitops.code_bits(q), cols
-
-  def field_bits(b, cols):
-    return _FLAG_BITS + 1 + (b if cols is None else 0)
-
+  opts = _options(ratio, k, buckets, sketch_ratio, rows, seed)
   # Encoding and decoding are traced once per leaf layout (and kernel choice,
   # which they read when traced): called outside jit, as under vmap, they run
   # as one program rather than op by op.
-  @functools.partial(jax.jit, static_argnums=(1, 2))
-  def encode_flat(flat, shape, choice):
-    del choice
-    n, q, b, cols = layout(shape)
-    keys = select(flat, n, None).astype(jnp.int32)
-    values = flat[keys].astype(_F32)
-    codes, splits = quantile_buckets(values, q)
-    flags, words = delta_encode(keys, flat.shape[0])
-    field = flags | ((values < 0).astype(_U32) << _FLAG_BITS)
-    payload = {"keys": words, "splits": splits}
-    if cols is None:
-      field = field | (codes << (_FLAG_BITS + 1))
-    else:
-      table = minmax_sketch(keys, codes, jnp.asarray(seeds), cols, q - 1)
-      payload["sketch"] = kernels.pack_bits(table, b)
-    payload["fields"] = kernels.pack_bits(field, field_bits(b, cols))
-    return payload
-
-  @functools.partial(jax.jit, static_argnums=(1, 2))
-  def pairs(payload, shape, choice):
-    """``(keys, values)`` of a payload for a leaf of ``shape``."""
-    del choice
-    n, q, b, cols = layout(shape)
-    field = kernels.unpack_bits(payload["fields"], field_bits(b, cols), n)
-    keys = delta_decode(field & _U32(3), payload["keys"], base.leaf_size(shape))
-    negative = (field >> _FLAG_BITS) & _U32(1)
-    if cols is None:
-      codes = field >> (_FLAG_BITS + 1)
-    else:
-      table = kernels.unpack_bits(payload["sketch"], b, rows * cols)
-      codes = minmax_query(table, keys, jnp.asarray(seeds), cols)
-    magnitude = payload["splits"][split_index(negative, codes, q)]
-    return keys, jnp.where(negative == 1, -magnitude, magnitude)
+  encode_flat = jax.jit(functools.partial(_encode_flat, opts), static_argnums=(1, 2))
+  pairs = jax.jit(functools.partial(_pairs, opts), static_argnums=(1, 2))
 
   def encode(x, state, key):
     del key
-    layout(x.shape)   # argument errors surface here, not inside the jitted trace
+    _layout(opts, x.shape)   # argument errors surface here, not inside the jitted trace
     return encode_flat(x.reshape(-1), tuple(x.shape), kernels.current()), state
 
   def decode(payload, state, like):
@@ -371,22 +421,9 @@ def sketchml(ratio: Optional[float] = None, *, k: Optional[int] = None, buckets:
     del state
     return _scatter_add(acc, *pairs(payload, tuple(like.shape), kernels.current()), like)
 
-  def payload_bits(shape, dtype):
-    del dtype
-    n, q, b, cols = layout(shape)
-    words = bitops.packed_words(key_bytes_bound(n, base.leaf_size(shape)), 8)
-    words += bitops.packed_words(n, field_bits(b, cols))
-    if cols is not None:
-      words += bitops.packed_words(rows * cols, b)
-    return 32 * words + 32 * split_slots(n, q)
-
-  options = {}
-  if buckets != 256:
-    options["buckets"] = buckets
-  if sketch_ratio is not None:
-    options.update(sketch_ratio=sketch_ratio, rows=rows, seed=seed)
-  return base.Compressor(name=_budget_name(fn, ratio, k, **options), init=base.stateless_init,
-                         encode=encode, decode=decode, payload_bits=payload_bits,
+  return base.Compressor(name=_name(ratio, k, opts), init=base.stateless_init,
+                         encode=encode, decode=decode,
+                         payload_bits=functools.partial(_payload_bits, opts),
                          accumulate=accumulate)
 
 
