@@ -24,7 +24,7 @@ Four sections, each measured for real:
    previous checkpoint restores and verifies, the remains do not restore), and
    a clean save restored and continued (bit-identical to the run that never
    stopped).
-4. Soak. N steps of ``compressed_mean(scaled_sign(), "data")`` under
+4. Soak. N steps of ``compressed_mean(scaled_sign(), axis_name="data")`` under
    ``data_parallel``, with the resident memory's growth between step N/10 and N.
 
     python benchmarks/bench_faults.py [--steps 2000] [--out runs/bench_faults.json]
@@ -148,7 +148,7 @@ def hand_calls(mesh):
   import commopt
 
   def step_with(batch):
-    tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(0.1))
+    tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.1))
     dp = commopt.data_parallel(_loss, tx, mesh, donate=False)
     params = {"w": jnp.zeros((4, 3))}
     out = dp.step(params, dp.init(params), batch)
@@ -257,7 +257,7 @@ def nonfinite(mesh, steps, log):
                       "y": y.astype(dtype)}
 
   def dp_of(compressor, lr=0.1, **kw):
-    tx = optax.chain(commopt.compressed_mean(compressor, "data", **kw), optax.sgd(lr))
+    tx = optax.chain(commopt.compressed_mean(compressor, axis_name="data", **kw), optax.sgd(lr))
     return commopt.data_parallel(_loss, tx, mesh, donate=False)
 
   cases = [
@@ -383,7 +383,7 @@ def _ck_dp(mesh):
   import optax
 
   import commopt
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=0),
                    optax.sgd(0.2, momentum=0.9))
   return commopt.data_parallel(lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2),
                                tx, mesh, donate=False)
@@ -438,7 +438,7 @@ def soak(mesh, steps, log):
   import optax
 
   import commopt
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(0.01))
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.01))
   dp = commopt.data_parallel(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), tx, mesh)
   params = {"w": jnp.zeros((256, 64))}
   state = dp.init(params)
@@ -495,7 +495,7 @@ def print_table(result):
     print(f"{r['case']:<{w}} {r['killed']:6d} {resumed:>22} {r['orphans']:20d} "
           f"{'yes' if r['ok'] else 'NO':>12}{extra}")
   s = result["soak"]
-  print(f"\n4. Soak: {s['steps']} steps of compressed_mean(scaled_sign(), 'data'): RSS "
+  print(f"\n4. Soak: {s['steps']} steps of compressed_mean(scaled_sign(), axis_name='data'): RSS "
         f"{s['rss_start_mib']:.1f} MiB at step {s['from_step']} -> {s['rss_end_mib']:.1f} MiB "
         f"at step {s['steps']}, growth {s['rss_growth_mib']:+.1f} MiB ({s['seconds']:.1f} s)")
 

@@ -59,7 +59,7 @@ def main(argv=None):
   for name, strategy in pairs:
     compressor = commopt.compressors.make(name)
     try:
-      reduce = commopt.compressed_mean(compressor, "data", strategy=strategy)
+      reduce = commopt.compressed_mean(compressor, axis_name="data", strategy=strategy)
     except ValueError as e:
       print(f"skipped {compressor.name} with strategy={strategy!r}: {e}")
       continue

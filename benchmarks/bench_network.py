@@ -155,7 +155,7 @@ def worker(config_path: str, result_path: str) -> None:
   results = {}
   for label in cfg["methods"]:
     name, opts, strategy, ef = METHODS[label]
-    reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), "data",
+    reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name="data",
                                       strategy=strategy, error_feedback=ef)
     tx = optax.chain(reducer, optax.sgd(cfg["lr"], momentum=0.9))
     plan = wire.comm_plan(reducer, params0, workers)

@@ -2,7 +2,7 @@
 
 For each registered compressor and each strategy (auto, two_phase,
 hierarchical, and hierarchical+two_phase: inner_strategy="two_phase") it
-builds ``optax.chain(compressed_mean(c, axis, error_feedback=True,
+builds ``optax.chain(compressed_mean(c, axis_name=axis, error_feedback=True,
 strategy=s), optax.sgd(lr, momentum=0.9))`` for an MLP and measures the bytes
 of optimizer state that one device holds, summed over the actual arrays
 (``leaf.addressable_shards[0].data.nbytes``), as a multiple of the
@@ -90,7 +90,7 @@ def main(argv=None):
       strategy, _, inner = label.partition("+")
       axis, mesh = two_d if strategy == "hierarchical" else flat
       try:
-        reduce = commopt.compressed_mean(compressor, axis, error_feedback=True,
+        reduce = commopt.compressed_mean(compressor, axis_name=axis, error_feedback=True,
                                          strategy=strategy, inner_strategy=inner or "auto")
       except ValueError as e:
         print(f"skipped {compressor.name} with strategy={label!r}: {e}")

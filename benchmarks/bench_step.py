@@ -1,7 +1,7 @@
 """Step time of every compressor against dense (identity), under data_parallel.
 
 Each row is one ``commopt.data_parallel`` training step with
-``optax.chain(compressed_mean(c, "data", strategy=s), optax.sgd(0.1))``, timed
+``optax.chain(compressed_mean(c, axis_name="data", strategy=s), optax.sgd(0.1))``, timed
 as the median of ``--steps`` steps after two warm-up steps, every step blocked
 until ready, and reported as a ratio to the identity compressor's step
 measured in the same run. ``majority_vote`` and ``dgc`` are their own
@@ -100,12 +100,12 @@ def reducer(name, strategy):
   """The reducing transform for ``name`` under ``strategy``, or a reason it does not apply."""
   import commopt
   if name == "majority_vote":
-    return commopt.majority_vote("data") if strategy == "gather" else "its own protocol"
+    return commopt.majority_vote(axis_name="data") if strategy == "gather" else "its own protocol"
   if name == "dgc":
-    return commopt.dgc("data", densities=0.01) if strategy == "gather" else "its own protocol"
+    return commopt.dgc(axis_name="data", densities=0.01) if strategy == "gather" else "its own protocol"
   c = commopt.compressors.make(name)
   if name == "identity":
-    return commopt.compressed_mean(c, "data")
+    return commopt.compressed_mean(c, axis_name="data")
   if strategy == "auto":
     if not c.linear or "protocol" in c.capabilities:
       return "auto is gather here"
@@ -113,9 +113,9 @@ def reducer(name, strategy):
   if "protocol" in c.capabilities:
     if strategy != "gather":
       return "its own protocol"
-    return commopt.compressed_mean(c, "data")
+    return commopt.compressed_mean(c, axis_name="data")
   try:
-    return commopt.compressed_mean(c, "data", strategy=strategy)
+    return commopt.compressed_mean(c, axis_name="data", strategy=strategy)
   except ValueError as e:
     return str(e).split(";")[0]
 

@@ -80,7 +80,7 @@ def make(mode: str, args):
   h = args.period
   identity = commopt.compressors.make("identity")
   if mode == "dense BSP":
-    reducer = commopt.compressed_mean(identity, "data")
+    reducer = commopt.compressed_mean(identity, axis_name="data")
     return optax.chain(reducer, inner), False, reducer
   if mode == "local SGD H":
     tx = commopt.local_sgd(inner, axis_name="data", period=h)

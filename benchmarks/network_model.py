@@ -76,7 +76,7 @@ def main(argv=None):
       shared = lambda latency: network.Network(network.Link.gbit(gbit, latency), topology="shared")
       for label, r in methods.items():
         name, opts, strategy, ef = bench.METHODS[label]
-        reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), "data",
+        reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name="data",
                                           strategy=strategy, error_feedback=ef)
         pred = network.predict(reducer, params, int(n), shared(args.latency),
                                compute_s=r["compute_s"])

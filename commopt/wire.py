@@ -182,7 +182,7 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
   non-finite gradient.
 
   Args:
-    tx: a compressor, which stands for ``compressed_mean(tx, axis_name,
+    tx: a compressor, which stands for ``compressed_mean(tx, axis_name=axis_name,
       strategy=..., inner_strategy=..., min_size=...)``; a reducing transform
       made by commopt (``compressed_mean``, ``dgc``, ``majority_vote``, the
       robust rules, the synchronisation modes); or any optax transform that
@@ -225,7 +225,7 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
     >>> params = {"w": jnp.zeros((256, 256))}
     >>> gather = commopt.wire.comm_plan(commopt.scaled_sign(), params, 64)
     >>> two_phase = commopt.wire.comm_plan(
-    ...     commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="two_phase"),
+    ...     commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase"),
     ...     params, 64)
     >>> [c.kind for c in two_phase.collectives]
     ['all-to-all', 'all-gather']
@@ -236,7 +236,7 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
     reduction inside it:
 
     >>> import optax
-    >>> tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"),
+    >>> tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
     ...                  optax.adam(1e-3))
     >>> chained = commopt.wire.comm_plan(tx, params, 64)
     >>> chained.collectives == gather.collectives, chained.uncovered

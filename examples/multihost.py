@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 import commopt  # noqa: E402
 
 mesh = jax.make_mesh((jax.device_count(),), ("data",))      # every process's devices
-tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(0.2))
+tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.2))
 
 
 def loss(params, batch):

@@ -370,7 +370,7 @@ def main(argv=None):
   def optimizer(name):
     """(label, optax transform, the reducing transform inside it, DGC's schedule)."""
     if name == "signum":
-      vote = commopt.majority_vote("data")
+      vote = commopt.majority_vote(axis_name="data")
       tx = optax.chain(optax.trace(decay=args.momentum), vote, optax.scale(-args.sign_lr))
       return "signum(majority vote)", tx, vote, None
     if name in ("onebit_adam", "onebit_lamb"):
@@ -397,7 +397,7 @@ def main(argv=None):
       densities = densities if e else densities[-1:]
       # Four boundaries spread over the warm-up epochs (they must increase strictly).
       boundaries = tuple(max(i, steps_per_epoch * e * i // 4) for i in range(1, 5)) if e else ()
-      reducer = commopt.dgc("data", densities=densities, boundaries=boundaries,
+      reducer = commopt.dgc(axis_name="data", densities=densities, boundaries=boundaries,
                             momentum=args.momentum, clip_norm=args.clip_norm)
       tx = optax.chain(reducer, optax.sgd(args.lr))
       # Bytes are reported for the final (steady-state) density.
@@ -406,10 +406,10 @@ def main(argv=None):
       return sync_optimizer(name)
     compressor, strategy = make_compressor(name)
     label = compressor.name if strategy == "auto" else f"{compressor.name} [{strategy}]"
-    reducer = commopt.compressed_mean(compressor, "data", error_feedback=ef, strategy=strategy)
+    reducer = commopt.compressed_mean(compressor, axis_name="data", error_feedback=ef, strategy=strategy)
     if args.sfb:
       # The dense layers' factors first; every other leaf through the compressor.
-      reducer = commopt.sfb_mean("data", batch // args.workers, commopt.sfb_mask, other=reducer)
+      reducer = commopt.sfb_mean(batch // args.workers, commopt.sfb_mask, axis_name="data", other=reducer)
       label = f"sfb + {label}"
     tx = optax.chain(reducer, optax.sgd(args.lr, momentum=args.momentum))
     return label, tx, reducer, None

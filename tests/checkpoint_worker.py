@@ -36,7 +36,7 @@ def make():
 
   import commopt
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  reducer = commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0,
+  reducer = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=0,
                                     strategy="two_phase")
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
   dp = commopt.data_parallel(loss, optax.chain(reducer, optax.sgd(0.2, momentum=0.9)), mesh)

@@ -19,7 +19,7 @@ def main(out: pathlib.Path) -> None:
   import commopt
   from commopt import checkpoint
 
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=0),
                    optax.sgd(0.2, momentum=0.9))
   dp = commopt.data_parallel(lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2),
                              tx, jax.make_mesh((8,), ("data",)), donate=False)

@@ -26,14 +26,14 @@ def run_case(case: str, local_rows):
   if case == "hierarchical":
     mesh = jax.make_mesh((2, 4), ("node", "local"))
     axis = ("node", "local")
-    reducer = commopt.compressed_mean(commopt.scaled_sign(), axis, strategy="hierarchical",
+    reducer = commopt.compressed_mean(commopt.scaled_sign(), axis_name=axis, strategy="hierarchical",
                                       min_size=0)
   else:
     mesh = jax.make_mesh((8,), ("data",))
     axis = "data"
     name, strategy = ("scaled_sign", "two_phase") if case == "two_phase" else (case, "auto")
     # min_size=0: every leaf compressed, so a gather-only case has no dense all-reduce.
-    reducer = commopt.compressed_mean(commopt.compressors.make(name), axis, strategy=strategy,
+    reducer = commopt.compressed_mean(commopt.compressors.make(name), axis_name=axis, strategy=strategy,
                                       min_size=0)
   rng = np.random.default_rng(0)
   params = {"w": jnp.asarray(rng.normal(size=(64, 48)) * 0.1, jnp.float32),

@@ -185,7 +185,7 @@ def test_vectors_and_incompressible_matrices_go_dense():
 def test_compiled_compressed_mean_moves_the_payload_not_the_leaf(mesh):
   c = commopt.atomo(2)
   params = {"w": jnp.zeros((64, 48))}
-  sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, "data", min_size=0),
+  sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, axis_name="data", min_size=0),
                                          mesh, "data")
   u = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(8, 64, 48)), jnp.float32)}
   collectives = wire.hlo_collectives(sm.update, u, sm.init(params))

@@ -22,7 +22,7 @@ def host(tree):
 @pytest.mark.parametrize("name", ["scaled_sign", "top_k", "power_sgd"])
 def test_a_restored_run_continues_bit_identically(name, mesh, tmp_path):
   params = {"w": jnp.ones((64, 48)) * 0.1, "b": jnp.zeros(48)}
-  tx = optax.chain(commopt.compressed_mean(commopt.compressors.make(name), "data", min_size=0),
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.make(name), axis_name="data", min_size=0),
                    optax.sgd(0.1, momentum=0.9))
   dp = commopt.data_parallel(lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2),
                              tx, mesh, donate=False)
@@ -68,12 +68,12 @@ def _run(devices, axes, reducer_fn):
 
 
 REDUCERS = {
-    "scaled_sign": lambda a: commopt.compressed_mean(commopt.scaled_sign(), a, min_size=0),
-    "top_k/two_phase": lambda a: commopt.compressed_mean(commopt.top_k(0.1), a, min_size=0,
+    "scaled_sign": lambda a: commopt.compressed_mean(commopt.scaled_sign(), axis_name=a, min_size=0),
+    "top_k/two_phase": lambda a: commopt.compressed_mean(commopt.top_k(0.1), axis_name=a, min_size=0,
                                                          strategy="two_phase"),
-    "dgc": lambda a: commopt.dgc(a, densities=0.1, min_size=0),
+    "dgc": lambda a: commopt.dgc(axis_name=a, densities=0.1, min_size=0),
     "hierarchical": lambda a: commopt.compressed_mean(
-        commopt.scaled_sign(), a, min_size=0, strategy="hierarchical", inner_strategy="two_phase"),
+        commopt.scaled_sign(), axis_name=a, min_size=0, strategy="hierarchical", inner_strategy="two_phase"),
 }
 
 
@@ -254,7 +254,7 @@ def saved(tmp_path_factory):
   out = {}
   for name, min_size in (("per_worker", 0), ("replicated", 10**9)):
     dp = _run((8,), ("data",), lambda a, m=min_size: commopt.compressed_mean(
-        commopt.scaled_sign(), a, min_size=m))
+        commopt.scaled_sign(), axis_name=a, min_size=m))
     params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
     p, s, _ = dp.step(params, dp.init(params), _batches(1)[0])
     path = pathlib.Path(checkpoint.save(tmp_path_factory.mktemp("saved") / name, p, s, step=1))

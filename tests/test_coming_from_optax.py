@@ -99,9 +99,9 @@ def test_a_value_the_same_on_every_worker_goes_through_once_cast_to_varying():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: commopt.majority_vote("data"),
-    lambda: commopt.coordinate_median("data"),
-    lambda: commopt.dgc("data", densities=0.1),
+    lambda: commopt.majority_vote(axis_name="data"),
+    lambda: commopt.coordinate_median(axis_name="data"),
+    lambda: commopt.dgc(axis_name="data", densities=0.1),
     lambda: commopt.local_sgd(optax.sgd(0.1), axis_name="data", period=2),
 ], ids=["majority_vote", "coordinate_median", "dgc", "local_sgd"])
 def test_every_reduction_refuses_input_already_reduced(make):
@@ -214,7 +214,7 @@ def test_a_wrong_axis_name_in_a_users_shard_map_names_the_axes_bound():
 
 
 def test_an_axis_name_outside_any_map_says_none_is_bound():
-  tx = commopt.majority_vote("data")
+  tx = commopt.majority_vote(axis_name="data")
   params, _ = _problem()
   with pytest.raises(commopt.AxisNameError, match="majority_vote: .*no axis is bound here"):
     tx.update(params, tx.init(params), params)
@@ -287,7 +287,7 @@ def test_a_transform_of_ones_own_without_extra_arguments_still_runs():
   def update(updates, state, params=None):
     return jax.tree.map(lambda u: -0.05 * u, updates), state
 
-  mean = commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0)
+  mean = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=0)
   tx = optax.GradientTransformationExtraArgs(
       mean.init, lambda u, s, p=None: update(*mean.update(u, s, p), p))
   params, batch = _problem()

@@ -20,7 +20,7 @@ def params_like():
 
 
 def sign_mean(axis="data"):
-  return commopt.compressed_mean(commopt.scaled_sign(), axis)
+  return commopt.compressed_mean(commopt.scaled_sign(), axis_name=axis)
 
 
 def bare_plan(params=None, n=N):
@@ -55,7 +55,7 @@ def test_a_chain_plans_as_the_reduction_inside_it():
 def test_multi_transform_plans_each_reduction_on_its_labels_leaves():
   params = params_like()
   labels = {"w": "sign", "v": "topk", "b": "local", "frozen": None}
-  topk = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase")
+  topk = commopt.compressed_mean(commopt.qsgd(), axis_name="data", strategy="two_phase")
   tx = optax.multi_transform(
       {"sign": optax.chain(sign_mean(), optax.sgd(0.1)),
        "topk": optax.chain(topk, optax.adam(1e-3)),
@@ -75,7 +75,7 @@ def test_multi_transform_plan_matches_the_lowered_program(mesh):
   params = {"w": jnp.zeros((64, 48)), "v": jnp.zeros((4096,)), "b": jnp.zeros((10,))}
   tx = optax.multi_transform(
       {"sign": optax.chain(sign_mean(), optax.sgd(0.1)),
-       "vote": commopt.majority_vote("data"),
+       "vote": commopt.majority_vote(axis_name="data"),
        "local": optax.sgd(0.1)}, {"w": "sign", "v": "vote", "b": "local"})
   rng = np.random.default_rng(0)
   u = {k: jnp.asarray(rng.normal(size=(N,) + v.shape), jnp.float32) for k, v in params.items()}
@@ -106,9 +106,9 @@ def test_wrappers_plan_their_reduction_once(wrap):
   jax.eval_shape); only the trace that lands in the program counts."""
   chain = optax.chain(sign_mean(), optax.adam(1e-3))
   tx = {
-      "apply_if_finite": lambda: commopt.transforms.apply_if_finite(chain, "data"),
+      "apply_if_finite": lambda: commopt.transforms.apply_if_finite(chain, axis_name="data"),
       "multi_steps": lambda: commopt.multi_steps(chain, 4),
-      "both": lambda: commopt.apply_if_finite(commopt.multi_steps(chain, 4), "data",
+      "both": lambda: commopt.apply_if_finite(commopt.multi_steps(chain, 4), axis_name="data",
                                               max_consecutive_errors=2),
       "injected_steps": lambda: commopt.multi_steps(optax.inject_hyperparams(
           lambda learning_rate: optax.chain(sign_mean(), optax.sgd(learning_rate)))(
@@ -118,7 +118,7 @@ def test_wrappers_plan_their_reduction_once(wrap):
 
 
 def test_several_reductions_in_one_chain_add_up():
-  topk = commopt.compressed_mean(commopt.top_k(0.1), "data")
+  topk = commopt.compressed_mean(commopt.top_k(0.1), axis_name="data")
   params = params_like()
   got = wire.comm_plan(optax.chain(sign_mean(), optax.sgd(0.1), topk), params, N)
   want = bare_plan().collectives + wire.comm_plan(topk, params, N).collectives
@@ -133,7 +133,7 @@ def test_several_reductions_in_one_chain_add_up():
 def test_a_reduction_inside_a_reduction_is_planned_by_the_outer_one():
   """dgc runs a compressed_mean; a synchronisation mode runs its reducer."""
   params = params_like()
-  for tx in (commopt.dgc("data", densities=0.05, min_size=100),
+  for tx in (commopt.dgc(axis_name="data", densities=0.05, min_size=100),
              commopt.local_sgd(optax.sgd(0.1), axis_name="data", period=2,
                                compressor=commopt.scaled_sign())):
     assert wire.comm_plan(optax.chain(optax.clip(1.0), tx), params, N) == \
@@ -161,7 +161,7 @@ def test_step_goes_through_a_chain_for_a_periodic_mode(mode):
 
 def test_tuple_axes_bind_every_axis():
   axes = ("node", "local")
-  tx = commopt.compressed_mean(commopt.scaled_sign(), axes, strategy="hierarchical")
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name=axes, strategy="hierarchical")
   got = wire.comm_plan(optax.chain(tx, optax.sgd(0.1)), params_like(), (2, 4), axis_name=axes)
   assert got == wire.comm_plan(tx, params_like(), (2, 4))
   assert {c.axis for c in got.collectives} == set(axes)
@@ -207,7 +207,7 @@ def test_the_planner_wrapper_is_transparent_outside_comm_plan():
 
 def test_a_chain_ending_in_reduce_on_plateau_plans_like_its_reduction():
   params = {"w": jnp.zeros((64, 32))}
-  mean = commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0)
+  mean = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=0)
   tx = optax.chain(mean, optax.sgd(0.1), optax.contrib.reduce_on_plateau())
   assert (commopt.wire.comm_plan(tx, params, 4).collectives
           == commopt.wire.comm_plan(mean, params, 4).collectives)

@@ -79,7 +79,7 @@ def test_payload_bytes_equal_hlo_audit(name, opts, mesh):
   # the audit's stage="auto" then reads the wire format before that pass.
   if name == "cast" and not opts and jax.default_backend() == "cpu":
     sm = commopt.testing.shard_map_workers(
-        commopt.compressed_mean(make(name), "data", min_size=checks.MIN_SIZE), mesh, "data")
+        commopt.compressed_mean(make(name), axis_name="data", min_size=checks.MIN_SIZE), mesh, "data")
     u, state = checks.worker_updates(40), sm.init(checks.params_like())
     compiled = wire.hlo_collectives(sm.update, u, state, stage="compiled")
     assert any("f32" in c.dtypes for c in compiled)
@@ -105,9 +105,10 @@ def test_multi_steps_applies_the_mean_of_the_accumulated_inputs(name):
 
 
 STATELESS = [n for n in NAMES if base.is_stateless_per_leaf(make(n))]
+CHUNKED = [n for n in STATELESS if "flat_chunks" in make(n).capabilities]
 
 
-@pytest.mark.parametrize("name", STATELESS)
+@pytest.mark.parametrize("name", CHUNKED)
 def test_two_phase_and_hierarchical_conserve(name, mesh, mesh2d):
   if make(name).error_kind == "direction":
     pytest.skip("sign keeps no residual: error feedback is refused for it")
@@ -121,6 +122,7 @@ def test_robust_rules_decode_each_payload(name):
 
 def test_the_stateless_list_is_not_empty_and_excludes_protocols():
   assert "scaled_sign" in STATELESS and "power_sgd" not in STATELESS
+  assert "atomo" in STATELESS and "atomo" not in CHUNKED and "scaled_sign" in CHUNKED
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -26,7 +26,7 @@ N = 8
 
 
 def _sign_sgd(axis, error_feedback="auto"):
-  return optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis, min_size=0,
+  return optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name=axis, min_size=0,
                                              error_feedback=error_feedback),
                      optax.sgd(0.1))
 
@@ -84,7 +84,7 @@ def _run_three_steps(update, state, bad_worker):
 
 
 def test_apply_if_finite_vmap_workers():
-  tx = apply_if_finite(_sign_sgd("workers"), "workers")
+  tx = apply_if_finite(_sign_sgd("workers"), axis_name="workers")
   w = commopt.testing.vmap_workers(tx, N)
   _run_three_steps(w.update, w.init({"w": jnp.zeros(64)}), bad_worker=5)
 
@@ -95,7 +95,7 @@ def test_apply_if_finite_shard_map(check_vma):
   # There nothing checks that per-worker residuals leave the map per worker,
   # so compressed_mean refuses to keep any (tests/test_first_hour.py): no error feedback.
   mesh = jax.make_mesh((N,), ("data",))
-  tx = apply_if_finite(_sign_sgd("data", "auto" if check_vma else False), "data")
+  tx = apply_if_finite(_sign_sgd("data", "auto" if check_vma else False), axis_name="data")
   state = _stack(tx.init({"w": jnp.zeros(64)}))
   _run_three_steps(_shard_map_update(tx, mesh, "data", check_vma), state, bad_worker=3)
 
@@ -105,7 +105,7 @@ def test_apply_if_finite_over_a_tuple_of_axes():
   axes = ("node", "local")
   mean = optax.GradientTransformation(
       lambda p: optax.EmptyState(), lambda u, s, p=None: (jax.lax.pmean(u, axes), s))
-  tx = apply_if_finite(optax.chain(mean, optax.sgd(0.1)), axes)
+  tx = apply_if_finite(optax.chain(mean, optax.sgd(0.1)), axis_name=axes)
   update = _shard_map_update(tx, mesh, axes, check_vma=True)
   state = _stack(tx.init({"w": jnp.zeros(64)}))
   out, state = update(_updates(1, bad_worker=6), state)
@@ -132,7 +132,7 @@ _DEADLOCK = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     mesh = jax.make_mesh((8,), ("data",))
     tx = optax.apply_if_finite(optax.chain(
-        commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0,
+        commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=0,
                                 error_feedback=False), optax.sgd(0.1)), 3)
     state = jax.tree.map(lambda x: jnp.broadcast_to(x, (8,) + x.shape), tx.init(jnp.zeros(64)))
     def body(u, s):
@@ -207,8 +207,8 @@ def _regression_batch(seed, rows_per_worker, d_in, d_out, bad_worker=None):
 def test_apply_if_finite_data_parallel():
   mesh = jax.make_mesh((N,), ("data",))
   tx = apply_if_finite(
-      optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(0.1)),
-      "data")
+      optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.1)),
+      axis_name="data")
   dp = commopt.data_parallel(_regression_loss, tx, mesh, **_skip_kwargs())
   # 32 x 64 = 2048 elements: compressed (above min_size), with residuals.
   params = {"w": 0.1 * jax.random.normal(jax.random.key(9), (32, 64))}
@@ -255,7 +255,7 @@ def test_multi_steps_communicates_every_kth_call():
     return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
   mesh = jax.make_mesh((N,), ("data",))
-  inner = optax.chain(probe(), commopt.compressed_mean(commopt.scaled_sign(), "data"),
+  inner = optax.chain(probe(), commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
                       optax.sgd(0.1))
   dp = commopt.data_parallel(_regression_loss, multi_steps(inner, 4), mesh)
   params = {"w": 0.1 * jax.random.normal(jax.random.key(9), (32, 64))}
@@ -279,7 +279,7 @@ def test_multi_steps_communicates_every_kth_call():
 
 def test_multi_steps_equals_one_step_on_the_big_batch():
   mesh = jax.make_mesh((N,), ("data",))
-  inner = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), "data", min_size=0),
+  inner = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data", min_size=0),
                       optax.sgd(0.1))
   dp_acc = commopt.data_parallel(_regression_loss, multi_steps(inner, 4), mesh)
   dp_big = commopt.data_parallel(_regression_loss, inner, mesh)

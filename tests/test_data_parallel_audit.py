@@ -38,7 +38,7 @@ def audit(name):
   """The step's collectives and the analytic payload of one compressor, compiled once
   per process and only for the compressors the tests that run here ask for."""
   params = mlp_params()
-  tx = optax.chain(commopt.compressed_mean(make(name), "data"), optax.sgd(0.1))
+  tx = optax.chain(commopt.compressed_mean(make(name), axis_name="data"), optax.sgd(0.1))
   # The compressor's collectives alone (the non-finite skip adds one int32 flag).
   dp = commopt.data_parallel(loss_fn, tx, jax.make_mesh((N,), ("data",)), skip_nonfinite=False)
   state = dp.init(params)
@@ -65,7 +65,7 @@ def test_no_dense_gradient_all_reduce(name):
 
 
 def test_nonfinite_skip_adds_one_int32_flag(mesh):
-  tx = optax.chain(commopt.compressed_mean(make("scaled_sign"), "data"), optax.sgd(0.1))
+  tx = optax.chain(commopt.compressed_mean(make("scaled_sign"), axis_name="data"), optax.sgd(0.1))
   params, batch = mlp_params(), make_batch()
   audits = {}
   for skip in (False, True):
@@ -93,7 +93,7 @@ def test_compression_ratios():
 
 
 def test_training_reduces_loss_and_keeps_replicas_equal(mesh):
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(0.05))
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.05))
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   params = mlp_params()
   state = dp.init(params)
@@ -115,7 +115,7 @@ def test_training_reduces_loss_and_keeps_replicas_equal(mesh):
 
 def test_equals_simulated_workers(mesh):
   """data_parallel's step equals hand-computed per-worker gradients through vmap workers."""
-  tx = optax.chain(commopt.compressed_mean(commopt.top_k(0.05), "data"), optax.sgd(0.1))
+  tx = optax.chain(commopt.compressed_mean(commopt.top_k(0.05), axis_name="data"), optax.sgd(0.1))
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   params = mlp_params(3)
   batch = make_batch(2, size=16)
@@ -130,7 +130,7 @@ def test_equals_simulated_workers(mesh):
 
 
 def test_momentum_before_the_reduction_is_per_worker(mesh):
-  tx = optax.chain(optax.trace(0.9), commopt.compressed_mean(commopt.scaled_sign(), "data"),
+  tx = optax.chain(optax.trace(0.9), commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
                    optax.scale(-0.01))
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   dp.init(mlp_params())
@@ -147,7 +147,7 @@ def test_transform_without_reduction_is_rejected(mesh):
 
 
 def test_bad_mesh_and_batch(mesh):
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(0.1))
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"\['model'\] is not among them"):
     commopt.data_parallel(loss_fn, tx, mesh, axis_name="model")
   dp = commopt.data_parallel(loss_fn, tx, mesh)

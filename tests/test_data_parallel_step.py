@@ -32,7 +32,7 @@ def make_batches(steps, size=32, seed=1):
 
 
 def sign_sgd():
-  return optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
+  return optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=0),
                      optax.sgd(0.05, momentum=0.9))
 
 
@@ -83,7 +83,7 @@ def test_jit_and_scan_equal_plain_calls_bit_for_bit(mesh):
 
 
 def test_eval_shape_of_init_matches_init(mesh):
-  tx = optax.chain(commopt.compressed_mean(commopt.top_k(0.1), "data"), optax.adam(1e-3))
+  tx = optax.chain(commopt.compressed_mean(commopt.top_k(0.1), axis_name="data"), optax.adam(1e-3))
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   params = make_params()
   abstract = jax.eval_shape(dp.init, params)
@@ -190,7 +190,7 @@ def nnx_loss(model, b):
 def nnx_trainer(mesh, seed, compressor):
   """A ``BNNet`` and its trainer: ``compressor`` on every leaf, then SGD."""
   model = BNNet(nnx.Rngs(seed))
-  tx = optax.chain(commopt.compressed_mean(compressor, "data", min_size=0), optax.sgd(0.05))
+  tx = optax.chain(commopt.compressed_mean(compressor, axis_name="data", min_size=0), optax.sgd(0.05))
   return model, commopt.nnx_data_parallel(model, nnx_loss, tx, mesh, has_aux=True)
 
 
@@ -275,7 +275,7 @@ def test_tensor_parallel_data_axis_carries_only_payloads():
   gathers that give the optimizer whole leaves stay inside each model group."""
   mesh, params = tp_mesh_and_params()
   compressor = commopt.scaled_sign()
-  tx = optax.chain(commopt.compressed_mean(compressor, "data", min_size=0), optax.sgd(0.1))
+  tx = optax.chain(commopt.compressed_mean(compressor, axis_name="data", min_size=0), optax.sgd(0.1))
   dp = commopt.data_parallel(tp_loss, tx, mesh)
   audit = commopt.wire.hlo_collectives(dp, params, dp.init(params), make_batches(1)[0])
   data_groups = {(0, 2, 4, 6), (1, 3, 5, 7)}
@@ -297,7 +297,7 @@ def test_recorded_collectives_count_each_worker_once_on_a_2d_mesh():
     params = {k: jax.device_put(v, NamedSharding(mesh, TP_SPECS[k]))
               for k, v in make_params().items()}
     with commopt.wire.record_collectives() as rec:
-      tx = optax.chain(commopt.compressed_mean(compressor, "data", min_size=0), optax.sgd(0.1))
+      tx = optax.chain(commopt.compressed_mean(compressor, axis_name="data", min_size=0), optax.sgd(0.1))
       dp = commopt.data_parallel(tp_loss, tx, mesh)
       jax.block_until_ready(dp.step(params, dp.init(params), make_batches(1)[0]))
     assert len({e.index for e in rec.events}) == 8

@@ -89,7 +89,7 @@ def test_compressed_mean_arguments(kwargs, match):
 
 def test_psum_needs_linear_compressor():
   with pytest.raises(ValueError, match="strategy='psum' needs a linear compressor"):
-    commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="psum")
+    commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="psum")
 
 
 def test_not_a_compressor():
@@ -152,7 +152,7 @@ def test_a_lossless_compressor_keeps_no_residual():
 
 
 def test_two_phase_server_memory_is_float32_for_bf16():
-  tx = commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="two_phase", min_size=0)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase", min_size=0)
   state = commopt.testing.vmap_workers(tx, 4, "data").init({"w": jnp.ones(64, jnp.bfloat16)})
   assert state.residual["w"].dtype == jnp.float32
   assert state.server_residual["w"].dtype == jnp.float32
@@ -306,8 +306,8 @@ def test_factories_refuse_options_of_the_wrong_type(make, option, value):
 
 @pytest.mark.parametrize("make, option", [
     (lambda: commopt.compressed_mean("sign"), "compressor"),
-    (lambda: commopt.krum("data", 1, compressor="int_quant"), "compressor"),
-    (lambda: commopt.coordinate_median("data", payload_attack="bit_flip"), "payload_attack"),
+    (lambda: commopt.krum(1, axis_name="data", compressor="int_quant"), "compressor"),
+    (lambda: commopt.coordinate_median(axis_name="data", payload_attack="bit_flip"), "payload_attack"),
     (lambda: commopt.diloco("sgd", axis_name="data", period=4), "inner"),
     (lambda: commopt.apply_if_finite(None), "inner"),
     (lambda: commopt.data_parallel(1, _inner(), jax.make_mesh((1,), ("data",))), "loss_fn"),
@@ -330,7 +330,7 @@ def test_nnx_data_parallel_refuses_a_non_bool_has_aux():
 # -- batches -------------------------------------------------------------------
 
 def _dp(mesh, **kw):
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=0),
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=0),
                    optax.sgd(0.1))
   return commopt.data_parallel(_loss, tx, mesh, **kw)
 
@@ -402,7 +402,7 @@ def test_batch_shapes_are_checked_once_per_trace(mesh, monkeypatch):
 def test_nnx_step_checks_the_batch(mesh):
   from flax import nnx
   model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-  tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), "data"),
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
                    optax.sgd(0.1))
   trainer = commopt.nnx_data_parallel(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
                                       tx, mesh)

@@ -165,7 +165,7 @@ def test_kernels_inside_data_parallel_match_the_reference(name):
     return jnp.mean((b["x"] @ p["w"]) ** 2)
 
   def step(implementation):
-    tx = optax.chain(commopt.compressed_mean(commopt.compressors.make(name), "data"),
+    tx = optax.chain(commopt.compressed_mean(commopt.compressors.make(name), axis_name="data"),
                      optax.sgd(0.1))
     dp = commopt.data_parallel(loss, tx, mesh, donate=False)
     p, s = params, dp.init(params)

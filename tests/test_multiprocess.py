@@ -106,7 +106,7 @@ def test_local_batch_in_one_process_is_the_placed_batch(mesh):
   import optax
 
   import commopt
-  tx = optax.chain(commopt.compressed_mean(commopt.compressors.make("identity"), "data"),
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.make("identity"), axis_name="data"),
                    optax.sgd(0.1))
   dp = commopt.data_parallel(lambda p, b: jnp.sum(b["x"] @ p["w"]), tx, mesh)
   x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)

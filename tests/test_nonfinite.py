@@ -76,7 +76,7 @@ def _rank_two_workers(scale):
 ])
 def test_power_sgd_after_inputs_of_1e30(options):
   tx = commopt.compressed_mean(
-      commopt.power_sgd(rank=2, min_compression_rate=0, **options), "workers", min_size=0)
+      commopt.power_sgd(rank=2, min_compression_rate=0, **options), axis_name="workers", min_size=0)
   workers = commopt.testing.vmap_workers(tx, N)
   u = _rank_two_workers(1e30)
   want = np.asarray(u["w"]).mean(0)
@@ -109,7 +109,7 @@ def _mean_over_mesh(tx, u, mesh):
 @pytest.mark.parametrize("dtype,value", [(jnp.float16, 6e4), (jnp.bfloat16, 3e38)])
 def test_dense_16_bit_mean_of_8_workers_does_not_overflow(mesh, dtype, value):
   # Below min_size the leaf is sent dense: one all-reduce of 16-bit values.
-  tx = commopt.compressed_mean(commopt.scaled_sign(), "data", min_size=10 ** 6)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", min_size=10 ** 6)
   u = {"w": jnp.full((N, 64), value, dtype)}
   workers, state, out = _mean_over_mesh(tx, u, mesh)
   assert out["w"].dtype == dtype and np.all(np.isfinite(np.asarray(out["w"], np.float32)))
@@ -124,7 +124,7 @@ def test_dense_16_bit_mean_of_8_workers_does_not_overflow(mesh, dtype, value):
 
 
 def test_cast_float16_payload_of_8_workers_does_not_overflow(mesh):
-  tx = commopt.compressed_mean(commopt.cast("float16"), "data", min_size=0)
+  tx = commopt.compressed_mean(commopt.cast("float16"), axis_name="data", min_size=0)
   u = {"w": jnp.full((N, 256), 6e4, jnp.float32)}
   workers, state, out = _mean_over_mesh(tx, u, mesh)
   assert np.all(np.isfinite(out["w"]))
@@ -165,7 +165,7 @@ def test_apply_if_finite_skips_an_update_that_overflows():
 def test_apply_if_finite_reads_only_replicated_updates(mesh):
   # Per-worker (varying) updates never decide the skip: one worker's overflow
   # alone skips nothing, and the counters stay replicated.
-  tx = apply_if_finite(optax.scale(1e30), "data")
+  tx = apply_if_finite(optax.scale(1e30), axis_name="data")
   u = {"w": jnp.ones((N, 4)).at[3].set(1e10)}
   workers = commopt.testing.shard_map_workers(tx, mesh, "data")
   out, state = workers.update(u, workers.init({"w": jnp.ones(4)}))
@@ -181,7 +181,7 @@ def _loss(p, b):
 def test_data_parallel_skips_a_reduced_update_that_overflows(mesh):
   # The gradients are finite on every worker (about 1e18); the step size makes
   # the reduced update overflow. The step is skipped on every worker.
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(1e30))
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(1e30))
   dp = commopt.data_parallel(_loss, tx, mesh)
   params = {"w": 0.1 * jax.random.normal(jax.random.key(5), (32, 64))}
   state = dp.init(params)
@@ -205,7 +205,7 @@ def test_data_parallel_skips_a_reduced_update_that_overflows(mesh):
 
 
 def test_reduced_update_check_adds_no_collective(mesh):
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"), optax.sgd(0.1))
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.1))
   params = {"w": jnp.zeros((32, 64))}
   batch = {"x": jnp.ones((N * 2, 32))}
   audits = {}

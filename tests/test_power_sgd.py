@@ -69,7 +69,7 @@ def test_small_and_vector_leaves_go_dense():
 
 def test_q_is_the_same_on_every_worker_and_warm_started():
   mesh = jax.make_mesh((8,), ("data",))
-  tx = commopt.compressed_mean(commopt.power_sgd(rank=2), "data", min_size=0)
+  tx = commopt.compressed_mean(commopt.power_sgd(rank=2), axis_name="data", min_size=0)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   rng = np.random.default_rng(2)
   state = sm.init({"w": jnp.zeros((32, 24))})
@@ -125,7 +125,7 @@ def scanned(tx, mesh, us, state):
 def test_start_iter_sends_exact_means_then_rank_r(mesh):
   shape, start, steps = (32, 24), 3, 6
   params = {"w": jnp.zeros(shape)}
-  tx = commopt.compressed_mean(commopt.power_sgd(rank=2, start_iter=start), "data", min_size=0)
+  tx = commopt.compressed_mean(commopt.power_sgd(rank=2, start_iter=start), axis_name="data", min_size=0)
   us = np.stack([worker_inputs(10 + t, shape) for t in range(steps)])
   with wire.record_collectives() as rec:
     sm = commopt.testing.shard_map_workers(tx, mesh, "data")
@@ -176,7 +176,7 @@ def test_float64_leaves_stay_float64_and_match_numpy():
   us = [worker_inputs(20 + t, shape, dtype=np.float64) for t in range(steps)]
 
   def run(dtype):
-    tx = commopt.compressed_mean(commopt.power_sgd(rank=rank), "data", min_size=0)
+    tx = commopt.compressed_mean(commopt.power_sgd(rank=rank), axis_name="data", min_size=0)
     w = commopt.testing.vmap_workers(tx, N, "data")
     state = w.init({"w": jnp.zeros(shape, dtype)})
     q0 = np.asarray(state.compressor_state["w"].q[0], np.float64)
@@ -213,7 +213,7 @@ def test_residual_aggregate_and_local_owe_the_same_sum(mesh):
   params = {"w": jnp.zeros(shape)}
   runs = {}
   for residual in ("aggregate", "local"):
-    tx = commopt.compressed_mean(commopt.power_sgd(rank=2, residual=residual), "data",
+    tx = commopt.compressed_mean(commopt.power_sgd(rank=2, residual=residual), axis_name="data",
                                  min_size=0)
     sm = commopt.testing.shard_map_workers(tx, mesh, "data")
     state, outs, sums, res = sm.init(params), [], [], []
@@ -277,7 +277,7 @@ def test_batched_equals_per_leaf_with_fewer_all_reduces(mesh):
   rng = np.random.default_rng(5)
   results, audits = {}, {}
   for batched in (False, True):
-    tx = commopt.compressed_mean(commopt.power_sgd(rank=2, batched=batched), "data",
+    tx = commopt.compressed_mean(commopt.power_sgd(rank=2, batched=batched), axis_name="data",
                                  min_size=100)
     sm = commopt.testing.shard_map_workers(tx, mesh, "data")
     state = sm.init(params)

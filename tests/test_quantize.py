@@ -239,7 +239,7 @@ def test_bits_per_element_in_payload_and_hlo(c, per_element, scalars, mesh):
   assert sum(l.size * l.dtype.itemsize * 8 for l in jax.tree.leaves(payload)) == \
       c.payload_bits(SHAPE, jnp.float32)
   # The compiled step moves exactly that, packed: no float array of D elements.
-  tx = commopt.compressed_mean(c, "data", min_size=0)
+  tx = commopt.compressed_mean(c, axis_name="data", min_size=0)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   params = {"w": jnp.zeros(SHAPE)}
   u = {"w": jnp.asarray(np.random.default_rng(6).normal(size=(N,) + SHAPE), jnp.float32)}
@@ -322,7 +322,7 @@ def test_majority_vote_under_shard_map_ties_and_audit(mesh):
   u = rng.normal(size=(N, 40, 33)).astype(np.float32)
   u[:4, 0, :] = -1.0   # exactly half negative: ties
   u[4:, 0, :] = 2.0
-  tx = commopt.majority_vote("data")
+  tx = commopt.majority_vote(axis_name="data")
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   tree = {"w": jnp.asarray(u), "skip": None}
   state = sm.init({"w": jnp.zeros((40, 33)), "skip": None})
@@ -339,7 +339,7 @@ def test_majority_vote_under_shard_map_ties_and_audit(mesh):
 
 def test_signum_is_majority_vote_of_worker_momentum():
   beta, lr, n = 0.9, 0.1, 5
-  tx = optax.chain(optax.trace(decay=beta), commopt.majority_vote("w"), optax.scale(-lr))
+  tx = optax.chain(optax.trace(decay=beta), commopt.majority_vote(axis_name="w"), optax.scale(-lr))
   workers = commopt.testing.vmap_workers(tx, n, "w")
   state = workers.init({"x": jnp.zeros(30)})
   rng = np.random.default_rng(9)
@@ -358,7 +358,7 @@ def test_signum_trains_under_data_parallel(mesh):
   x = np.random.default_rng(11).normal(size=(256, 32)).astype(np.float32)
   batch = {"x": jnp.asarray(x), "y": jnp.asarray(x @ w_true)}
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-  tx = optax.chain(optax.trace(decay=0.9), commopt.majority_vote("data"),
+  tx = optax.chain(optax.trace(decay=0.9), commopt.majority_vote(axis_name="data"),
                    optax.scale_by_schedule(optax.exponential_decay(-0.05, 50, 0.5)))
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   params = {"w": jnp.zeros(32)}

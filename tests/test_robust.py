@@ -58,13 +58,13 @@ def np_centered_clip(x, v, tau, iters):
 
 
 RULES = {
-    "krum": (lambda: robust.krum("workers", 2), lambda x: np_multi_krum(x, 2, 1)),
-    "multi_krum": (lambda: robust.multi_krum("workers", 2, 3), lambda x: np_multi_krum(x, 2, 3)),
-    "coordinate_median": (lambda: robust.coordinate_median("workers"), lambda x: np.median(x, 0)),
-    "trimmed_mean": (lambda: robust.trimmed_mean("workers", 0.25), lambda x: np_trimmed(x, 0.25)),
-    "geometric_median": (lambda: robust.geometric_median("workers", 6),
+    "krum": (lambda: robust.krum(2, axis_name="workers"), lambda x: np_multi_krum(x, 2, 1)),
+    "multi_krum": (lambda: robust.multi_krum(2, 3, axis_name="workers"), lambda x: np_multi_krum(x, 2, 3)),
+    "coordinate_median": (lambda: robust.coordinate_median(axis_name="workers"), lambda x: np.median(x, 0)),
+    "trimmed_mean": (lambda: robust.trimmed_mean(0.25, axis_name="workers"), lambda x: np_trimmed(x, 0.25)),
+    "geometric_median": (lambda: robust.geometric_median(6, axis_name="workers"),
                          lambda x: np_weiszfeld(x, 6)),
-    "centered_clip": (lambda: robust.centered_clip("workers", 1.5, 3),
+    "centered_clip": (lambda: robust.centered_clip(1.5, 3, axis_name="workers"),
                       lambda x: np_centered_clip(x, np.zeros(x.shape[1]), 1.5, 3)),
 }
 
@@ -162,12 +162,12 @@ def test_rules_under_shard_map_match_vmap():
 # robust_aggregate: the pure rules under one transform.
 
 BY_AXIS = {
-    "krum": lambda axis, **k: robust.krum(axis, 2, **k),
-    "multi_krum": lambda axis, **k: robust.multi_krum(axis, 2, 3, **k),
-    "coordinate_median": lambda axis, **k: robust.coordinate_median(axis, **k),
-    "trimmed_mean": lambda axis, **k: robust.trimmed_mean(axis, 0.25, **k),
-    "geometric_median": lambda axis, **k: robust.geometric_median(axis, 6, **k),
-    "centered_clip": lambda axis, **k: robust.centered_clip(axis, 1.5, 3, **k),
+    "krum": lambda axis, **k: robust.krum(2, axis_name=axis, **k),
+    "multi_krum": lambda axis, **k: robust.multi_krum(2, 3, axis_name=axis, **k),
+    "coordinate_median": lambda axis, **k: robust.coordinate_median(axis_name=axis, **k),
+    "trimmed_mean": lambda axis, **k: robust.trimmed_mean(0.25, axis_name=axis, **k),
+    "geometric_median": lambda axis, **k: robust.geometric_median(6, axis_name=axis, **k),
+    "centered_clip": lambda axis, **k: robust.centered_clip(1.5, 3, axis_name=axis, **k),
 }
 """Each named rule as in RULES, over any axis (or tuple of axes)."""
 
@@ -232,7 +232,7 @@ def test_robust_aggregate_takes_any_rule_and_checks_it():
 
 
 def test_tolerance_is_checked_without_array_leaves():
-  tx = robust.krum("w", 2)
+  tx = robust.krum(2, axis_name="w")
   with pytest.raises(ValueError, match="n > 2f"):
     jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="w", axis_size=6)(
         {"none": None})
@@ -289,8 +289,8 @@ def test_majority_vote_on_a_2d_mesh_equals_the_1d_mesh():
   mesh1, mesh2 = _meshes()
   g = {"w": jnp.asarray(np.random.default_rng(13).normal(size=(N, 70)), jnp.float32)}
   g["w"] = g["w"].at[:, :5].set(jnp.tile(jnp.array([1.0, -1.0]), (N // 2,))[:, None])  # ties
-  one = shard_map_workers(commopt.majority_vote("workers"), mesh1, "workers")
-  two = shard_map_workers(commopt.majority_vote(AXES), mesh2, AXES)
+  one = shard_map_workers(commopt.majority_vote(axis_name="workers"), mesh1, "workers")
+  two = shard_map_workers(commopt.majority_vote(axis_name=AXES), mesh2, AXES)
   out1, _ = one.update(g, one.init({"w": g["w"][0]}))
   out2, _ = two.update(g, two.init({"w": g["w"][0]}))
   np.testing.assert_array_equal(np.asarray(out2["w"]), np.asarray(out1["w"]))
@@ -302,8 +302,8 @@ def test_majority_vote_on_a_2d_mesh_equals_the_1d_mesh():
 def test_attack_and_rule_on_a_2d_mesh_equal_the_1d_mesh():
   mesh1, mesh2 = _meshes()
   g = {"x": jnp.asarray(np.random.default_rng(14).normal(size=(N, 9)), jnp.float32)}
-  chain = lambda axis: optax.chain(attacks.attack("alie", axis, (1, 6)),
-                                   robust.multi_krum(axis, 2))
+  chain = lambda axis: optax.chain(attacks.attack("alie", (1, 6), axis_name=axis),
+                                   robust.multi_krum(2, axis_name=axis))
   one = shard_map_workers(chain("workers"), mesh1, "workers")
   two = shard_map_workers(chain(AXES), mesh2, AXES)
   out1, _ = one.update(g, one.init({"x": g["x"][0]}))
@@ -317,8 +317,8 @@ def test_robust_rule_in_data_parallel_over_two_axes_keeps_params_replicated():
   rng = np.random.default_rng(15)
   x = rng.normal(size=(64, 4)).astype(np.float32)
   batch = {"x": x, "y": x @ np.ones((4, 1), np.float32)}
-  tx = optax.chain(attacks.attack("scaled", AXES, (0,)),
-                   robust.coordinate_median(AXES, f=1, compressor=commopt.int_quant(),
+  tx = optax.chain(attacks.attack("scaled", (0,), axis_name=AXES),
+                   robust.coordinate_median(axis_name=AXES, f=1, compressor=commopt.int_quant(),
                                             error_feedback=True, min_size=0), optax.sgd(0.1))
   dp = commopt.data_parallel(loss, tx, mesh2, AXES)
   params = {"w": jnp.zeros((4, 1))}
@@ -330,7 +330,7 @@ def test_robust_rule_in_data_parallel_over_two_axes_keeps_params_replicated():
 
 
 def test_centered_clip_starts_from_previous_aggregate():
-  tx = robust.centered_clip("workers", 0.5, 2)
+  tx = robust.centered_clip(0.5, 2, axis_name="workers")
   u = tree_updates(2)
   u = {"w": u["w"], "b": u["b"]}
   w = vmap_workers(tx, N)
@@ -345,7 +345,7 @@ def test_centered_clip_starts_from_previous_aggregate():
 def test_compressed_wire_gathers_packed_payloads():
   c = commopt.int_quant(bits=8, block_size=None, rounding="nearest")
   u = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(N, 256)), jnp.float32)}
-  tx = robust.coordinate_median("workers", compressor=c, min_size=0)
+  tx = robust.coordinate_median(axis_name="workers", compressor=c, min_size=0)
   w = vmap_workers(tx, N)
   out, _ = w.update(u, w.init({"w": u["w"][0]}))
   decoded = jax.vmap(lambda x: c.decode(c.encode(x, None, None)[0], None, x))(u["w"])
@@ -364,12 +364,12 @@ def test_compressed_wire_gathers_packed_payloads():
 def test_error_feedback_conserves_each_workers_updates(name):
   """Every worker sends the same stream, so each rule returns the decoded payload:
   Σ outputs + the final error memory = Σ inputs, per worker, over steps."""
-  make = {"krum": lambda **k: robust.krum("workers", 2, **k),
-          "multi_krum": lambda **k: robust.multi_krum("workers", 2, 3, **k),
-          "coordinate_median": lambda **k: robust.coordinate_median("workers", **k),
-          "trimmed_mean": lambda **k: robust.trimmed_mean("workers", 0.25, **k),
-          "geometric_median": lambda **k: robust.geometric_median("workers", 4, **k),
-          "centered_clip": lambda **k: robust.centered_clip("workers", 1e6, 1, **k)}[name]
+  make = {"krum": lambda **k: robust.krum(2, axis_name="workers", **k),
+          "multi_krum": lambda **k: robust.multi_krum(2, 3, axis_name="workers", **k),
+          "coordinate_median": lambda **k: robust.coordinate_median(axis_name="workers", **k),
+          "trimmed_mean": lambda **k: robust.trimmed_mean(0.25, axis_name="workers", **k),
+          "geometric_median": lambda **k: robust.geometric_median(4, axis_name="workers", **k),
+          "centered_clip": lambda **k: robust.centered_clip(1e6, 1, axis_name="workers", **k)}[name]
   tx = make(compressor=commopt.scaled_sign(), error_feedback=True, min_size=0)
   rng = np.random.default_rng(4)
   w = vmap_workers(tx, N)
@@ -400,7 +400,7 @@ def test_error_feedback_trains_with_a_biased_compressor_under_data_parallel():
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
   final = {}
   for ef in (True, False):
-    tx = optax.chain(robust.coordinate_median("data", compressor=commopt.top_k(k=1), min_size=0,
+    tx = optax.chain(robust.coordinate_median(axis_name="data", compressor=commopt.top_k(k=1), min_size=0,
                                               error_feedback=ef), optax.sgd(0.05))
     dp = commopt.data_parallel(loss, tx, mesh)
     params = {"w": jnp.zeros((4, 1))}
@@ -415,10 +415,10 @@ def test_error_feedback_trains_with_a_biased_compressor_under_data_parallel():
 
 def test_error_feedback_arguments():
   with pytest.raises(ValueError, match="error_feedback=True` needs a `compressor"):
-    robust.krum("w", 1, error_feedback=True)
+    robust.krum(1, axis_name="w", error_feedback=True)
   with pytest.raises(ValueError, match="error_feedback` must be True or False"):
-    robust.coordinate_median("w", compressor=commopt.scaled_sign(), error_feedback=1)
-  tx = robust.trimmed_mean("workers", 0.25, compressor=commopt.scaled_sign(), error_feedback=True,
+    robust.coordinate_median(axis_name="w", compressor=commopt.scaled_sign(), error_feedback=1)
+  tx = robust.trimmed_mean(0.25, axis_name="workers", compressor=commopt.scaled_sign(), error_feedback=True,
                            min_size=0)
   w = vmap_workers(tx, N)
   state = w.init({"w": jnp.zeros((64,))})
@@ -429,8 +429,8 @@ def test_error_feedback_arguments():
 def test_tolerance_median_and_trimmed_mean_ignore_huge_outliers():
   rng = np.random.default_rng(4)
   honest = rng.normal(size=(N, 16)).astype(np.float32)
-  for f, tx in ((3, robust.coordinate_median("workers")),
-                (2, robust.trimmed_mean("workers", 0.25))):
+  for f, tx in ((3, robust.coordinate_median(axis_name="workers")),
+                (2, robust.trimmed_mean(0.25, axis_name="workers"))):
     x = honest.copy()
     x[:f] = 1e30 * np.sign(rng.normal(size=(f, 16)))
     out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")(jnp.asarray(x))
@@ -442,10 +442,10 @@ def test_tolerance_krum_picks_an_honest_worker():
   rng = np.random.default_rng(5)
   x = rng.normal(size=(N, 20)).astype(np.float32)
   x[6:] = x[6:] * 50 + 100.0
-  for tx in (robust.krum("workers", 2), robust.multi_krum("workers", 2)):
+  for tx in (robust.krum(2, axis_name="workers"), robust.multi_krum(2, axis_name="workers")):
     out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")(jnp.asarray(x))
     assert np.all(np.abs(out[0]) < 10)
-  out = jax.vmap(lambda u: robust.krum("workers", 2).update(u, robust.RobustState(
+  out = jax.vmap(lambda u: robust.krum(2, axis_name="workers").update(u, robust.RobustState(
       jnp.int32(0), jax.random.PRNGKey(0)))[0], axis_name="workers")(jnp.asarray(x))
   assert any(np.allclose(out[0], x[i]) for i in range(6))
 
@@ -454,20 +454,20 @@ def test_geometric_median_and_centered_clip_bound_outliers():
   x = np.zeros((N, 4), np.float32)
   x[:5] = np.random.default_rng(6).normal(size=(5, 4))
   x[5:] = 1e6
-  for tx in (robust.geometric_median("workers", 20), robust.centered_clip("workers", 1.0, 3)):
+  for tx in (robust.geometric_median(20, axis_name="workers"), robust.centered_clip(1.0, 3, axis_name="workers")):
     out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")(jnp.asarray(x))
     assert np.linalg.norm(out[0]) < 5
 
 
 @pytest.mark.parametrize("make, n, match", [
-    (lambda: robust.krum("w", 2), 6, "n > 2f"),
-    (lambda: robust.multi_krum("w", 1, m=4), 4, "n > 2f"),
-    (lambda: robust.multi_krum("w", 1, m=5), 5, "`m`=5"),
-    (lambda: robust.coordinate_median("w", f=4), 8, "f < n/2"),
-    (lambda: robust.trimmed_mean("w", 0.2, f=4), 8, "f < n/2"),
-    (lambda: robust.trimmed_mean("w", 0.2, f=2), 8, "trims b=1"),
-    (lambda: robust.geometric_median("w", f=3), 6, "f < n/2"),
-    (lambda: robust.centered_clip("w", 1.0, f=1), 2, "f < n/2"),
+    (lambda: robust.krum(2, axis_name="w"), 6, "n > 2f"),
+    (lambda: robust.multi_krum(1, axis_name="w", m=4), 4, "n > 2f"),
+    (lambda: robust.multi_krum(1, axis_name="w", m=5), 5, "`m`=5"),
+    (lambda: robust.coordinate_median(axis_name="w", f=4), 8, "f < n/2"),
+    (lambda: robust.trimmed_mean(0.2, axis_name="w", f=4), 8, "f < n/2"),
+    (lambda: robust.trimmed_mean(0.2, axis_name="w", f=2), 8, "trims b=1"),
+    (lambda: robust.geometric_median(axis_name="w", f=3), 6, "f < n/2"),
+    (lambda: robust.centered_clip(1.0, axis_name="w", f=1), 2, "f < n/2"),
 ])
 def test_too_few_workers_raise_at_trace_time(make, n, match):
   tx = make()
@@ -477,27 +477,27 @@ def test_too_few_workers_raise_at_trace_time(make, n, match):
 
 def test_local_krum_is_too_few_workers():
   with pytest.raises(ValueError, match="axis has n=1"):
-    tx = robust.krum(None, 0)
+    tx = robust.krum(0, axis_name=None)
     tx.update(jnp.ones(3), tx.init(jnp.ones(3)))
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: robust.trimmed_mean("w", 0.5), "`beta` must be a number in \\[0.0, 0.5\\)"),
-    (lambda: robust.trimmed_mean("w", -0.1), "`beta`"),
-    (lambda: robust.krum("w", -1), "`f` must be an integer >= 0, got -1"),
-    (lambda: robust.multi_krum("w", 1, m=0), "`m` must be an integer >= 1"),
-    (lambda: robust.centered_clip("w", 0.0), "`tau`"),
-    (lambda: robust.geometric_median("w", iters=0), "`iters`"),
-    (lambda: robust.krum(("a", "a"), 1), "`axis_name` must be None, a mesh axis name"),
-    (lambda: robust.krum(["a", "b"], 1), "`axis_name`"),
-    (lambda: robust.coordinate_median((), 1), "`axis_name`"),
-    (lambda: commopt.majority_vote(("a", 3)), "`axis_name`"),
+    (lambda: robust.trimmed_mean(0.5, axis_name="w"), "`beta` must be a number in \\[0.0, 0.5\\)"),
+    (lambda: robust.trimmed_mean(-0.1, axis_name="w"), "`beta`"),
+    (lambda: robust.krum(-1, axis_name="w"), "`f` must be an integer >= 0, got -1"),
+    (lambda: robust.multi_krum(1, axis_name="w", m=0), "`m` must be an integer >= 1"),
+    (lambda: robust.centered_clip(0.0, axis_name="w"), "`tau`"),
+    (lambda: robust.geometric_median(axis_name="w", iters=0), "`iters`"),
+    (lambda: robust.krum(1, axis_name=("a", "a")), "`axis_name` must be None, a mesh axis name"),
+    (lambda: robust.krum(1, axis_name=["a", "b"]), "`axis_name`"),
+    (lambda: robust.coordinate_median(1, axis_name=()), "`axis_name`"),
+    (lambda: commopt.majority_vote(axis_name=("a", 3)), "`axis_name`"),
     (lambda: attacks.apply_attack(jnp.ones(2), "ipm", axis_name=("a", "a"), byzantine=(0,)),
      "`axis_name`"),
-    (lambda: robust.krum("w", 1, compressor="int8"), "`compressor`"),
-    (lambda: robust.krum("w", 1, compressor=commopt.power_sgd(2)), "stateless per-leaf"),
-    (lambda: attacks.attack("nope", "w", (0,)), "`kind` must be one of"),
-    (lambda: attacks.attack("alie", "w", (0,), zz=1), "unknown parameter"),
+    (lambda: robust.krum(1, axis_name="w", compressor="int8"), "`compressor`"),
+    (lambda: robust.krum(1, axis_name="w", compressor=commopt.power_sgd(2)), "stateless per-leaf"),
+    (lambda: attacks.attack("nope", (0,), axis_name="w"), "`kind` must be one of"),
+    (lambda: attacks.attack("alie", (0,), axis_name="w", zz=1), "unknown parameter"),
     (lambda: attacks.bit_flip((0,), rate=0.0), "`rate`"),
 ])
 def test_bad_arguments_raise(call, match):
@@ -506,7 +506,7 @@ def test_bad_arguments_raise(call, match):
 
 
 def test_non_float_leaf_raises():
-  tx = robust.coordinate_median(None)
+  tx = robust.coordinate_median(axis_name=None)
   with pytest.raises(ValueError, match="dtype int32"):
     tx.update({"i": jnp.ones(3, jnp.int32)}, tx.init(None))
 
@@ -546,7 +546,7 @@ def test_attack_transform_under_shard_map_and_mask():
   mesh = jax.make_mesh((N,), ("workers",))
   mask = np.zeros(N, bool)
   mask[[0, 5]] = True
-  tx = attacks.attack("ipm", "workers", jnp.asarray(mask), epsilon=2.0)
+  tx = attacks.attack("ipm", jnp.asarray(mask), axis_name="workers", epsilon=2.0)
   g = {"x": jnp.arange(N * 3, dtype=jnp.float32).reshape(N, 3)}
   sm = shard_map_workers(tx, mesh, "workers")
   out, _ = sm.update(g, sm.init({"x": g["x"][0]}))
@@ -621,8 +621,8 @@ def test_plain_mean_diverges_under_scaled_attack(convex_results):
 
 def test_robust_rule_in_data_parallel_keeps_params_replicated():
   mesh = jax.make_mesh((N,), ("data",))
-  tx = optax.chain(attacks.attack("scaled", "data", (0,)),
-                   robust.geometric_median("data", 4, f=1), optax.sgd(0.1))
+  tx = optax.chain(attacks.attack("scaled", (0,), axis_name="data"),
+                   robust.geometric_median(4, axis_name="data", f=1), optax.sgd(0.1))
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
   dp = commopt.data_parallel(loss, tx, mesh)
   params = {"w": jnp.zeros((4, 1))}
@@ -642,7 +642,7 @@ def test_robust_rules_compress_the_same_leaves_as_compressed_mean():
   rng = np.random.default_rng(12)
   u = {"small": jnp.asarray(rng.normal(size=(N, 16)), jnp.float32),
        "big": jnp.asarray(rng.normal(size=(N, commopt.DEFAULT_MIN_SIZE)), jnp.float32)}
-  w = vmap_workers(robust.coordinate_median("workers", compressor=commopt.sign()), N)
+  w = vmap_workers(robust.coordinate_median(axis_name="workers", compressor=commopt.sign()), N)
   out, _ = w.update(u, w.init(jax.tree.map(lambda x: x[0], u)))
   np.testing.assert_allclose(out["small"][0], np.median(np.asarray(u["small"]), 0), rtol=1e-6)
   signs = np.where(np.asarray(u["big"]) >= 0, 1.0, -1.0)

@@ -70,8 +70,8 @@ def test_backward_packs_the_factors_only_where_they_pay():
 
 
 def test_training_equals_the_dense_mean_to_float_rounding(mesh):
-  _, sfb_params, _ = train(loss_with(sfb_dense), sfb_mean("data", ROWS, MASK), mesh)
-  dense = commopt.compressed_mean(commopt.compressors.identity(), "data")
+  _, sfb_params, _ = train(loss_with(sfb_dense), sfb_mean(ROWS, MASK, axis_name="data"), mesh)
+  dense = commopt.compressed_mean(commopt.compressors.identity(), axis_name="data")
   _, ref_params, _ = train(loss_with(jnp.matmul), dense, mesh)
   for k in ref_params:
     np.testing.assert_allclose(np.asarray(sfb_params[k]), np.asarray(ref_params[k]),
@@ -80,7 +80,7 @@ def test_training_equals_the_dense_mean_to_float_rounding(mesh):
 
 @pytest.mark.parametrize("check_rows", [False, True])
 def test_the_wire_carries_b_times_n_plus_m_for_the_chosen_layer_only(mesh, check_rows):
-  reducer = sfb_mean("data", ROWS, MASK, check_rows=check_rows)
+  reducer = sfb_mean(ROWS, MASK, axis_name="data", check_rows=check_rows)
   dp, p, s = train(loss_with(sfb_dense), reducer, mesh, steps=1)
   compiled = wire.hlo_collectives(dp, p, s, dp.place_batch(batch(0)))
   values = ROWS * (64 + 256) + check_rows          # the factors (and the row count)
@@ -88,7 +88,7 @@ def test_the_wire_carries_b_times_n_plus_m_for_the_chosen_layer_only(mesh, check
   assert [(c.shapes, c.contributed_bytes) for c in gathers] == [(((N, values),), values * 4)]
   shapes = {s for c in compiled for s in c.shapes}
   assert (64, 256) not in shapes and (256, 10) in shapes        # w2 all-reduced dense
-  plan = wire.comm_plan(sfb_mean("data", ROWS, MASK, check_rows=check_rows), make_params(), N)
+  plan = wire.comm_plan(sfb_mean(ROWS, MASK, axis_name="data", check_rows=check_rows), make_params(), N)
   assert [(c.leaf, c.kind, c.contributed_bytes) for c in plan.collectives
           if c.kind == "all-gather"] == [("['w1']", "all-gather", values * 4)]
   step_scalars = [c for c in compiled if c.kind == "all-reduce" and all(x == () for x in c.shapes)]
@@ -97,7 +97,7 @@ def test_the_wire_carries_b_times_n_plus_m_for_the_chosen_layer_only(mesh, check
 
 def test_a_mismatched_batch_rows_is_refused_when_traced(mesh):
   dp = commopt.data_parallel(loss_with(sfb_dense),
-                             optax.chain(sfb_mean("data", ROWS * 2, MASK), optax.sgd(0.1)), mesh)
+                             optax.chain(sfb_mean(ROWS * 2, MASK, axis_name="data"), optax.sgd(0.1)), mesh)
   params = make_params()
   with pytest.raises(ValueError, match=f"`batch_rows` is {2 * ROWS}.*{ROWS} rows"):
     dp.step(dp.place_params(params), dp.init(params), batch(0))
@@ -110,7 +110,7 @@ def test_a_kernel_used_twice_fails_loudly_not_silently(mesh):
   def twice(p, b):
     h = sfb_dense(b["x"], p["w1"]) + sfb_dense(b["x"], p["w1"])
     return jnp.mean(h ** 2) + jnp.sum(p["w2"]) * 0 + jnp.sum(p["b1"]) * 0
-  tx = optax.chain(sfb_mean("data", ROWS, MASK), optax.sgd(0.1))
+  tx = optax.chain(sfb_mean(ROWS, MASK, axis_name="data"), optax.sgd(0.1))
   params = make_params()
   raw = commopt.data_parallel(twice, tx, mesh, skip_nonfinite=False)
   p, _, _ = raw.step(raw.place_params(params), raw.init(params), batch(0))
@@ -136,8 +136,8 @@ def test_nnx_layer_trains_like_nnx_linear(mesh):
 
   results = {}
   for name, linear, reducer in (
-      ("sfb", commopt.SFBLinear, sfb_mean("data", ROWS, commopt.sfb_mask)),
-      ("dense", nnx.Linear, commopt.compressed_mean(commopt.compressors.identity(), "data"))):
+      ("sfb", commopt.SFBLinear, sfb_mean(ROWS, commopt.sfb_mask, axis_name="data")),
+      ("dense", nnx.Linear, commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"))):
     model = Net(linear, nnx.Rngs(0))
     trainer = commopt.nnx_data_parallel(model, loss_fn, optax.chain(reducer, optax.sgd(0.5)),
                                         mesh)

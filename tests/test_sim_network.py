@@ -49,7 +49,7 @@ def test_predict_prices_the_plan_per_axis():
   params = {"w": jnp.zeros((512, 512)), "b": jnp.zeros((512,))}
   fast, slow = network.Link.gbit(100.0, 1e-6), network.Link.gbit(1.0, 1e-5)
   net = network.Network.two_level(fast, slow)
-  tx = commopt.compressed_mean(commopt.scaled_sign(), ("node", "local"), strategy="hierarchical")
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name=("node", "local"), strategy="hierarchical")
   plan = commopt.wire.comm_plan(tx, params, (4, 8))
   got = network.predict(tx, params, (4, 8), net, compute_s=0.01)
   want = sum(network.collective_time(c.kind, c.group_size, c.contributed_bytes,

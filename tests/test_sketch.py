@@ -58,7 +58,7 @@ def test_all_reduce_of_sketches_is_the_sketch_of_the_sum(mesh):
   assert np.all(np.abs(got[0] - want) <= bound), np.max(np.abs(got[0] - want) / bound)
   assert np.abs(want).min() > 0 and np.abs(want).max() > 100   # the buckets hold real sums
   # And the compressed mean decodes that table: the decoded sketch of the mean.
-  tx = commopt.compressed_mean(c, "data", error_feedback=False, min_size=0)
+  tx = commopt.compressed_mean(c, axis_name="data", error_feedback=False, min_size=0)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   out, s = sm.update({"x": jnp.asarray(xs)}, sm.init({"x": jnp.zeros(n)}))
   seeds = np.asarray(s.compressor_state["x"].seeds)[0]
@@ -133,7 +133,7 @@ def test_sketch_sgd_two_rounds_send_the_exact_mean_of_the_heavy_hitters(mesh):
   xs = rng.normal(size=(N, n)).astype(np.float32)
   xs[:, rng.choice(n, k, replace=False)] += 40.0 * rng.normal(size=k).astype(np.float32)
   c = commopt.sketch_sgd(k=k, cols=cols)
-  sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, "data", min_size=0,
+  sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, axis_name="data", min_size=0,
                                                                 error_feedback=True),
                                          mesh, "data")
   out, state = sm.update({"x": jnp.asarray(xs)}, sm.init({"x": jnp.zeros(n)}))
@@ -236,7 +236,7 @@ def test_compressed_mean_all_reduces_tables_not_leaves(mesh):
       size=(N,) + a.shape), jnp.float32), params)
 
   def audit(c):
-    sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, "data", min_size=64),
+    sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, axis_name="data", min_size=64),
                                            mesh, "data")
     return wire.hlo_collectives(sm.update, u, sm.init(params))
 

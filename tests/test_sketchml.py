@@ -96,7 +96,7 @@ def test_bytes_per_coordinate_at_one_percent():
 def test_compiled_mean_moves_exactly_payload_bits(mesh, opts):
   shape, n = (96, 80), mesh.devices.size
   c = commopt.sketchml(0.02, **opts)
-  sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, "data", min_size=0),
+  sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, axis_name="data", min_size=0),
                                          mesh, "data")
   params = {"w": jnp.zeros(shape)}
   u = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(n,) + shape), jnp.float32)}

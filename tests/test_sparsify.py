@@ -64,7 +64,7 @@ def hoeffding_check(samples, x, ranges, delta=1e-6):
 
 
 def audit(mesh, c, params, min_size=256, stage="auto"):
-  tx = commopt.compressed_mean(c, "data", min_size=min_size)
+  tx = commopt.compressed_mean(c, axis_name="data", min_size=min_size)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   rng = np.random.default_rng(0)
   u = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=(N,) + p.shape), p.dtype), params)
@@ -214,7 +214,7 @@ def test_random_k_shared_seed_all_reduces_only_values(mesh):
 
 
 def test_random_k_shared_seed_workers_agree(mesh):
-  tx = commopt.compressed_mean(random_k(k=40), "data", min_size=0, error_feedback=False)
+  tx = commopt.compressed_mean(random_k(k=40), axis_name="data", min_size=0, error_feedback=False)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   u = {"w": jnp.asarray(np.random.default_rng(2).normal(size=(N, 500)), jnp.float32)}
   state = sm.init({"w": jnp.zeros(500)})
@@ -475,7 +475,7 @@ def dgc_reference(grads, density, m, clip_norm, nesterov):
 def test_dgc_matches_reference_on_simulated_workers(nesterov):
   workers, d, steps = 4, 300, 4
   grads = np.random.default_rng(10).normal(size=(steps, workers, d)).astype(np.float32)
-  tx = dgc("workers", densities=0.02, momentum=0.8, clip_norm=20.0, nesterov=nesterov,
+  tx = dgc(axis_name="workers", densities=0.02, momentum=0.8, clip_norm=20.0, nesterov=nesterov,
            min_size=0)
   sim = commopt.testing.vmap_workers(tx, workers, "workers")
   state = sim.init({"w": jnp.zeros(d)})
@@ -487,7 +487,7 @@ def test_dgc_matches_reference_on_simulated_workers(nesterov):
 
 def test_dgc_stages_each_send_their_own_k(mesh):
   """Inside data_parallel-style shard_map: one all-gather pair per warm-up stage."""
-  tx = dgc("data", densities=(0.25, 0.01), boundaries=(3,), min_size=256)
+  tx = dgc(axis_name="data", densities=(0.25, 0.01), boundaries=(3,), min_size=256)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(16)}
   u = {"w": jnp.ones((N, 64, 48)), "b": jnp.ones((N, 16))}

@@ -82,7 +82,7 @@ def test_to_words_round_trip_mixed_dtypes():
 @pytest.mark.parametrize("name,atol", [("identity", 1e-6), ("cast", 2e-2)])
 def test_two_phase_linear_is_the_exact_mean(mesh, name, atol):
   c = commopt.compressors.make(name)
-  tx = commopt.compressed_mean(c, "data", strategy="two_phase", min_size=0)
+  tx = commopt.compressed_mean(c, axis_name="data", strategy="two_phase", min_size=0)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   u = updates(0)
   out, _ = sm.update(u, sm.init(params_like()))
@@ -96,7 +96,7 @@ def test_two_phase_linear_is_the_exact_mean(mesh, name, atol):
 def test_two_phase_conservation_of_both_memories(mesh, name):
   """Σ outputs + mean worker residual + the server memory = Σ mean inputs (with error
   feedback asked for: C/(1+ω) for the unbiased qsgd and int_quant)."""
-  tx = commopt.compressed_mean(commopt.compressors.make(name), "data", strategy="two_phase",
+  tx = commopt.compressed_mean(commopt.compressors.make(name), axis_name="data", strategy="two_phase",
                                min_size=0, error_feedback=True)
   sum_out, sum_in, state = run_sums(commopt.testing.shard_map_workers(tx, mesh, "data"), 10, 5)
   worker = np.asarray(state.residual["v"]).mean(0)
@@ -110,7 +110,7 @@ def test_two_phase_conservation_of_both_memories(mesh, name):
 
 def test_two_phase_whole_memory_from_a_plain_init(mesh):
   """A state from tx.init outside any map keeps whole memories: zeros outside the own chunk."""
-  tx = commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="two_phase", min_size=0)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase", min_size=0)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   sum_out, sum_in, state = run_sums(sm, 10, 5, init=whole_init(tx))
   worker = np.asarray(state.residual["v"]).mean(0)
@@ -128,7 +128,7 @@ def test_two_phase_whole_memory_from_a_plain_init(mesh):
 def test_whole_and_per_worker_memories_agree(mesh, mesh2d, strategy):
   """The same steps from either layout: equal outputs, and equal memories once joined."""
   if strategy == "two_phase":
-    tx = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase", min_size=0,
+    tx = commopt.compressed_mean(commopt.qsgd(), axis_name="data", strategy="two_phase", min_size=0,
                                  error_feedback=True)
     sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   else:
@@ -154,7 +154,7 @@ def test_whole_and_per_worker_memories_agree(mesh, mesh2d, strategy):
 
 def test_per_worker_memory_shapes_and_a_state_for_other_workers(mesh2d):
   n = 1001
-  tx = commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="two_phase", min_size=0)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase", min_size=0)
   state = commopt.testing.vmap_workers(tx, N, "data").init(params_like())
   assert state.server_residual["v"].shape == (N, -(-n // N))
   assert state.residual["v"].shape == (N, n)
@@ -170,7 +170,7 @@ def test_per_worker_memory_shapes_and_a_state_for_other_workers(mesh2d):
 
 
 def test_two_phase_vmap_equals_shard_map(mesh):
-  tx = commopt.compressed_mean(commopt.qsgd(), "data", strategy="two_phase", min_size=0,
+  tx = commopt.compressed_mean(commopt.qsgd(), axis_name="data", strategy="two_phase", min_size=0,
                                  error_feedback=True)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   vm = commopt.testing.vmap_workers(tx, N, "data")
@@ -208,7 +208,7 @@ def test_two_phase_audit_keeps_the_ratio_at_8_workers(mesh, name, options, at_le
   params = mlp_params()
   results = {}
   for strategy in ("gather", "two_phase"):
-    tx = optax.chain(commopt.compressed_mean(c, "data", strategy=strategy), optax.sgd(0.1))
+    tx = optax.chain(commopt.compressed_mean(c, axis_name="data", strategy=strategy), optax.sgd(0.1))
     dp = commopt.data_parallel(mlp_loss, tx, mesh)
     results[strategy] = wire.hlo_collectives(dp, params, dp.init(params), mlp_batch())
   audit = results["two_phase"]
@@ -228,14 +228,14 @@ def test_two_phase_audit_keeps_the_ratio_at_8_workers(mesh, name, options, at_le
 
 
 def hierarchical(c, inner="auto", **kw):
-  return commopt.compressed_mean(c, AXES, strategy="hierarchical", inner_strategy=inner,
+  return commopt.compressed_mean(c, axis_name=AXES, strategy="hierarchical", inner_strategy=inner,
                                  min_size=0, **kw)
 
 
 @pytest.mark.parametrize("inner", ["gather", "two_phase"])
 def test_hierarchical_identity_equals_flat(mesh, mesh2d, inner):
   flat = commopt.testing.shard_map_workers(
-      commopt.compressed_mean(commopt.compressors.identity(), "data", min_size=0), mesh, "data")
+      commopt.compressed_mean(commopt.compressors.identity(), axis_name="data", min_size=0), mesh, "data")
   hier = commopt.testing.shard_map_workers(hierarchical(commopt.compressors.identity(), inner), mesh2d, AXES)
   u = updates(30)
   o_f, _ = flat.update(u, flat.init(params_like()))
@@ -254,7 +254,7 @@ def test_hierarchical_compressed_bytes_cross_only_the_slow_axis(mesh2d, inner):
   cross it too, accounted for one by one: a mean inside each node, then one
   between the same local rank of the two nodes, never over all eight devices."""
   c = commopt.scaled_sign()
-  tx = commopt.compressed_mean(c, AXES, strategy="hierarchical", inner_strategy=inner,
+  tx = commopt.compressed_mean(c, axis_name=AXES, strategy="hierarchical", inner_strategy=inner,
                                min_size=100)
   sm = commopt.testing.shard_map_workers(tx, mesh2d, AXES)
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,)), "s": jnp.zeros((3,))}
@@ -296,7 +296,7 @@ def test_hierarchical_compressed_bytes_cross_only_the_slow_axis(mesh2d, inner):
 
 
 def test_hierarchical_dense_leaves_are_the_mean(mesh2d):
-  tx = commopt.compressed_mean(commopt.scaled_sign(), AXES, strategy="hierarchical", min_size=100)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name=AXES, strategy="hierarchical", min_size=100)
   sm = commopt.testing.shard_map_workers(tx, mesh2d, AXES)
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,))}
   u = jax.tree.map(lambda p: jnp.asarray(np.random.default_rng(2).normal(size=(N,) + p.shape),
@@ -332,7 +332,7 @@ def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
   batch = {"x": x, "y": x @ jnp.asarray(rng.normal(size=(32, 4)), jnp.float32)}
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
   flat = commopt.data_parallel(
-      loss, optax.chain(commopt.compressed_mean(commopt.compressors.identity(), "data"), optax.sgd(0.05)),
+      loss, optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"), optax.sgd(0.05)),
       mesh)
   hier = commopt.data_parallel(
       loss, optax.chain(hierarchical(commopt.compressors.identity()), optax.sgd(0.05)), mesh2d, AXES)
@@ -362,17 +362,17 @@ def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: commopt.compressed_mean(commopt.power_sgd(2), "data", strategy="two_phase"),
+    (lambda: commopt.compressed_mean(commopt.power_sgd(2), axis_name="data", strategy="two_phase"),
      "needs a stateless per-leaf compressor"),
-    (lambda: commopt.compressed_mean(commopt.scaled_sign(), "data", strategy="hierarchical"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="hierarchical"),
      r"`axis_name` = \(slow, fast\)"),
-    (lambda: commopt.compressed_mean(commopt.scaled_sign(), ("a", "a"), strategy="hierarchical"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name=("a", "a"), strategy="hierarchical"),
      "two distinct mesh axis names"),
-    (lambda: commopt.compressed_mean(commopt.scaled_sign(), AXES),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name=AXES),
      "needs strategy='hierarchical'"),
-    (lambda: commopt.compressed_mean(commopt.scaled_sign(), AXES, strategy="hierarchical",
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name=AXES, strategy="hierarchical",
                                      inner_strategy="ring"), "`inner_strategy` must be one of"),
-    (lambda: commopt.compressed_mean(commopt.scaled_sign(), AXES, strategy="hierarchical",
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name=AXES, strategy="hierarchical",
                                      inner_strategy="psum"), "needs a linear compressor"),
 ])
 def test_bad_strategy_arguments(make, match):
@@ -393,7 +393,7 @@ def test_every_strategy_runs_on_one_device_without_an_axis(strategy):
   """axis_name=None is one local worker: each strategy reduces over it (two_phase's
   all-to-all and all-gather included) and returns that worker's reconstruction."""
   c = commopt.cast(jnp.bfloat16) if strategy == "psum" else commopt.scaled_sign()
-  tx = commopt.compressed_mean(c, None, strategy=strategy, min_size=0)
+  tx = commopt.compressed_mean(c, axis_name=None, strategy=strategy, min_size=0)
   x = {"w": jnp.linspace(-1.0, 2.0, 50)}
   out, state = tx.update(x, tx.init(x))
   payload, _ = c.encode(x["w"], c.init(x["w"]), jax.random.PRNGKey(0))
@@ -403,7 +403,7 @@ def test_every_strategy_runs_on_one_device_without_an_axis(strategy):
 
 def test_hierarchical_without_an_axis_is_refused_by_name():
   with pytest.raises(ValueError, match="on one device .* use any other strategy"):
-    commopt.compressed_mean(commopt.scaled_sign(), None, strategy="hierarchical")
+    commopt.compressed_mean(commopt.scaled_sign(), axis_name=None, strategy="hierarchical")
 
 
 def _bytes_by_kind(entries):
@@ -422,7 +422,7 @@ def test_comm_plan_predicts_the_compiled_collectives(mesh, mesh2d, strategy, inn
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((10,))}
   flat = strategy != "hierarchical"
   axes, m, workers = ("data", mesh, N) if flat else (AXES, mesh2d, (2, 4))
-  tx = commopt.compressed_mean(c, axes, strategy=strategy, inner_strategy=inner, min_size=100)
+  tx = commopt.compressed_mean(c, axis_name=axes, strategy=strategy, inner_strategy=inner, min_size=100)
   sm = commopt.testing.shard_map_workers(tx, m, axes)
   u = {"w": updates(32)["w"], "b": jnp.ones((N, 10))}
   audit = wire.hlo_collectives(sm.update, u, sm.init(params), stage="lowered")
@@ -441,12 +441,12 @@ def test_every_reducing_transform_reports_a_plan_that_the_compiled_step_follows(
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((10,))}
   m, workers = (mesh, N) if axes == "data" else (mesh2d, (2, 4))
   u = {"w": updates(33)["w"], "b": jnp.ones((N, 10))}
-  txs = [commopt.majority_vote(axes),
-         commopt.coordinate_median(axes),
-         commopt.coordinate_median(axes, compressor=commopt.int_quant(), min_size=100)]
+  txs = [commopt.majority_vote(axis_name=axes),
+         commopt.coordinate_median(axis_name=axes),
+         commopt.coordinate_median(axis_name=axes, compressor=commopt.int_quant(), min_size=100)]
   if axes == "data":
-    txs += [commopt.dgc(axes, densities=0.05, min_size=100),
-            commopt.compressed_mean(commopt.scaled_sign(), axes, min_size=100)]
+    txs += [commopt.dgc(axis_name=axes, densities=0.05, min_size=100),
+            commopt.compressed_mean(commopt.scaled_sign(), axis_name=axes, min_size=100)]
   for tx in txs:
     sm = commopt.testing.shard_map_workers(tx, m, axes)
     audit = wire.hlo_collectives(sm.update, u, sm.init(params), stage="lowered")
@@ -463,7 +463,7 @@ def test_a_compressor_that_saves_nothing_on_flat_chunks_is_refused(strategy, axi
   assert "per_leaf" in atomo.capabilities and "flat_chunks" not in atomo.capabilities
   with pytest.raises(ValueError, match=r"flat chunk of 4096 float32 values in \d+ bits, no "
                                        r"fewer than dense.*strategy='gather'"):
-    commopt.compressed_mean(atomo, axis, strategy=strategy)
-  commopt.compressed_mean(atomo, "data", strategy="gather")
+    commopt.compressed_mean(atomo, axis_name=axis, strategy=strategy)
+  commopt.compressed_mean(atomo, axis_name="data", strategy="gather")
   for name in ("scaled_sign", "qsgd", "top_k", "identity", "int_quant"):
     assert "flat_chunks" in commopt.compressors.make(name).capabilities, name

@@ -27,7 +27,7 @@ def _loss(p, b):
 
 def _bsp(mesh, params, batches, inner):
   dp = commopt.data_parallel(
-      _loss, optax.chain(commopt.compressed_mean(commopt.compressors.make("identity"), "data"),
+      _loss, optax.chain(commopt.compressed_mean(commopt.compressors.make("identity"), axis_name="data"),
                          inner), mesh)
   p, s = params, dp.init(params)
   out = []

@@ -56,7 +56,7 @@ def vote_words(gathered: jax.Array) -> tuple[jax.Array, jax.Array]:
   return greater, tie
 
 
-def majority_vote(axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
+def majority_vote(*, axis_name: AxisName = None) -> optax.GradientTransformationExtraArgs:
   """signSGD with majority vote: the sign of the sum of the workers' signs.
 
   Each worker packs the signs of its update into bits (``⌈d/32⌉`` uint32
@@ -73,7 +73,7 @@ def majority_vote(axis_name: AxisName = None) -> optax.GradientTransformationExt
 
   Signum (signSGD with momentum) is each worker's momentum voted on::
 
-    optax.chain(optax.trace(decay=0.9), majority_vote("data"), optax.scale(-lr))
+    optax.chain(optax.trace(decay=0.9), majority_vote(axis_name="data"), optax.scale(-lr))
 
   The momentum stays per worker (``data_parallel`` keeps it so, sharded over
   the axis) and only sign bits cross the wire.
@@ -90,7 +90,7 @@ def majority_vote(axis_name: AxisName = None) -> optax.GradientTransformationExt
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt
-    >>> tx = commopt.majority_vote("workers")
+    >>> tx = commopt.majority_vote(axis_name="workers")
     >>> g = jnp.array([[1.0, -2.0, 3.0], [-1.0, -1.0, 2.0], [2.0, 1.0, -5.0]])
     >>> vote = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")
     >>> vote(g)[0].tolist()

@@ -55,7 +55,7 @@ def _optional_f(f, fn: str) -> Optional[int]:
   return None if f is None else base.check_int("f", f, fn=fn, minimum=0)
 
 
-def krum(axis_name: AxisName, f: int, *, compressor: Optional[base.Compressor] = None,
+def krum(f: int, *, axis_name: AxisName, compressor: Optional[base.Compressor] = None,
          min_size: int = DEFAULT_MIN_SIZE, payload_attack: Optional[PayloadAttack] = None,
          error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """Krum: the worker update closest to its ``n − f − 2`` nearest neighbours.
@@ -95,7 +95,7 @@ def krum(axis_name: AxisName, f: int, *, compressor: Optional[base.Compressor] =
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import krum
-    >>> tx = krum("workers", f=1)
+    >>> tx = krum(f=1, axis_name="workers")
     >>> g = jnp.array([[1.0, 1.0], [1.1, 0.9], [0.9, 1.0], [1.0, 1.1], [50.0, -50.0]])
     >>> run = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")
     >>> run(g)[4].tolist()
@@ -112,7 +112,7 @@ def krum(axis_name: AxisName, f: int, *, compressor: Optional[base.Compressor] =
                           payload_attack=payload_attack, error_feedback=error_feedback, seed=seed)
 
 
-def multi_krum(axis_name: AxisName, f: int, m: Optional[int] = None, *,
+def multi_krum(f: int, m: Optional[int] = None, *, axis_name: AxisName,
                compressor: Optional[base.Compressor] = None, min_size: int = DEFAULT_MIN_SIZE,
                payload_attack: Optional[PayloadAttack] = None,
                error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
@@ -146,7 +146,7 @@ def multi_krum(axis_name: AxisName, f: int, m: Optional[int] = None, *,
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import multi_krum
-    >>> tx = multi_krum("workers", f=1, m=2)
+    >>> tx = multi_krum(f=1, m=2, axis_name="workers")
     >>> g = jnp.array([[1.0], [1.2], [0.7], [3.0], [-40.0]])
     >>> run = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")
     >>> round(float(run(g)[0, 0]), 4)
@@ -165,7 +165,7 @@ def multi_krum(axis_name: AxisName, f: int, m: Optional[int] = None, *,
                           payload_attack=payload_attack, error_feedback=error_feedback, seed=seed)
 
 
-def coordinate_median(axis_name: AxisName, f: Optional[int] = None, *,
+def coordinate_median(f: Optional[int] = None, *, axis_name: AxisName,
                       compressor: Optional[base.Compressor] = None,
                       min_size: int = DEFAULT_MIN_SIZE,
                       payload_attack: Optional[PayloadAttack] = None,
@@ -200,7 +200,7 @@ def coordinate_median(axis_name: AxisName, f: Optional[int] = None, *,
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import coordinate_median
-    >>> tx = coordinate_median("workers")
+    >>> tx = coordinate_median(axis_name="workers")
     >>> g = jnp.array([[1.0, -1.0], [2.0, 1e9], [3.0, 0.0]])
     >>> run = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")
     >>> run(g)[0].tolist()
@@ -218,7 +218,7 @@ def coordinate_median(axis_name: AxisName, f: Optional[int] = None, *,
                           coordinatewise=True)
 
 
-def trimmed_mean(axis_name: AxisName, beta: float, f: Optional[int] = None, *,
+def trimmed_mean(beta: float, f: Optional[int] = None, *, axis_name: AxisName,
                  compressor: Optional[base.Compressor] = None, min_size: int = DEFAULT_MIN_SIZE,
                  payload_attack: Optional[PayloadAttack] = None,
                  error_feedback: bool = False, seed: int = 0) -> optax.GradientTransformationExtraArgs:
@@ -254,7 +254,7 @@ def trimmed_mean(axis_name: AxisName, beta: float, f: Optional[int] = None, *,
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import trimmed_mean
-    >>> tx = trimmed_mean("workers", beta=0.25)
+    >>> tx = trimmed_mean(beta=0.25, axis_name="workers")
     >>> g = jnp.array([[1.0], [2.0], [3.0], [-1e9]])
     >>> run = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")
     >>> run(g)[0].tolist()
@@ -273,7 +273,7 @@ def trimmed_mean(axis_name: AxisName, beta: float, f: Optional[int] = None, *,
                           coordinatewise=True)
 
 
-def geometric_median(axis_name: AxisName, iters: int = 8, *, nu: float = 1e-6,
+def geometric_median(iters: int = 8, *, axis_name: AxisName, nu: float = 1e-6,
                      f: Optional[int] = None,
                      compressor: Optional[base.Compressor] = None, min_size: int = DEFAULT_MIN_SIZE,
                      payload_attack: Optional[PayloadAttack] = None,
@@ -311,7 +311,7 @@ def geometric_median(axis_name: AxisName, iters: int = 8, *, nu: float = 1e-6,
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import geometric_median
-    >>> tx = geometric_median("workers", iters=50)
+    >>> tx = geometric_median(iters=50, axis_name="workers")
     >>> g = jnp.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1e6, 1e6]])
     >>> run = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")
     >>> bool(jnp.all(jnp.abs(run(g)[0]) < 1.0))
@@ -330,7 +330,7 @@ def geometric_median(axis_name: AxisName, iters: int = 8, *, nu: float = 1e-6,
                           payload_attack=payload_attack, error_feedback=error_feedback, seed=seed)
 
 
-def centered_clip(axis_name: AxisName, tau: float, iters: int = 1, *,
+def centered_clip(tau: float, iters: int = 1, *, axis_name: AxisName,
                   f: Optional[int] = None,
                   compressor: Optional[base.Compressor] = None, min_size: int = DEFAULT_MIN_SIZE,
                   payload_attack: Optional[PayloadAttack] = None,
@@ -373,7 +373,7 @@ def centered_clip(axis_name: AxisName, tau: float, iters: int = 1, *,
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from commopt.aggregators import centered_clip
-    >>> tx = centered_clip("workers", tau=1.0, iters=3)
+    >>> tx = centered_clip(tau=1.0, iters=3, axis_name="workers")
     >>> g = jnp.array([[1.0], [1.0], [1.0], [1000.0]])
     >>> run = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")
     >>> float(run(g)[0, 0])     # 1, then the outlier moves v by at most tau/n a step

@@ -55,20 +55,20 @@ def make_rule(name: str, *, tau: float, compressor=None,
   wire = dict(compressor=compressor, payload_attack=payload_attack, min_size=0)
   if name == "mean":
     # The plain mean through the same all-gather path: a trimmed mean with beta = 0.
-    return robust.trimmed_mean(AXIS, 0.0, **wire)
+    return robust.trimmed_mean(0.0, axis_name=AXIS, **wire)
   if name == "krum":
-    return robust.krum(AXIS, DESIGN_F, **wire)
+    return robust.krum(DESIGN_F, axis_name=AXIS, **wire)
   if name == "multi_krum":
-    return robust.multi_krum(AXIS, DESIGN_F, **wire)
+    return robust.multi_krum(DESIGN_F, axis_name=AXIS, **wire)
   if name == "coordinate_median":
-    return robust.coordinate_median(AXIS, MEDIAN_F, **wire)
+    return robust.coordinate_median(MEDIAN_F, axis_name=AXIS, **wire)
   if name == "trimmed_mean":
     # beta = f/n with f = DESIGN_F (at f = MEDIAN_F it would equal the median).
-    return robust.trimmed_mean(AXIS, DESIGN_F / NUM_WORKERS, DESIGN_F, **wire)
+    return robust.trimmed_mean(DESIGN_F / NUM_WORKERS, DESIGN_F, axis_name=AXIS, **wire)
   if name == "centered_clip":
-    return robust.centered_clip(AXIS, tau, iters=CC_ITERS, f=DESIGN_F, **wire)
+    return robust.centered_clip(tau, axis_name=AXIS, iters=CC_ITERS, f=DESIGN_F, **wire)
   if name == "geometric_median":
-    return robust.geometric_median(AXIS, iters=8, f=MEDIAN_F, **wire)
+    return robust.geometric_median(axis_name=AXIS, iters=8, f=MEDIAN_F, **wire)
   raise ValueError(f"make_rule: `name` must be one of {RULES}, got {name!r}.")
 
 

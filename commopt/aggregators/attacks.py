@@ -9,7 +9,7 @@ axis, as the threat model allows.
 
 - :func:`apply_attack` corrupts an update pytree (a function);
 - :func:`attack` is the same as an Optax transform, to chain before an
-  aggregator: ``optax.chain(attack("alie", "data", (0, 1)), krum("data", 2))``;
+  aggregator: ``optax.chain(attack("alie", (0, 1), axis_name="data"), krum(2, axis_name="data"))``;
 - :func:`bit_flip` corrupts packed payloads on the wire: pass it as the
   ``payload_attack`` of a robust aggregator used with a ``compressor``.
 
@@ -185,7 +185,7 @@ def apply_attack(updates: Any, kind: str, *, axis_name: AxisName,
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def attack(kind: str, axis_name: AxisName, byzantine: Sequence[int] | jax.Array, *,
+def attack(kind: str, byzantine: Sequence[int] | jax.Array, *, axis_name: AxisName,
            seed: int = 0, **params) -> optax.GradientTransformationExtraArgs:
   """:func:`apply_attack` as an Optax transform, to chain before an aggregator.
 
@@ -203,7 +203,7 @@ def attack(kind: str, axis_name: AxisName, byzantine: Sequence[int] | jax.Array,
     >>> import jax, jax.numpy as jnp, optax
     >>> from commopt.aggregators.attacks import attack
     >>> from commopt.aggregators import coordinate_median
-    >>> tx = optax.chain(attack("scaled", "w", (0,)), coordinate_median("w"))
+    >>> tx = optax.chain(attack("scaled", (0,), axis_name="w"), coordinate_median(axis_name="w"))
     >>> g = jnp.array([[1.0], [2.0], [3.0]])
     >>> jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="w")(g)[0].tolist()
     [2.0]
@@ -270,7 +270,7 @@ def bit_flip(byzantine: Sequence[int] | jax.Array, *, rate: float = 0.05,
     >>> import jax, jax.numpy as jnp, commopt
     >>> from commopt.aggregators.attacks import bit_flip
     >>> from commopt.aggregators import coordinate_median
-    >>> tx = coordinate_median("w", compressor=commopt.int_quant(block_size=None),
+    >>> tx = coordinate_median(axis_name="w", compressor=commopt.int_quant(block_size=None),
     ...                        payload_attack=bit_flip((2,), rate=0.5))
     >>> g = jnp.ones((3, 64))
     >>> out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="w")(g)

@@ -15,7 +15,7 @@ def identity() -> base.Compressor:
   """The dense baseline: the payload is the input itself.
 
   Returns:
-    A linear :class:`~commopt.Compressor`; ``compressed_mean(identity(), axis)``
+    A linear :class:`~commopt.Compressor`; ``compressed_mean(identity(), axis_name=axis)``
     is a plain ``pmean``.
 
   Examples:

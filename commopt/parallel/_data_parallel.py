@@ -406,7 +406,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
     mesh: a ``jax.sharding.Mesh`` with the axes named by ``axis_name``.
     axis_name: the data axis, or a tuple of axes that together hold the
       workers, e.g. ``("node", "local")`` with
-      ``compressed_mean(c, ("node", "local"), strategy="hierarchical")``.
+      ``compressed_mean(c, axis_name=("node", "local"), strategy="hierarchical")``.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux comes back per worker.
     has_state: ``loss_fn`` takes and returns model state.
     model_state_sync: ``"mean"`` or ``"none"``.
@@ -428,7 +428,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   Examples:
     >>> import jax, jax.numpy as jnp, optax, commopt
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "data"),
+    >>> tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
     ...                  optax.sgd(0.1))
     >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
     >>> dp = commopt.data_parallel(loss, tx, mesh)

@@ -20,7 +20,7 @@ def optimizer(tx, axis_name, skip_nonfinite: bool) -> optax.GradientTransformati
   if not skip_nonfinite:
     return optax.with_extra_args_support(tx)
   from commopt.transforms._control import apply_if_finite
-  return apply_if_finite(tx, axis_name)
+  return apply_if_finite(tx, axis_name=axis_name)
 
 
 def poison_if_nonfinite(dp, grads, new_model_state):

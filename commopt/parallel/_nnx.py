@@ -142,7 +142,7 @@ def nnx_data_parallel(model: nnx.Module, loss_fn: Callable, tx: optax.GradientTr
     ...     return self.drop(self.bn(self.lin(x)))
     >>> model = Net(nnx.Rngs(0))
     >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
-    >>> tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), "data"), optax.sgd(0.1))
+    >>> tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"), optax.sgd(0.1))
     >>> trainer = commopt.nnx_data_parallel(model, loss_fn, tx, jax.make_mesh((1,), ("data",)))
     >>> state = trainer.init(model)
     >>> state, losses = trainer.step(state, {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 2))})

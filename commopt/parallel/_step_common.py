@@ -79,7 +79,7 @@ def check_replicated(dp, tree, what="the update of parameter"):
           f"data_parallel: {what} {keystr(path)} differs between "
           f"workers on axis {dp.axis_name!r}, so the replicas would drift apart. "
           "`tx` must reduce over that axis after anything per-worker, e.g. "
-          f"optax.chain(commopt.compressed_mean(c, {dp.axis_name!r}), optax.sgd(lr)); "
+          f"optax.chain(commopt.compressed_mean(c, axis_name={dp.axis_name!r}), optax.sgd(lr)); "
           "transforms that keep parameters per worker between synchronisations "
           "(commopt.local_sgd, commopt.diloco) need data_parallel(..., local_params=True).")
 

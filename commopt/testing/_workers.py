@@ -28,7 +28,7 @@ def vmap_workers(tx: optax.GradientTransformation, num_workers: int,
 
   Examples:
     >>> import jax.numpy as jnp, commopt
-    >>> w = commopt.testing.vmap_workers(commopt.compressed_mean(commopt.compressors.identity(), "workers"), 4)
+    >>> w = commopt.testing.vmap_workers(commopt.compressed_mean(commopt.compressors.identity(), axis_name="workers"), 4)
     >>> state = w.init({"x": jnp.zeros(2)})
     >>> out, state = w.update({"x": jnp.arange(8.0).reshape(4, 2)}, state)
     >>> out["x"][0].tolist()

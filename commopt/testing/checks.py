@@ -132,7 +132,7 @@ def _tx(compressor, axis_name=None, **kw):
   ``C/(1+ω)`` for an unbiased compressor), so the checks exercise it."""
   kept = compressor.error_kind not in ("direction", "lossless")
   kw.setdefault("error_feedback", True if kept else "auto")
-  return compressed_mean(compressor, axis_name, min_size=MIN_SIZE, **kw)
+  return compressed_mean(compressor, axis_name=axis_name, min_size=MIN_SIZE, **kw)
 
 
 def _residual(state, key, like) -> np.ndarray:
@@ -374,7 +374,7 @@ def chunked_strategies(compressor: base.Compressor, mesh, mesh2d, *,
 
 def robust_rule_compatible(compressor: base.Compressor, num_workers: int = 8) -> None:
   """A robust rule (the coordinate median) over this compressor's decoded payloads is finite."""
-  w = vmap_workers(coordinate_median("workers", compressor=compressor, min_size=MIN_SIZE), num_workers)
+  w = vmap_workers(coordinate_median(axis_name="workers", compressor=compressor, min_size=MIN_SIZE), num_workers)
   out, _ = w.update(worker_updates(60, n=num_workers), w.init(params_like()))
   for key in ("w", "b"):
     assert out[key].shape == (num_workers,) + params_like()[key].shape

@@ -76,7 +76,7 @@ def residual_growth(compressor: base.Compressor, gradients: str = "constant", *,
   Returns:
     A :class:`Growth`.
   """
-  tx = compressed_mean(compressor, "w", min_size=0, error_feedback=error_feedback)
+  tx = compressed_mean(compressor, axis_name="w", min_size=0, error_feedback=error_feedback)
   x = jnp.zeros(shape, jnp.float32)
   state = jax.vmap(tx.init, in_axes=None, axis_size=num_workers, axis_name="w")({"x": x})
   kept = not isinstance(state.residual["x"], optax.MaskedNode)
@@ -155,9 +155,9 @@ def quadratic_gap(compressor: base.Compressor, *, lr: float = 0.15, sigma: float
     A :class:`Gap`.
   """
   tail = max(steps // 5, 1)
-  dense, initial = _sgd_losses(compressed_mean(identity(), "w", min_size=0), lr, sigma,
+  dense, initial = _sgd_losses(compressed_mean(identity(), axis_name="w", min_size=0), lr, sigma,
                                num_workers, steps, seed)
-  losses, _ = _sgd_losses(compressed_mean(compressor, "w", min_size=0,
+  losses, _ = _sgd_losses(compressed_mean(compressor, axis_name="w", min_size=0,
                                           error_feedback=error_feedback),
                           lr, sigma, num_workers, steps, seed)
   final, floor = float(np.mean(losses[-tail:])), float(np.mean(dense[-tail:]))

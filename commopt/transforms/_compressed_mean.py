@@ -306,8 +306,8 @@ def _update(cfg: _Config, updates, state: CompressedMeanState, params=None, **ex
 
 def compressed_mean(
     compressor: base.Compressor,
-    axis_name: Optional[str | tuple[str, str]] = None,
     *,
+    axis_name: Optional[str | tuple[str, str]] = None,
     error_feedback: bool | str = "auto",
     residual_dtype=None,
     min_size: int = DEFAULT_MIN_SIZE,
@@ -372,7 +372,7 @@ def compressed_mean(
   memory), so it comes back at every later step. :func:`commopt.data_parallel`
   skips such steps on every worker together, by agreement
   (``skip_nonfinite=True``, the default), and
-  ``commopt.transforms.apply_if_finite(tx, axis_name)`` does the same in your
+  ``commopt.transforms.apply_if_finite(tx, axis_name=axis_name)`` does the same in your
   own step: the update is dropped and the residuals are left as they were.
 
   Args:

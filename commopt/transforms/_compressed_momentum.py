@@ -79,7 +79,7 @@ def momentum_options(fn: str, learning_rate, axis_name, *, b1, b2, eps, weight_d
   if compressor is None:
     from commopt.compressors import scaled_sign
     compressor = scaled_sign()
-  reducer = compressed_mean(compressor, axis_name, error_feedback=True, strategy=strategy,
+  reducer = compressed_mean(compressor, axis_name=axis_name, error_feedback=True, strategy=strategy,
                             min_size=min_size, seed=seed)
   return MomentumOptions(fn, learning_rate, axis_name, b1, b2, eps, weight_decay, reducer,
                          exp_avg_mask)

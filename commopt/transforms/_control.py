@@ -108,7 +108,7 @@ def _replicated(tree) -> list:
   return [x for x in jax.tree.leaves(tree) if not coll.varying_axes(x)]
 
 
-def apply_if_finite(inner: optax.GradientTransformation,
+def apply_if_finite(inner: optax.GradientTransformation, *,
                     axis_name: Optional[str | tuple[str, ...]] = None,
                     max_consecutive_errors: Optional[int] = None
                     ) -> optax.GradientTransformationExtraArgs:
@@ -144,7 +144,7 @@ def apply_if_finite(inner: optax.GradientTransformation,
 
   Args:
     inner: the transform to guard, e.g. ``optax.chain(compressed_mean(c,
-      "data"), optax.sgd(lr))``.
+      axis_name="data"), optax.sgd(lr))``.
     axis_name: the named axis (or tuple of axes) whose workers must agree, or
       ``None`` for one local worker.
     max_consecutive_errors: ``None`` to skip every non-finite update; an
@@ -239,7 +239,7 @@ def multi_steps(inner: optax.GradientTransformation,
 
   Args:
     inner: the transform run every ``k`` calls, e.g. ``optax.chain(
-      compressed_mean(c, "data"), optax.sgd(lr))``.
+      compressed_mean(c, axis_name="data"), optax.sgd(lr))``.
     every_k_schedule: ``k``, an integer >= 1, or a function of the number of
       inner steps taken (an int32 scalar) that returns it.
 

@@ -173,7 +173,7 @@ def scheduled_top_k(densities: float | Sequence[float], boundaries: Sequence[int
                          reduce_collective="all-gather")
 
 
-def dgc(axis_name: Optional[str] = None, *,
+def dgc(*, axis_name: Optional[str] = None,
         densities: float | Sequence[float] = 0.001, boundaries: Sequence[int] = (),
         momentum: float = 0.9, nesterov: bool = False, clip_norm: Optional[float] = None,
         method: str = "exact", min_size: int = cm.DEFAULT_MIN_SIZE,
@@ -189,7 +189,7 @@ def dgc(axis_name: Optional[str] = None, *,
 
   and the output is the mean over ``axis_name`` of the sent ``v``. With
   ``nesterov=True`` the accumulated quantity is ``g + m·u``. Momentum is
-  inside, so chain it with a plain step: ``optax.chain(dgc(...),
+  inside, so chain it with a plain step: ``optax.chain(dgc(axis_name=...),
   optax.sgd(lr))``; weight decay goes before it
   (``optax.add_decayed_weights``). ``v`` is the error-feedback residual of a
   :func:`~commopt.compressed_mean` over :func:`scheduled_top_k`. Leaves with
@@ -242,7 +242,7 @@ def dgc(axis_name: Optional[str] = None, *,
   min_size = base.check_int("min_size", min_size, fn="dgc", minimum=0)
   seed = base.check_int("seed", seed, fn="dgc")
   inner = cm.compressed_mean(scheduled_top_k(densities, boundaries, method=method),
-                             axis_name, min_size=min_size, seed=seed)
+                             axis_name=axis_name, min_size=min_size, seed=seed)
 
   def init_fn(params):
     return DGCState(count=jnp.zeros([], jnp.int32),

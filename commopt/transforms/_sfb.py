@@ -116,7 +116,7 @@ def _is_kernel(x) -> bool:
   return x is not None and jnp.ndim(x) == 2
 
 
-def sfb_mean(axis_name, batch_rows: int, mask: Union[Any, Callable[[Any], Any]], *,
+def sfb_mean(batch_rows: int, mask: Union[Any, Callable[[Any], Any]], *, axis_name,
              other: Optional[optax.GradientTransformation] = None, check_rows: bool = True
              ) -> optax.GradientTransformationExtraArgs:
   """The mean over ``axis_name``, with the kernels of :func:`sfb_dense` sent as their factors.
@@ -145,7 +145,7 @@ def sfb_mean(axis_name, batch_rows: int, mask: Union[Any, Callable[[Any], Any]],
       :func:`sfb_dense`), or a function of the parameters that returns one
       (:func:`commopt.sfb_mask` gives it for an nnx model).
     other: the reduction of every other leaf; default the dense mean
-      ``compressed_mean(identity(), axis_name)``. Any compressed mean works.
+      ``compressed_mean(identity(), axis_name=axis_name)``. Any compressed mean works.
     check_rows: send the row count with the factors and check it (above):
       ``batch_rows·(n + m) + 1`` values per chosen leaf; False sends exactly
       ``batch_rows·(n + m)`` and trusts the buffers.
@@ -158,7 +158,7 @@ def sfb_mean(axis_name, batch_rows: int, mask: Union[Any, Callable[[Any], Any]],
     >>> x = jnp.arange(16.0).reshape(2, 8)                   # 2 rows: 2·(8 + 8) < 64
     >>> loss = lambda p: commopt.transforms.sfb_dense(x, p["w"]).sum()
     >>> params = {"w": jnp.ones((8, 8))}
-    >>> tx = commopt.transforms.sfb_mean(None, 2, {"w": True})
+    >>> tx = commopt.transforms.sfb_mean(2, {"w": True}, axis_name=None)
     >>> out, _ = tx.update(jax.grad(loss)(params), tx.init(params))
     >>> bool(jnp.allclose(out["w"], jax.grad(lambda p: (x @ p["w"]).sum())(params)["w"]))
     True
@@ -175,7 +175,7 @@ def sfb_mean(axis_name, batch_rows: int, mask: Union[Any, Callable[[Any], Any]],
   extra = int(check_rows)
   if other is None:
     from commopt.compressors import identity
-    other = compressed_mean(identity(), axis_name)
+    other = compressed_mean(identity(), axis_name=axis_name)
 
   def chosen(tree):
     marks = mask(tree) if callable(mask) else mask

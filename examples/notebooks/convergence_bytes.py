@@ -74,7 +74,7 @@ def sgd():
 
 def mean_of(name, strategy="auto", error_feedback=True, **opts):
   """A compressed mean of the gradients, then momentum SGD: (the full tx, its reducing part)."""
-  reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), "data",
+  reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name="data",
                                     strategy=strategy, error_feedback=error_feedback)
   return optax.chain(reducer, sgd()), reducer
 
@@ -87,7 +87,7 @@ def sync(kind):
 
 
 def dgc():
-  reducer = commopt.dgc("data", momentum=MOMENTUM)
+  reducer = commopt.dgc(axis_name="data", momentum=MOMENTUM)
   return optax.chain(reducer, optax.sgd(LR)), reducer
 
 

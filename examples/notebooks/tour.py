@@ -95,7 +95,7 @@ print(jax.tree.map(lambda a: (a.dtype.name, a.shape), payload))
 # %% [markdown]
 # ## 2. Chain it into an optimizer
 #
-# `compressed_mean(compressor, axis_name)` is an Optax transform: each worker
+# `compressed_mean(compressor, axis_name=axis_name)` is an Optax transform: each worker
 # encodes its gradient plus its residual, the payloads are exchanged over
 # `axis_name`, and every worker gets the mean of the decoded payloads. What a
 # worker's payload left out stays in its residual (error feedback), inside the
@@ -103,7 +103,7 @@ print(jax.tree.map(lambda a: (a.dtype.name, a.shape), payload))
 # `jax.vmap`, which is the quickest way to see it.
 
 # %%
-tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), "workers"),
+tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="workers"),
                  optax.sgd(0.1, momentum=0.9))
 workers = commopt.testing.vmap_workers(tx, 4)
 grads = {"w": jax.random.normal(jax.random.key(2), (4, 64, 64))}    # one gradient per worker
@@ -160,7 +160,7 @@ RUNS = {
 }
 curves, steps = {}, {}
 for name, c in RUNS.items():
-  tx = optax.chain(commopt.compressed_mean(c, "data"), optax.sgd(0.05, momentum=0.9))
+  tx = optax.chain(commopt.compressed_mean(c, axis_name="data"), optax.sgd(0.05, momentum=0.9))
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   p, s = dp.place_params(params), dp.init(params)
   losses = []
@@ -198,7 +198,7 @@ batch0 = batch(0)
 print(f"{'method':20s} {'predicted B':>12s} {'compiled B':>11s} {'vs dense':>9s}  collectives")
 for name, c in RUNS.items():
   dp, p, s = steps[name]
-  plan = wire.comm_plan(commopt.compressed_mean(c, "data"), params, 8)
+  plan = wire.comm_plan(commopt.compressed_mean(c, axis_name="data"), params, 8)
   compiled = wire.hlo_collectives(dp, p, s, dp.place_batch(batch0))
   # Beyond the optimizer's exchange the step all-reduces a few scalars of its
   # own (the workers' agreement to skip a non-finite step): listed apart.

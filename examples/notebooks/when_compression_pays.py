@@ -85,7 +85,7 @@ def reducer(label, axis="data"):
   name, opts, strategy = METHODS[label]
   # Dense has nothing to feed back; QSGD runs as published, without error
   # feedback (its variance makes error feedback diverge).
-  return commopt.compressed_mean(commopt.compressors.make(name, **opts), axis,
+  return commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name=axis,
                                  strategy=strategy, error_feedback=name not in ("identity", "qsgd"))
 
 

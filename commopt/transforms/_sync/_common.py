@@ -74,7 +74,7 @@ def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size,
           "own protocol or selects over the whole tree. Use a per-leaf compressor (e.g. "
           "commopt.scaled_sign(), commopt.top_k(0.01)) or one data axis.")
     strategy, inner_strategy = "hierarchical", strategy
-  return compressed_mean(make("identity") if compressor is None else compressor, axis_name,
+  return compressed_mean(make("identity") if compressor is None else compressor, axis_name=axis_name,
                          error_feedback=error_feedback if compressor is not None else False,
                          strategy=strategy, inner_strategy=inner_strategy, min_size=min_size,
                          seed=seed)
