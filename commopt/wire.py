@@ -311,7 +311,7 @@ def _traced_plan(tx, params, workers, axis_name, step) -> tuple[list, tuple]:
     except NameError as e:
       # JAX's own unbound-axis NameError, or commopt's AxisNameError (a NameError too).
       m = _UNBOUND.search(str(e))
-      if m is None and "axis" not in str(e):
+      if m is None and not isinstance(e, base.AxisNameError):
         raise
       axis = f" {m.group(1)!r}" if m else ""
       raise base.AxisNameError(

@@ -331,3 +331,13 @@ def test_nnx_data_parallel_hands_reduce_on_plateau_the_mean_loss():
   state, losses = trainer.step(trainer.init(model), batch)
   best = float(state.opt_state.inner_state[-1].best_value)
   np.testing.assert_allclose(best, float(np.mean(losses)), rtol=1e-6)
+
+
+def test_a_wrong_axis_in_a_transform_outside_commopts_reductions_is_named_too():
+  # An attack model (no reduction of its own) over an axis the step does not map: JAX's
+  # bare unbound-axis NameError becomes an AxisNameError naming the step's axis.
+  from commopt.aggregators import attacks
+  tx = optax.chain(attacks.attack("alie", (0,), axis_name="batch"),
+                   commopt.coordinate_median(axis_name="data"), optax.sgd(0.1))
+  with pytest.raises(commopt.AxisNameError, match=r"axis_name='data'.*unbound axis name: batch"):
+    commopt.data_parallel(_loss, tx, _mesh())

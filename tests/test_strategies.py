@@ -461,9 +461,20 @@ def test_every_reducing_transform_reports_a_plan_that_the_compiled_step_follows(
 def test_a_compressor_that_saves_nothing_on_flat_chunks_is_refused(strategy, axis):
   atomo = commopt.compressors.make("atomo")
   assert "per_leaf" in atomo.capabilities and "flat_chunks" not in atomo.capabilities
-  with pytest.raises(ValueError, match=r"flat chunk of 4096 float32 values in \d+ bits, no "
-                                       r"fewer than dense.*strategy='gather'"):
+  with pytest.raises(ValueError, match=r"declares flat_chunks=False.*would save nothing.*"
+                                       r"strategy='gather'"):
     commopt.compressed_mean(atomo, axis_name=axis, strategy=strategy)
   commopt.compressed_mean(atomo, axis_name="data", strategy="gather")
   for name in ("scaled_sign", "qsgd", "top_k", "identity", "int_quant"):
     assert "flat_chunks" in commopt.compressors.make(name).capabilities, name
+  # Declared, not probed: an absolute k past a probe's size is still taken.
+  big_k = commopt.top_k(k=5000)
+  assert "flat_chunks" in big_k.capabilities
+  commopt.compressed_mean(commopt.top_k(k=2048), axis_name="data", strategy="two_phase")
+
+
+def test_a_top_k_with_an_absolute_k_reduces_as_before():
+  tx = commopt.compressed_mean(commopt.top_k(k=5000), min_size=0)
+  params = {"w": jnp.arange(10000.0).reshape(100, 100)}
+  out, _ = tx.update(params, tx.init(params))
+  assert int(jnp.sum(out["w"] != 0)) == 5000

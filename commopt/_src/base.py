@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from commopt._src import compat
+from commopt._src.errors import AxisNameError, OptionTypeError  # noqa: F401  (re-exported)
 
 Payload = Any
 """A pytree of arrays with static shapes: exactly what crosses the wire."""
@@ -99,6 +100,11 @@ class Compressor:
     error_bound: ``error_bound(shape) -> float``: δ for the two contractive
       kinds, ω for ``"unbiased"``, for a leaf of that shape; ``None`` for the
       other kinds.
+    flat_chunks: whether a flat chunk of a leaf (the 1-D pieces
+      ``two_phase`` and ``hierarchical`` cut each leaf into) compresses as the
+      leaf does. ``False`` for a compressor whose payload depends on the
+      leaf's matrix shape and saves nothing on a vector (ATOMO): those
+      strategies refuse it.
 
   What a compressor can do is declared, not probed: :attr:`capabilities`
   reads these fields, and the strategies and robust rules check it.
@@ -121,6 +127,7 @@ class Compressor:
   dense_steps: int = 0
   error_kind: str = "biased"
   error_bound: Optional[Callable[[tuple[int, ...]], float]] = None
+  flat_chunks: bool = True
 
   def __post_init__(self):
     if self.error_kind not in ERROR_KINDS:
@@ -186,10 +193,10 @@ class Compressor:
     - ``"per_leaf"``: none of the last three, so each payload decodes on its
       own: what ``two_phase``, ``hierarchical`` and the robust rules need.
     - ``"flat_chunks"``: ``per_leaf``, and a flat chunk (the 1-D pieces
-      ``two_phase`` and ``hierarchical`` cut each leaf into) is sent in fewer
-      bits than dense float32, or the compressor is lossless. ATOMO's payload
-      depends on the leaf's matrix shape and saves nothing on a vector, so it
-      is ``per_leaf`` but not ``flat_chunks``.
+      ``two_phase`` and ``hierarchical`` cut each leaf into) compresses as
+      the leaf does (the :attr:`flat_chunks` field). ATOMO's payload depends
+      on the leaf's matrix shape and saves nothing on a vector, so it is
+      ``per_leaf`` but not ``flat_chunks``.
     - the error kind (:attr:`error_kind`): ``"lossless"``,
       ``"contractive"``, ``"expected_contractive"``, ``"unbiased"``,
       ``"direction"`` or ``"biased"``.
@@ -208,8 +215,7 @@ class Compressor:
                                   ("tree_wide", self.encode_tree is not None)) if on}
     if not caps & {"stateful", "protocol", "tree_wide"}:
       caps.add("per_leaf")
-      if (self.error_kind == "lossless"
-          or self.payload_bits((FLAT_CHUNK,), jnp.float32) < 32 * FLAT_CHUNK):
+      if self.flat_chunks:
         caps.add("flat_chunks")
     caps.add(self.error_kind)
     return frozenset(caps)
@@ -221,9 +227,6 @@ ERROR_KINDS = ("lossless", "contractive", "expected_contractive", "unbiased", "d
 
 CAPABILITIES = ("linear", "shared_randomness", "stateful", "protocol", "tree_wide",
                 "per_leaf", "flat_chunks") + ERROR_KINDS
-
-FLAT_CHUNK = 4096
-"""The flat chunk on which ``"flat_chunks"`` is judged (coordinates)."""
 """Everything :attr:`Compressor.capabilities` may hold."""
 
 
@@ -247,32 +250,6 @@ def dtype_bits(dtype) -> int:
 
 def leaf_size(shape) -> int:
   return int(math.prod(shape))
-
-
-class AxisNameError(NameError, ValueError):
-  """A reduction asked for a mesh axis that is not bound where it runs.
-
-  A ``NameError``, as JAX's own unbound-axis error is, and a ``ValueError``
-  like every other bad argument of commopt. The message names the transform,
-  the axis it asked for and the axes bound there.
-  """
-
-
-class OptionTypeError(TypeError, ValueError):
-  """An option of the wrong type: a string or a bool where a number belongs, a
-  float where an integer does, anything but ``True``/``False`` where a bool does.
-
-  A ``TypeError``, and a ``ValueError`` like every other bad argument of
-  commopt, so ``except ValueError`` around a factory catches both kinds.
-
-  Examples:
-    >>> import commopt
-    >>> try:
-    ...   commopt.int_quant(bits=8.0)
-    ... except TypeError as e:
-    ...   print(e)
-    int_quant: `bits` must be 4 or 8, got 8.0 (float); pass 8 (an int).
-  """
 
 
 def _received(value) -> str:

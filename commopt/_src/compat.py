@@ -38,7 +38,8 @@ def bound_axis_names() -> tuple:
   0.10–0.12 keep them in the trace's axis environment
   (``jax._src.core.get_axis_env().axis_names()``), which has no public
   spelling; where that is missing, the current abstract mesh's manual axes.
-  Used only to word error messages.
+  Used to word error messages and, by ``wire.record_collectives``, to give
+  each device its index over every bound axis.
   """
   try:
     from jax._src import core as _core

@@ -12,6 +12,7 @@ typed invariant, so a reduced value can leave the map replicated.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import Any, NamedTuple, Optional
 
@@ -128,7 +129,8 @@ def bound_axis_size(axis_name) -> Optional[int]:
     return None
 
 
-_INPUTS_UNCHECKED: list[bool] = []
+_INPUTS_UNCHECKED: contextvars.ContextVar = contextvars.ContextVar(
+    "commopt_inputs_unchecked", default=False)
 
 
 @contextlib.contextmanager
@@ -140,11 +142,11 @@ def inputs_unchecked():
   optimizer state typed invariant that the step keeps per worker. Whether
   the axis is bound is still checked.
   """
-  _INPUTS_UNCHECKED.append(True)
+  token = _INPUTS_UNCHECKED.set(True)
   try:
     yield
   finally:
-    _INPUTS_UNCHECKED.pop()
+    _INPUTS_UNCHECKED.reset(token)
 
 
 def check_input(fn: str, tree: Any, axis_name) -> None:
@@ -186,7 +188,7 @@ def check_input(fn: str, tree: Any, axis_name) -> None:
         "(commopt.data_parallel maps over its `axis_name`), call the transform inside "
         "jax.shard_map / jax.vmap over that axis, or pass axis_name=None for one local worker.")
   tracked = [a for a in names if tracks_varying(a)]
-  if not tracked or _INPUTS_UNCHECKED:
+  if not tracked or _INPUTS_UNCHECKED.get():
     return
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if not compat.is_tracer(x):

@@ -103,13 +103,11 @@ def check_chunks(compressor: base.Compressor, fn: str, strategy: str):
         "keeps per-leaf state, runs its own protocol or selects over the whole tree. "
         "Use strategy='auto' for it.")
   if "flat_chunks" not in compressor.capabilities:
-    n = base.FLAT_CHUNK
-    bits = compressor.payload_bits((n,), jnp.float32)
     raise ValueError(
         f"{fn}: strategy={strategy!r} encodes flat chunks of each leaf, and {compressor.name} "
-        f"sends a flat chunk of {n} float32 values in {bits} bits, no fewer than dense "
-        f"({32 * n}): it compresses a leaf by its matrix shape, which the chunks do not have, "
-        "so this strategy would save nothing. Use strategy='gather' (or 'auto') for it.")
+        "declares flat_chunks=False: it compresses a leaf by its matrix shape, which the "
+        "chunks do not have, so a chunk's payload is no smaller than the chunk and this "
+        "strategy would save nothing. Use strategy='gather' (or 'auto') for it.")
 
 
 # ---------------------------------------------------------------------------

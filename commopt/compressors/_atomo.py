@@ -265,6 +265,8 @@ def atomo(budget: float, *, sampling: str = "systematic", capacity: float = 2.0,
       payload_bits=functools.partial(_payload_bits, opts),
       linear=False,
       accepts=functools.partial(_accepts, opts),
+      # Its payload follows the leaf's matrix shape: a flat chunk costs more than dense.
+      flat_chunks=False,
   )
 
 

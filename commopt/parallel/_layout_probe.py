@@ -46,6 +46,12 @@ class Layout(NamedTuple):
   reads_value: bool = False
 
 
+def _unbound_axis(e: NameError) -> bool:
+  """Whether ``e`` is commopt's :class:`~commopt.AxisNameError` or JAX's unbound-axis error
+  (a collective of ``tx`` outside commopt's reductions, e.g. a ``jax.lax.psum`` of its own)."""
+  return isinstance(e, base.AxisNameError) or "unbound axis name" in str(e)
+
+
 def axis_error(dp, e: Exception) -> Exception:
   """The :class:`~commopt.AxisNameError` for a ``tx`` that reduces over an axis not mapped."""
   return base.AxisNameError(
@@ -79,7 +85,9 @@ def check_tx_axes(dp) -> None:
   try:
     with coll.inputs_unchecked():
       jax.eval_shape(fn, {"probe": jax.ShapeDtypeStruct((), jnp.float32)})
-  except base.AxisNameError as e:
+  except NameError as e:
+    if not _unbound_axis(e):
+      raise
     raise axis_error(dp, e) from None
   except Exception:   # noqa: BLE001 - anything else is the layout's to report, with params
     pass
@@ -158,7 +166,9 @@ def _trace_state(dp, abstract) -> dict:
   try:
     with coll.inputs_unchecked():
       jax.eval_shape(fn, abstract)
-  except base.AxisNameError as e:
+  except NameError as e:
+    if not _unbound_axis(e):
+      raise
     raise axis_error(dp, e) from None
   except (TypeError, ValueError) as e:
     if isinstance(e, TypeError) and "required keyword-only argument" in str(e):

@@ -77,7 +77,7 @@ def _server_memories(state: CompressedMeanState, treedef) -> list:
 
 
 def _is_global(compressor) -> bool:
-  return "tree_wide" in compressor.capabilities
+  return compressor.encode_tree is not None
 
 
 FN = "compressed_mean"
@@ -276,10 +276,10 @@ def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out
 def _update(cfg: _Config, updates, state: CompressedMeanState, params=None, **extra_args):
   """Checks, then dense leaves by one all-reduce each and compressed ones by the strategy."""
   del params, extra_args
-  coll.check_input(FN, updates, cfg.axis_name)
   flat, treedef = tree.flatten(updates)
   for path, u in flat:
     _check_leaf(path, u, "an update")
+  coll.check_input(FN, updates, cfg.axis_name)
   _check_state(cfg, state, flat, treedef)
   leaves = _Leaves(updates=[u for _, u in flat],
                    residuals=treedef.flatten_up_to(state.residual),

@@ -185,7 +185,7 @@ for arch, params in trees.items():
   for label, c in compressors():
     auto = wire.comm_plan(c, params, WORKERS)
     two = (wire.comm_plan(c, params, WORKERS, strategy="two_phase")
-           if "per_leaf" in c.capabilities else None)
+           if "flat_chunks" in c.capabilities else None)
     rows.append(dict(arch=arch, compressor=label, sent=auto.sent_bytes, ratio=auto.ratio,
                      two_phase=None if two is None else two.ratio, dense=auto.dense_sent))
 
