@@ -93,7 +93,7 @@ def test_apply_if_finite_vmap_workers():
 def test_apply_if_finite_shard_map(check_vma):
   # With check_vma=False this is the case in which optax's deadlocks (below).
   # There nothing checks that per-worker residuals leave the map per worker,
-  # so compressed_mean refuses to keep any (tests/test_first_hour.py): no error feedback.
+  # so compressed_mean refuses to keep any (tests/test_coming_from_optax.py): no error feedback.
   mesh = jax.make_mesh((N,), ("data",))
   tx = apply_if_finite(_sign_sgd("data", "auto" if check_vma else False), axis_name="data")
   state = _stack(tx.init({"w": jnp.zeros(64)}))
