@@ -21,6 +21,7 @@ from commopt.comm import _collectives, _plan, _strategies
 from commopt.comm._plan import (Planned, axis_sizes, planner_of, ring_sent_bytes,
                                 step_planner_of)
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses
+from commopt.parallel._layout_probe import update_with_value
 
 __all__ = [
     "CommPlan",
@@ -293,14 +294,9 @@ def _traced_plan(tx, params, workers, axis_name, step) -> tuple[list, tuple]:
 
   def one_worker(g, p):
     state = tx.init(p)
-    try:
-      # A `tx` that reads optax's `value` extra argument (reduce_on_plateau) gets one,
-      # as data_parallel's step hands it the mean loss.
-      return tx.update(g, state, p, value=jnp.zeros((), jnp.float32))
-    except TypeError as e:
-      if "unexpected keyword argument 'value'" not in str(e):
-        raise
-      return tx.update(g, state, p)
+    # A `tx` that reads optax's `value` extra argument (reduce_on_plateau) gets one,
+    # as data_parallel's step hands it the mean loss.
+    return update_with_value(tx, g, state, p, jnp.zeros((), jnp.float32))[0]
 
   fn = one_worker
   for name in reversed(tuple(sizes)):

@@ -188,21 +188,34 @@ def _trace_state(dp, abstract) -> dict:
   return found
 
 
+def update_with_value(tx, updates, state, params, value) -> tuple[Any, bool]:
+  """``(tx.update(..., value=value), True)``, or ``(tx.update(...), False)`` for a ``tx``
+  that takes no ``value`` keyword (a transform of the user's without extra arguments)."""
+  try:
+    return tx.update(updates, state, params, value=value), True
+  except TypeError as e:
+    if "unexpected keyword argument 'value'" not in str(e):
+      raise
+    return tx.update(updates, state, params), False
+
+
 def reads_value(opt, grads, state, params) -> bool | None:
   """Whether ``opt.update`` reads the ``value`` extra argument (traced, nothing computed).
 
   The update is traced with ``value`` as an input of its own; it is read when
   some equation of the trace (or the output) uses that input. None when the
-  update does not take it (a transform of the user's that accepts no
-  ``value`` keyword).
+  update does not take it (see :func:`update_with_value`).
   """
-  try:
-    closed = jax.make_jaxpr(lambda g, s, v: opt.update(g, s, params, value=v))(
-        grads, state, jnp.zeros((), jnp.float32))
-  except TypeError as e:
-    if "unexpected keyword argument 'value'" in str(e):
-      return None
-    raise
+  took = []
+
+  def update(g, s, v):
+    out, taken = update_with_value(opt, g, s, params, v)
+    took.append(taken)
+    return out
+
+  closed = jax.make_jaxpr(update)(grads, state, jnp.zeros((), jnp.float32))
+  if not took[-1]:
+    return None
   var = closed.jaxpr.invars[-1]
   return (any(var is x for eqn in closed.jaxpr.eqns for x in eqn.invars)
           or any(var is x for x in closed.jaxpr.outvars))
