@@ -250,7 +250,9 @@ def test_tensor_parallel_layout_is_kept_and_equals_replicated():
   mesh, p = tp_mesh_and_params()
   params = make_params()
   tx = sign_sgd()
-  dp = commopt.data_parallel(tp_loss, tx, mesh)
+  # Whole leaves (shard_local=False): one scale per leaf, as on the replicated mesh.
+  # The shard-local step (one scale per shard) is tests/test_sharded.py's.
+  dp = commopt.data_parallel(tp_loss, tx, mesh, shard_local=False)
   s = dp.init(p)
   residual = s.inner_state[0].residual
   assert residual["w1"].sharding.spec == P("data", None, "model")
@@ -276,7 +278,7 @@ def test_tensor_parallel_data_axis_carries_only_payloads():
   mesh, params = tp_mesh_and_params()
   compressor = commopt.scaled_sign()
   tx = optax.chain(commopt.compressed_mean(compressor, axis_name="data", min_size=0), optax.sgd(0.1))
-  dp = commopt.data_parallel(tp_loss, tx, mesh)
+  dp = commopt.data_parallel(tp_loss, tx, mesh, shard_local=False)
   audit = commopt.wire.hlo_collectives(dp, params, dp.init(params), make_batches(1)[0])
   data_groups = {(0, 2, 4, 6), (1, 3, 5, 7)}
   across_data = [c for c in audit if set(c.replica_groups) == data_groups]
@@ -288,8 +290,8 @@ def test_tensor_parallel_data_axis_carries_only_payloads():
 
 def test_recorded_collectives_count_each_worker_once_on_a_2d_mesh():
   """On 4 data x 2 model (and 2 x 4) each device records its own collectives once: over
-  the data axis, the payload and the skip flag (every model rank sends the whole leaf's
-  payload); the dense gathers inside the model group are over "model"."""
+  the data axis, the payload and the skip flag (on whole leaves, every model rank sends
+  the whole leaf's payload); the dense gathers inside the model group are over "model"."""
   compressor = commopt.scaled_sign()
   payload = commopt.wire.payload_bytes(compressor, make_params(), min_size=0).total
   for shape in ((4, 2), (2, 4)):
@@ -298,7 +300,7 @@ def test_recorded_collectives_count_each_worker_once_on_a_2d_mesh():
               for k, v in make_params().items()}
     with commopt.wire.record_collectives() as rec:
       tx = optax.chain(commopt.compressed_mean(compressor, axis_name="data", min_size=0), optax.sgd(0.1))
-      dp = commopt.data_parallel(tp_loss, tx, mesh)
+      dp = commopt.data_parallel(tp_loss, tx, mesh, shard_local=False)
       jax.block_until_ready(dp.step(params, dp.init(params), make_batches(1)[0]))
     assert len({e.index for e in rec.events}) == 8
     for device in range(8):

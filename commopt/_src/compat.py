@@ -76,3 +76,17 @@ def pcast_varying(x: jax.Array, axes: tuple) -> jax.Array:
 # (``jax.experimental.pallas.triton.CompilerParams``). From 0.11 JAX warns, when
 # such a kernel is compiled for a GPU, that this backend is deprecated in favour
 # of Mosaic GPU; pyproject's pytest settings name that one warning.
+
+
+def where_traced(eqn) -> str:
+  """Where the equation ``eqn`` of a jaxpr was traced, as ``file:line (function)``, for
+  messages ('' where unknown).
+
+  0.10–0.12: ``jax._src.source_info_util.summarize(eqn.source_info)``, which
+  has no public spelling.
+  """
+  try:
+    from jax._src import source_info_util
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:   # noqa: BLE001 - a message detail only
+    return ""

@@ -34,3 +34,22 @@ def vary(x, axes):
   axes = axes if isinstance(axes, (tuple, list)) else (axes,)
   missing = tuple(a for a in axes if a not in varying_axes(x))
   return compat.pcast_varying(x, missing) if missing else x
+
+
+SHARD_AWARE_SCOPE = "commopt_shard_aware"
+"""The ``jax.named_scope`` of commopt's code that reduces a model-sharded leaf on purpose.
+
+Inside a ``shard_map`` manual over every mesh axis (the shard-local step of
+:func:`~commopt.data_parallel`), a reduction over a leaf sharded over a
+model axis sees only this device's shard. commopt's own reductions of that
+kind (a compressor's per-shard scale, the agreed non-finite check, a trust
+ratio's norm, which add the model-axis sum they need) run inside this
+scope; the step refuses, or works around, any other (a user's
+``optax.clip_by_global_norm``), which would silently see a shard.
+"""
+
+
+def shard_aware():
+  """The context of :data:`SHARD_AWARE_SCOPE`: code traced inside is commopt's own and
+  handles model-sharded leaves correctly."""
+  return jax.named_scope(SHARD_AWARE_SCOPE)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt import kernels
-from commopt._src import base, tree
+from commopt._src import base, tree, vma
 from commopt._src import bits as bitops
 from commopt._src.base import AxisName, check_axis_name
 from commopt.comm import _collectives as coll
@@ -118,7 +118,8 @@ def majority_vote(*, axis_name: AxisName = None) -> optax.GradientTransformation
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     coll.check_input("majority_vote", updates, axis_name)
-    return jax.tree_util.tree_map_with_path(vote, updates, is_leaf=tree.is_node), state
+    with vma.shard_aware():   # a vote per coordinate: a shard's words are its own
+      return jax.tree_util.tree_map_with_path(vote, updates, is_leaf=tree.is_node), state
 
   def plan(params, workers):
     sizes = _plan.axis_sizes(axis_name, workers)

@@ -9,6 +9,8 @@ alike.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -18,10 +20,72 @@ import jax.numpy as jnp
 from commopt.comm import _collectives as coll
 
 
+_LEAF_SPECS: contextvars.ContextVar = contextvars.ContextVar("commopt_leaf_specs", default=())
+
+
+@contextlib.contextmanager
+def leaf_specs(specs):
+  """The :class:`Channel` objects made inside carry ``specs``: the ``PartitionSpec`` over the
+  model axes of each leaf the protocol is handed (``P()``: whole on this device; None:
+  sharded, dimensions unknown). Set by :func:`~commopt.compressed_mean` per reduction."""
+  token = _LEAF_SPECS.set(tuple(specs))
+  try:
+    yield
+  finally:
+    _LEAF_SPECS.reset(token)
+
+
 @dataclasses.dataclass(frozen=True)
 class Channel:
-  """The collectives of one named axis (``None``: one local worker)."""
+  """The collectives of one named axis (``None``: one local worker), and of the model
+  axes a leaf's shard is cut on.
+
+  Attributes:
+    axis_name: the workers' axis.
+    specs: per leaf handed to the protocol, its ``PartitionSpec`` over the model
+      axes (see :func:`leaf_specs`); empty where nothing is sharded.
+  """
   axis_name: Optional[str | tuple[str, ...]]
+  specs: tuple = dataclasses.field(default_factory=_LEAF_SPECS.get)
+
+  def spec(self, i: int = 0):
+    """Leaf ``i``'s spec over the model axes (``P()`` when none is known to cut it)."""
+    from jax.sharding import PartitionSpec as P
+    return self.specs[i] if i < len(self.specs) else P()
+
+  def model_sum(self, x: jax.Array, axes: tuple) -> jax.Array:
+    """Sum of ``x`` over the model ``axes`` (a leaf's partial sums made whole)."""
+    return coll.psum(x, axes) if axes else x
+
+  def model_max(self, x: jax.Array, axes: tuple) -> jax.Array:
+    """Maximum of ``x`` over the model ``axes``."""
+    return coll.pmax(x, axes) if axes else x
+
+  def model_index(self, axes: tuple):
+    """This device's linear index over the model ``axes`` (0 without any)."""
+    return jax.lax.axis_index(axes) if axes else jnp.int32(0)
+
+  def model_size(self, axes: tuple) -> int:
+    return coll.axis_size(axes) if axes else 1
+
+  def model_gather(self, x: jax.Array, axes: tuple, dim: int) -> jax.Array:
+    """``x`` from every device of the model ``axes`` concatenated along ``dim``, in
+    :meth:`model_index` order."""
+    for name in reversed(axes):
+      x = coll.all_gather_tiled(x, name, dim)
+    return x
+
+  def mean_split(self, x: jax.Array, axes: tuple, dim: int = -2) -> jax.Array:
+    """The workers' mean of ``x``, which is the same on every device of the model
+    ``axes``: each of them sends only its slice along ``dim`` across the workers' axis,
+    then the slices are gathered over ``axes`` (whole ``x`` where ``dim`` does not divide)."""
+    k = self.model_size(axes)
+    dim = dim % x.ndim
+    if k == 1 or x.shape[dim] % k:
+      return self.mean(x)
+    size = x.shape[dim] // k
+    part = jax.lax.dynamic_slice_in_dim(x, self.model_index(axes) * size, size, axis=dim)
+    return self.model_gather(self.mean(part), axes, dim)
 
   @property
   def size(self) -> int:

@@ -284,6 +284,48 @@ def psum(tree: Any, axis_name: Optional[str]) -> Any:
   return jax.lax.psum(tree, axis_name)
 
 
+def pmax(tree: Any, axis_name) -> Any:
+  """All-reduce maximum of every leaf (identity locally)."""
+  if axis_name is None or axis_name == ():
+    return tree
+  _record("all-reduce", tree, axis_name)
+  return jax.lax.pmax(tree, axis_name)
+
+
+def shard_axes(x, axis_name) -> tuple[str, ...]:
+  """The mesh axes ``x`` varies over besides ``axis_name``'s, in sorted order.
+
+  Inside a ``shard_map`` manual over every mesh axis (the shard-local step of
+  :func:`~commopt.data_parallel`), these are the model axes a leaf's shard
+  is cut on: a quantity of the whole leaf (a norm, a count, a maximum) is
+  the partial one summed (or maxed) over them (:func:`leaf_sum`). Empty
+  under ``jax.vmap``, locally and for leaves replicated over the model axes.
+  """
+  skip = set() if axis_name is None else set(
+      axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
+  return tuple(sorted(varying_axes(x) - skip))
+
+
+def leaf_sum(value: Any, like, axis_name) -> Any:
+  """``value``, a sum over this device's shard of ``like``, summed over ``like``'s
+  :func:`shard_axes`: the sum over the whole leaf (the same on all its shards)."""
+  axes = shard_axes(like, axis_name)
+  return psum(value, axes) if axes else value
+
+
+def leaf_max(value: Any, like, axis_name) -> Any:
+  """:func:`leaf_sum` for a maximum."""
+  axes = shard_axes(like, axis_name)
+  return pmax(value, axes) if axes else value
+
+
+def shard_index(like, axis_name):
+  """This device's linear index over ``like``'s :func:`shard_axes` (0 when it has none):
+  which shard of the leaf it holds, the same on every worker of ``axis_name``."""
+  axes = shard_axes(like, axis_name)
+  return jax.lax.axis_index(axes) if axes else jnp.int32(0)
+
+
 def mean_factors(n: int) -> tuple[float, float]:
   """``(pre, post)`` for a mean over ``n`` workers that cannot overflow: ``psum(x · pre) / post``.
 

@@ -158,14 +158,15 @@ def recording(workers, step=None):
     _RECORDING.reset(reset)
 
 
-def _subjaxprs(value):
+def subjaxprs(value):
+  """The jaxprs inside an equation parameter's ``value`` (a jaxpr, a closed one, or a list)."""
   if hasattr(value, "eqns"):
     yield value
   elif hasattr(getattr(value, "jaxpr", None), "eqns"):
     yield value.jaxpr
   elif isinstance(value, (tuple, list)):
     for v in value:
-      yield from _subjaxprs(v)
+      yield from subjaxprs(v)
 
 
 def _marks(jaxpr) -> set:
@@ -180,7 +181,7 @@ def _marks(jaxpr) -> set:
       info = getattr(eqn, "source_info", None)
       found.update(int(t) for t in _MARKED.findall(str(getattr(info, "name_stack", ""))))
       for v in eqn.params.values():
-        todo.extend(_subjaxprs(v))
+        todo.extend(subjaxprs(v))
   return found
 
 

@@ -187,30 +187,52 @@ def _init(opts: _Options, leaf) -> PowerSGDLeafState:
 def _reduce(opts: _Options, x, state, key, channel) -> base.Reduced:
   """One leaf: the protocol on a group of one."""
   del key
-  return _reduce_group(opts, [x], [state], channel)[0]
+  return _reduce_group(opts, [x], [state], channel, channel.spec(0))[0]
 
 
 def _reduce_tree(opts: _Options, xs, states, keys, channel) -> list:
   """Every compressed leaf at once (``batched=True``): one protocol per group of
-  leaves with the same matrix shape, rank and dtype; the results in ``xs``'s order."""
+  leaves with the same matrix shape, rank, dtype and sharding; the results in ``xs``'s order."""
   del keys
   groups = {}
   for i, x in enumerate(xs):
-    groups.setdefault((_dims(opts, x.shape), jnp.dtype(x.dtype)), []).append(i)
+    groups.setdefault((_dims(opts, x.shape), jnp.dtype(x.dtype), channel.spec(i)), []).append(i)
   out = [None] * len(xs)
-  for idx in groups.values():
+  for (_, _, spec), idx in groups.items():
     for i, got in zip(idx, _reduce_group(opts, [xs[i] for i in idx], [states[i] for i in idx],
-                                         channel)):
+                                         channel, spec)):
       out[i] = got
   return out
 
 
-def _reduce_group(opts: _Options, xs, states, channel) -> list:
-  """The protocol on leaves of one matrix shape and dtype (stacked when several).
+def _matrix_axes(opts: _Options, spec, ndim: int) -> tuple[tuple, tuple]:
+  """``(rows, cols)``: the model axes that cut the rows and the columns of a leaf's matrix
+  view, from its ``spec`` over the model axes (``((), ())`` when it is whole here, or
+  sharded with its dimensions unknown: then the shard is its own matrix)."""
+  if spec is None:
+    return (), ()
+  entries = list(spec) + [None] * (ndim - len(spec))
+  names = lambda es: tuple(a for e in es if e is not None
+                           for a in (e if isinstance(e, tuple) else (e,)))
+  if not names(entries):
+    return (), ()
+  if callable(opts.view):
+    raise ValueError(
+        f"power_sgd: a leaf sharded over model axes (spec {spec}) needs view='last' or "
+        "view='first', which say which dimensions are the matrix's rows and columns; "
+        "a callable view does not.")
+  split = ndim - 1 if opts.view == "last" else 1
+  return names(entries[:split]), names(entries[split:])
+
+
+def _reduce_group(opts: _Options, xs, states, channel, spec=None) -> list:
+  """The protocol on leaves of one matrix shape, dtype and sharding (stacked when several).
 
   Dense for the first ``start_iter`` reductions (:func:`_dense_round`), the
   two rounds after (:func:`_two_rounds`); one :class:`~commopt._src.base.Reduced`
-  per leaf, with its next state.
+  per leaf, with its next state. A leaf sharded over model axes with a known
+  ``spec`` is this device's block of the matrix: the rounds sum its partial
+  products over those axes, so the result is the unsharded protocol's.
   """
   n, m, _ = _dims(opts, xs[0].shape)
   wire = xs[0].dtype
@@ -218,12 +240,13 @@ def _reduce_group(opts: _Options, xs, states, channel) -> list:
   stack = (lambda t: t[0]) if single else jnp.stack
   mat = stack([x.reshape(n, m).astype(_work_dtype(wire)) for x in xs])
   q, count = stack([s.q for s in states]), states[0].count
+  axes = _matrix_axes(opts, spec, xs[0].ndim)
   if opts.start_iter:
     mean, local, q_next = jax.lax.cond(
         count < opts.start_iter, lambda ops: _dense_round(*ops, wire, channel),
-        lambda ops: _two_rounds(opts, *ops, wire, channel), (mat, q))
+        lambda ops: _two_rounds(opts, *ops, wire, channel, axes), (mat, q))
   else:
-    mean, local, q_next = _two_rounds(opts, mat, q, wire, channel)
+    mean, local, q_next = _two_rounds(opts, mat, q, wire, channel, axes)
   if single:
     mean, local, q_next = mean[None], local[None], q_next[None]
   count = optax.safe_int32_increment(count)
@@ -239,23 +262,39 @@ def _dense_round(mat, q, wire, channel):
   return channel.mean(sent).astype(mat.dtype), sent.astype(mat.dtype), q
 
 
-def _two_rounds(opts: _Options, mat, q, wire, channel):
-  """The two rounds on ``mat`` ``[..., n, m]`` (work dtype): ``(mean, local, q_next)``."""
+def _two_rounds(opts: _Options, mat, q, wire, channel, axes=((), ())):
+  """The two rounds on ``mat`` ``[..., n, m]`` (work dtype): ``(mean, local, q_next)``.
+
+  ``axes = (rows, cols)``: the model axes that cut ``mat``'s rows and columns
+  when it is this device's block of a sharded leaf. Then ``M Q`` is summed
+  over ``cols`` and ``Mᵀ P̂`` over ``rows`` (partial products made whole),
+  ``P`` is gathered over ``rows`` to be orthogonalised whole (it is
+  ``[n, r]``, not the leaf), and each factor crosses the workers' axis only
+  once per model group: each device sends its slice (:meth:`Channel.mean_split`).
+  """
+  rows, cols = axes
   work = mat.dtype
   # Q carries the inputs' magnitude from the last step; only its span
   # matters here, so it enters at a max-abs near 1 (the same on every
   # worker: Q is), and M Q overflows only where M's own rows would.
-  p = channel.mean((mat @ _unit(q)).astype(wire)).astype(work)
-  p_hat = _orthogonalize(p, opts.orthogonalization_epsilon)
+  q_max = channel.model_max(jnp.max(jnp.abs(q), axis=(-2, -1), keepdims=True), cols)
+  p = channel.model_sum(mat @ (q * _far_scales(q_max)[0]), cols)
+  p = channel.mean_split(p.astype(wire), cols).astype(work)
+  k = channel.model_size(rows)
+  p_hat = _orthogonalize(channel.model_gather(p, rows, -2), opts.orthogonalization_epsilon)
+  if k > 1:
+    size = p.shape[-2]
+    p_hat = jax.lax.dynamic_slice_in_dim(p_hat, channel.model_index(rows) * size, size, -2)
   # What this worker sends, rounded to the wire dtype so that its own
   # reconstruction matches its share of the mean exactly.
-  q_local = (_transpose(mat) @ p_hat).astype(wire)
-  q_mean = channel.mean(q_local).astype(work)
+  q_local = channel.model_sum(_transpose(mat) @ p_hat, rows).astype(wire)
+  q_mean = channel.mean_split(q_local, rows).astype(work)
   mean = p_hat @ _transpose(q_mean)
   local = mean if opts.residual == "aggregate" else p_hat @ _transpose(q_local.astype(work))
   # An all-zero step (e.g. a frozen layer) would leave Q = 0 and lose the
   # warm start; keep the previous Q then.
-  q_next = jnp.where(jnp.any(q_mean != 0, axis=(-2, -1), keepdims=True), q_mean, q)
+  nonzero = jnp.any(q_mean != 0, axis=(-2, -1), keepdims=True).astype(jnp.int32)
+  q_next = jnp.where(channel.model_max(nonzero, cols) > 0, q_mean, q)
   return mean, vma.vary_like(local, mat), q_next
 
 

@@ -35,7 +35,7 @@ from commopt.parallel import _faults as faults
 from commopt.parallel import _layout as lay
 from commopt.parallel import _layout_probe as probe
 from commopt.parallel import _placement as place
-from commopt.parallel import _replicated_step, _tensor_parallel_step
+from commopt.parallel import _replicated_step, _shard_local_step, _tensor_parallel_step
 from commopt.parallel._layout_probe import Layout
 from commopt.parallel._step_common import StepBody
 
@@ -62,6 +62,7 @@ class DataParallel:
     skip_nonfinite: as given to :func:`data_parallel`.
     donate: as given to :func:`data_parallel`.
     local_params: as given to :func:`data_parallel`.
+    shard_local: as given to :func:`data_parallel`.
   """
   loss_fn: Callable
   tx: optax.GradientTransformation
@@ -73,6 +74,7 @@ class DataParallel:
   skip_nonfinite: bool = True
   donate: bool = True
   local_params: bool = False
+  shard_local: bool | str = "auto"
 
   def __post_init__(self):
     fn = "data_parallel"
@@ -96,6 +98,10 @@ class DataParallel:
           + (f"; {missing} {'is' if len(missing) == 1 else 'are'} not among them." if missing
              else "."))
     base.check_choice("model_state_sync", self.model_state_sync, MODEL_STATE_SYNC, fn)
+    if not (self.shard_local is True or self.shard_local is False
+            or (isinstance(self.shard_local, str) and self.shard_local == "auto")):
+      raise ValueError(f"{fn}: `shard_local` must be 'auto', True or False, got "
+                       f"{self.shard_local!r}.")
     for name in ("has_aux", "has_state", "skip_nonfinite", "donate", "local_params"):
       object.__setattr__(self, name, base.check_bool(name, getattr(self, name), fn=fn))
     object.__setattr__(self, "_layouts", {})
@@ -333,6 +339,8 @@ class DataParallel:
   def _body(self, layout: Layout) -> StepBody:
     """The step body for ``layout``'s parameters: a module with ``init`` and ``step``
     (:class:`._step_common.StepBody`). A new parameter layout is a new module, picked here."""
+    if layout.shard_local:
+      return _shard_local_step
     if _tensor_parallel_step.applies(self, layout):
       return _tensor_parallel_step
     return _replicated_step
@@ -365,7 +373,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
                   mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...] = "data", *,
                   has_aux: bool = False, has_state: bool = False,
                   model_state_sync: str = "mean", skip_nonfinite: bool = True,
-                  donate: bool = True, local_params: bool = False) -> DataParallel:
+                  donate: bool = True, local_params: bool = False,
+                  shard_local: bool | str = "auto") -> DataParallel:
   """A data-parallel training step over ``mesh``'s ``axis_name``.
 
   Parameters are replicated over the data axes (a sharding over the mesh's
@@ -441,4 +450,4 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   """
   return DataParallel(loss_fn, tx, mesh, axis_name, has_aux=has_aux, has_state=has_state,
                       model_state_sync=model_state_sync, skip_nonfinite=skip_nonfinite,
-                      donate=donate, local_params=local_params)
+                      donate=donate, local_params=local_params, shard_local=shard_local)

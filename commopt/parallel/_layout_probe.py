@@ -38,12 +38,16 @@ class Layout(NamedTuple):
       argument (optax's extra-args protocol, e.g.
       ``optax.contrib.reduce_on_plateau``): only then does the step average
       the loss over the workers to hand it over.
+    shard_local: whether ``tx`` runs on each device's shards of parameters
+      sharded over model axes (:mod:`._shard_local_step`); False where they
+      are whole, or where ``tx`` needs whole leaves.
   """
   param_specs: Any
   state_specs: Any
   per_worker: Any
   state_treedef: Any
   reads_value: bool = False
+  shard_local: bool = False
 
 
 def _unbound_axis(e: NameError) -> bool:
@@ -107,6 +111,11 @@ def find_layout(dp, params) -> Layout:
       lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
                                         sharding=NamedSharding(dp.mesh, s)),
       params, param_specs)
+  if dp.shard_local is not False and any(e is not None for s in flat_specs for e in s):
+    result = _shard_local_layout(dp, params, abstract, param_specs)
+    if result is not None:
+      dp._layouts[key] = result
+      return result
   found = _trace_state(dp, abstract)
   by_shape = lay.specs_by_shape(params, param_specs)
   state_specs = [lay.stacked_spec(by_shape.get(tuple(shape), P(*[None] * len(shape))), dp.axes)
@@ -120,6 +129,37 @@ def find_layout(dp, params) -> Layout:
       reads_value=found["reads_value"])
   dp._layouts[key] = result
   return result
+
+
+def _shard_local_layout(dp, params, abstract, param_specs) -> Layout | None:
+  """The shard-local step's layout, or None (with a warning) where ``tx`` reduces a
+  sharded leaf by itself and ``shard_local="auto"`` lets it run on whole leaves."""
+  from commopt.parallel import _shard_probe
+  try:
+    found = _shard_probe.trace(dp, abstract, param_specs)
+  except NameError as e:
+    if not _unbound_axis(e):
+      raise
+    raise axis_error(dp, e) from None
+  hazards = found["hazards"]
+  if hazards:
+    listed = "; ".join(str(h) for h in hazards[:4]) + (" ..." if len(hazards) > 4 else "")
+    what = (f"`tx` computes over whole leaves ({listed}), which on a shard-local step would "
+            "see only each device's shard of a parameter sharded over the model axes "
+            f"{sorted(set(dp.mesh.axis_names) - set(dp.axes))}")
+    if dp.shard_local is True:
+      raise ValueError(
+          f"data_parallel: shard_local=True, but {what}. Use transforms that work per "
+          "element (optax.adam, sgd, lion, ...) and commopt's reductions, or "
+          "shard_local='auto' to run such a `tx` on whole leaves (all-gathered over the "
+          "model axes, at the whole model's memory and bytes).")
+    import warnings
+    warnings.warn(
+        f"data_parallel: {what}; it runs on whole leaves instead, all-gathered over the "
+        "model axes, so each model rank compresses and sends the whole leaf. Pass "
+        "shard_local=False to choose that quietly.", stacklevel=4)
+    return None
+  return Layout(**_shard_probe.layout_fields(dp, params, param_specs, found), shard_local=True)
 
 
 def _whole(dp, tree):

@@ -176,7 +176,17 @@ def unstacked(dp, params):
           f"data_parallel: with local_params=True the parameters are per worker, stacked "
           f"[{n}, ...]; parameter {keystr(path)} has shape {tuple(jnp.shape(x))}. Pass "
           "dp.place_params(params) to the first step.")
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(jnp.shape(x))[1:], x.dtype), params)
+  def one(x):
+    # One worker's shape, keeping the sharding over the other axes.
+    sharding = None if compat.is_tracer(x) else getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.shape_tuple == dp.mesh.shape_tuple:
+      spec = lay.full_spec(sharding.spec, len(jnp.shape(x)))
+    else:
+      spec = lay.leaf_spec(x)
+    sharding = NamedSharding(dp.mesh, P(*spec[1:])) if any(spec[1:]) else None
+    return jax.ShapeDtypeStruct(tuple(jnp.shape(x))[1:], x.dtype, sharding=sharding)
+
+  return jax.tree.map(one, params)
 
 
 # -- the step's arguments ---------------------------------------------------------------

@@ -52,15 +52,23 @@ def init(dp, layout: Layout, params) -> Any:
 
 def step(dp, layout: Layout, params, opt_state, batch, model_state, key, extra_args):
   """Per-worker gradients by ``vmap``, then the optimizer on whole leaves (see the module)."""
-  _refuse_options(dp)
-  value, grads = _worker_grads(dp, params, batch, model_state, key)
+  refuse_options(dp)
+  return run_step(dp, layout, _update, params, opt_state, batch, model_state, key, extra_args)
+
+
+def run_step(dp, layout: Layout, update, params, opt_state, batch, model_state, key,
+             extra_args):
+  """The step around ``update(dp, layout, grads, opt_state, params, extra_args) ->
+  (updates, new_state)``: per-worker gradients by ``vmap`` before, parameters and model
+  state after (this body's and the shard-local one's)."""
+  value, grads = worker_grads(dp, params, batch, model_state, key)
   (axis,) = dp.axes
   loss, aux, new_ms = common.split_out(dp, value)
   grads = jax.vmap(functools.partial(faults.poison_if_nonfinite, dp),
                    spmd_axis_name=axis)(grads, new_ms)
   if layout.reads_value and "value" not in extra_args:
     extra_args = dict(extra_args, value=jnp.mean(loss))
-  updates, new_state = _update(dp, layout, grads, opt_state, params, extra_args)
+  updates, new_state = update(dp, layout, grads, opt_state, params, extra_args)
   new_params = optax.apply_updates(params, updates)
   metrics = loss if not dp.has_aux else (loss, aux)
   if dp.has_state:
@@ -69,11 +77,13 @@ def step(dp, layout: Layout, params, opt_state, batch, model_state, key, extra_a
   return new_params, new_state, metrics, new_ms
 
 
-def _refuse_options(dp) -> None:
-  """A ValueError for the options this body does not support."""
-  if dp.local_params:
-    raise ValueError("data_parallel: local_params=True keeps whole parameters per worker; "
-                     "it does not combine with parameters sharded over other mesh axes.")
+def refuse_options(dp, shard_local: bool = False) -> None:
+  """A ValueError for the options this body (or the shard-local one) does not support."""
+  if dp.local_params and not shard_local:
+    raise ValueError(
+        "data_parallel: local_params=True with parameters sharded over other mesh axes "
+        "needs the shard-local step, which this `tx` cannot take (see the warning or "
+        "error that data_parallel gave when it traced `tx`).")
   if len(dp.axes) != 1:
     raise ValueError(
         f"data_parallel: on a mesh with other axes ({dp._other_axes}) the data axis must "
@@ -84,8 +94,9 @@ def _refuse_options(dp) -> None:
         f"workers (model_state_sync='mean'); got {dp.model_state_sync!r}.")
 
 
-def _worker_grads(dp, params, batch, model_state, key):
-  """``(value, grads)`` of every worker on its rows, stacked ``[num_workers, ...]``."""
+def worker_grads(dp, params, batch, model_state, key):
+  """``(value, grads)`` of every worker on its rows, stacked ``[num_workers, ...]``
+  (with ``local_params``, each worker's own parameters, stacked so too)."""
   (axis,), n = dp.axes, dp.num_workers
 
   def split_workers(x):
@@ -101,15 +112,16 @@ def _worker_grads(dp, params, batch, model_state, key):
   grad_fn = jax.value_and_grad(functools.partial(common.checked_loss, dp),
                                has_aux=dp.has_aux or dp.has_state)
 
-  def worker(b, k):
+  def worker_of(b, k, p):
     args = (model_state, b) if dp.has_state else (b,)
-    return grad_fn(params, *args, **({} if k is None else {"key": k}))
+    return grad_fn(p, *args, **({} if k is None else {"key": k}))
 
   # The mesh as the abstract context, so a model's own sharding annotations
   # (PartitionSpecs) resolve; it is not a device context (none is entered).
   with jax.sharding.use_abstract_mesh(dp.mesh.abstract_mesh):
-    return jax.vmap(worker, in_axes=(0, None if keys is None else 0),
-                    axis_name=axis, spmd_axis_name=axis)(local_batch, keys)
+    return jax.vmap(worker_of, in_axes=(0, None if keys is None else 0,
+                                        0 if dp.local_params else None),
+                    axis_name=axis, spmd_axis_name=axis)(local_batch, keys, params)
 
 
 def _update(dp, layout: Layout, grads, opt_state, params, extra_args):

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base, feedback, tree
+from commopt._src import base, feedback, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
-from commopt.comm import _plan, _strategies
-from commopt.comm._channel import Channel, exchange, worker_key
+from commopt.comm import _plan, _shards, _strategies
+from commopt.comm._channel import Channel, exchange, leaf_specs, worker_key
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
 INNER_STRATEGIES = ("auto", "psum", "gather", "two_phase")
@@ -231,6 +231,17 @@ class _Leaves(NamedTuple):
   residuals: list
   cstates: list
   memories: list
+  specs: list
+
+
+def _leaf_key(cfg: _Config, wkey, i: int, u):
+  """Leaf ``i``'s key: ``fold_in(wkey, i)``, and the index of this device's shard where
+  the leaf is sharded over model axes, so that shards draw independently (every worker
+  holding the same shard draws alike where the compressor's randomness is shared)."""
+  key = jax.random.fold_in(wkey, i)
+  if coll.shard_axes(u, cfg.axis_name):
+    key = jax.random.fold_in(key, coll.shard_index(u, cfg.axis_name))
+  return key
 
 
 def _reduce_tree_wide(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new):
@@ -242,9 +253,10 @@ def _reduce_tree_wide(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out
         for i in compressed]
   xs = [p.astype(leaves.updates[i].dtype) for p, i in zip(ps, compressed)]
   if cfg.compressor.reduce_tree is not None:
-    reduced = cfg.compressor.reduce_tree(xs, [leaves.cstates[i] for i in compressed],
-                                         [jax.random.fold_in(wkey, i) for i in compressed],
-                                         Channel(cfg.axis_name))
+    reduced = cfg.compressor.reduce_tree(
+        xs, [leaves.cstates[i] for i in compressed],
+        [_leaf_key(cfg, wkey, i, leaves.updates[i]) for i in compressed],
+        Channel(cfg.axis_name, tuple(leaves.specs[i] for i in compressed)))
     means, locals_ = [r.mean for r in reduced], [r.local for r in reduced]
     for i, r in zip(compressed, reduced):
       new_cs[i] = r.state
@@ -260,11 +272,12 @@ def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out
   """Each compressed leaf through the strategy on its own (see :func:`_reduce_tree_wide`)."""
   new_res, new_cs, new_servers = new
   for i in compressed:
-    result = cfg.reduction.reduce(
-        cfg.compressor, leaves.updates[i],
-        leaves.residuals[i] if cfg.error_feedback else None,
-        None if tree.is_node(leaves.memories[i]) else leaves.memories[i],
-        leaves.cstates[i], jax.random.fold_in(wkey, i), cfg.axis_name)
+    with leaf_specs((leaves.specs[i],)):
+      result = cfg.reduction.reduce(
+          cfg.compressor, leaves.updates[i],
+          leaves.residuals[i] if cfg.error_feedback else None,
+          None if tree.is_node(leaves.memories[i]) else leaves.memories[i],
+          leaves.cstates[i], _leaf_key(cfg, wkey, i, leaves.updates[i]), cfg.axis_name)
     out[i] = result.out
     if cfg.error_feedback:
       new_res[i] = result.residual
@@ -274,8 +287,17 @@ def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out
 
 
 def _update(cfg: _Config, updates, state: CompressedMeanState, params=None, **extra_args):
-  """Checks, then dense leaves by one all-reduce each and compressed ones by the strategy."""
+  """Checks, then dense leaves by one all-reduce each and compressed ones by the strategy.
+
+  A leaf sharded over model axes (inside a ``shard_map`` manual over them) is
+  compressed as its own leaf, shard by shard (see :func:`compressed_mean`).
+  """
   del params, extra_args
+  with vma.shard_aware():
+    return _update_leaves(cfg, updates, state)
+
+
+def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
   flat, treedef = tree.flatten(updates)
   for path, u in flat:
     _check_leaf(path, u, "an update")
@@ -284,7 +306,8 @@ def _update(cfg: _Config, updates, state: CompressedMeanState, params=None, **ex
   leaves = _Leaves(updates=[u for _, u in flat],
                    residuals=treedef.flatten_up_to(state.residual),
                    cstates=treedef.flatten_up_to(state.compressor_state),
-                   memories=_server_memories(state, treedef))
+                   memories=_server_memories(state, treedef),
+                   specs=_shards.specs_for(updates, cfg.axis_name))
   compressed = [i for i, u in enumerate(leaves.updates) if cfg.compresses(u)]
   sent = set(compressed)
   out = [u if tree.is_node(u) or i in sent else cfg.reduction.dense_mean(u, cfg.axis_name)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base
+from commopt._src import base, vma
 from commopt.comm import _collectives as coll
 
 
@@ -99,6 +99,37 @@ def all_finite(tree) -> jax.Array:
   """Whether every value of every leaf of ``tree`` is finite (a scalar bool)."""
   leaves = jax.tree.leaves(tree)
   return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves], bool))
+
+
+def _names(axis_name) -> tuple:
+  if axis_name is None:
+    return ()
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _agreed_finite(updates, axis_name) -> jax.Array:
+  """Whether every worker's ``updates`` are finite: one int32 all-reduce over ``axis_name``
+  and the model axes any leaf is sharded over (so every shard of every worker agrees)."""
+  local_bad = jnp.logical_not(all_finite(updates)).astype(jnp.int32)
+  model = sorted({a for x in jax.tree.leaves(updates) for a in coll.shard_axes(x, axis_name)})
+  if model:
+    axis_name = tuple(_names(axis_name)) + tuple(model)
+  return coll.psum(local_bad, axis_name) == 0
+
+
+def _reduced_finite(new_updates, axis_name) -> jax.Array:
+  """Whether the reduced ``new_updates`` are finite, judged alike on every device: leaves
+  the same everywhere by themselves; leaves sharded over model axes (and the same on
+  every worker) by one int32 all-reduce over those axes."""
+  ok = all_finite(_replicated(new_updates))
+  data = set(_names(axis_name))
+  sharded = [x for x in jax.tree.leaves(new_updates)
+             if coll.varying_axes(x) and not set(coll.varying_axes(x)) & data]
+  if sharded:
+    axes = tuple(sorted({a for x in sharded for a in coll.varying_axes(x)}))
+    bad = jnp.logical_not(all_finite(sharded)).astype(jnp.int32)
+    ok = ok & (coll.psum(bad, axes) == 0)
+  return ok
 
 
 def _replicated(tree) -> list:
@@ -184,11 +215,13 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    local_bad = jnp.logical_not(all_finite(updates)).astype(jnp.int32)
-    finite = coll.psum(local_bad, axis_name) == 0
+    with vma.shard_aware():
+      finite = _agreed_finite(updates, axis_name)
     new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-    # The reduced output is the same on every worker: so is this verdict.
-    finite = finite & all_finite(_replicated(new_updates))
+    with vma.shard_aware():
+      # The reduced output is the same on every worker: so is this verdict (a leaf
+      # sharded over model axes asks its shards, over those axes only).
+      finite = finite & _reduced_finite(new_updates, axis_name)
     notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32),
                                 optax.safe_int32_increment(state.notfinite_count))
     apply = finite

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commopt._src import base
+from commopt._src import base, vma
 from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._compressed_momentum import (
@@ -224,6 +224,10 @@ def _update_fn(o: _LambOptions):
     if params is None:
       raise ValueError(f"{c.fn}: `update` needs `params` (the trust ratio is ‖θ‖/‖u‖ per "
                        "leaf).")
+    with vma.shard_aware():   # its norms and maxima are of whole leaves (see _norm)
+      return _update(updates, state, params)
+
+  def _update(updates, state, params):
     coll.check_input(c.fn, updates, c.axis_name)
     u, r, mu, nu, fresh_nu, frozen_ratio, last, scaling, red = coll.cond(
         state.count < o.freeze_step, _warm_branch(o, params),
@@ -241,14 +245,26 @@ def _update_fn(o: _LambOptions):
   return update_fn
 
 
-def _norm(x):
-  return base.safe_norm([x])
+def _norm(x, axis_name):
+  """The norm of the whole leaf ``x`` (:func:`commopt._src.base.safe_norm`'s bits), summed
+  over the model axes when ``x`` is one device's shard of it."""
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  top = coll.leaf_max(jnp.max(jnp.abs(x), initial=0.0), x, axis_name)
+  down, up = base.pow2_scales(top)
+  return up * jnp.sqrt(coll.leaf_sum(jnp.sum(jnp.square(x * down)), x, axis_name))
+
+
+def _sqrt_size(x, axis_name):
+  """√(the element count of the whole leaf ``x``, all its shards), at least √1."""
+  if not coll.shard_axes(x, axis_name):
+    return np.sqrt(max(x.size, 1))
+  return jnp.sqrt(coll.leaf_sum(jnp.float32(max(x.size, 1)), x, axis_name))
 
 
 def _trust(o: _LambOptions, p, u):
   """The warm-up trust ratio ‖θ‖/‖u‖ of a leaf (``p`` widened), clipped; 1 where either
   norm is 0."""
-  w, n = _norm(p), _norm(u)
+  w, n = _norm(p, o.common.axis_name), _norm(u, o.common.axis_name)
   return jnp.where((w != 0) & (n != 0), jnp.clip(w / n, o.min_coeff, o.max_coeff), 1.0)
 
 
@@ -269,9 +285,10 @@ def _warm_branch(o: _LambOptions, params):
   return warm
 
 
-def _momentum_scaling(mu):
+def _momentum_scaling(mu, axis_name):
   """Per leaf, the mean over all leaves of ‖m‖/√n divided by the leaf's own (1 where 0)."""
-  scales = jax.tree.map(lambda m: _norm(m) / np.sqrt(max(m.size, 1)), mu)
+  scales = jax.tree.map(
+      lambda m: _norm(m, axis_name) / _sqrt_size(m, axis_name), mu)
   united = sum(jax.tree.leaves(scales)) / len(jax.tree.leaves(scales))
   return jax.tree.map(lambda s: jnp.where(s > 0, united / s, 1.0).astype(jnp.float32),
                       scales)
@@ -285,7 +302,7 @@ def _compressed_branch(o: _LambOptions, count, params):
 
   def compressed(ops):
     grads, mu, nu, fresh_nu, frozen_ratio, last, scaling, red = ops
-    scaling = coll.cond(count == o.freeze_step, lambda ops: _momentum_scaling(ops[0]),
+    scaling = coll.cond(count == o.freeze_step, lambda ops: _momentum_scaling(ops[0], c.axis_name),
                         lambda ops: ops[1], (mu, scaling))
     local = jax.tree.map(lambda m, g, s: ema(c.b1)(m, g) * s, mu, grads, scaling)
     mean, red = c.reducer.update(local, red)
@@ -304,10 +321,11 @@ def _compressed_branch(o: _LambOptions, count, params):
 def _factor(o: _LambOptions, prelim, u, nu, fresh_nu, last):
   """The factor that rescales a leaf's frozen trust ratio, clipped, from the last one."""
   eps = o.common.eps
-  f = jnp.max((jnp.sqrt(nu) + eps) / (jnp.sqrt(fresh_nu) + eps))
+  axis = o.common.axis_name
+  f = coll.leaf_max(jnp.max((jnp.sqrt(nu) + eps) / (jnp.sqrt(fresh_nu) + eps)), u, axis)
   if o.common.weight_decay:
-    n = _norm(u)
-    rho = jnp.where(n > 0, jnp.minimum(1.0, _norm(prelim) / n), 1.0)
+    n = _norm(u, axis)
+    rho = jnp.where(n > 0, jnp.minimum(1.0, _norm(prelim, axis) / n), 1.0)
     f = f * rho + (1.0 - rho)
   f = jnp.clip(f, o.factor_min, o.factor_max)
   return jnp.clip(f, last * (1.0 - o.factor_threshold), last * (1.0 + o.factor_threshold))
