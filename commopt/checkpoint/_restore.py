@@ -5,7 +5,11 @@ record, reads the saved tree onto the step's layout when it was saved with as
 many workers (else as saved, replicated), each leaf in its saved dtype,
 verifies it against the checksums, casts it to the dtypes asked for, and
 resizes the optimizer state (and per-worker parameters) onto the step's
-number of workers.
+number of workers. Over the model axes every leaf is a global array that is
+read straight onto the step's sharding, whatever the saved mesh; the
+exception, a two-phase server memory of a model-sharded parameter (each
+device's block, flattened), is re-laid out by the layout orbax recorded when
+it was saved (:mod:`commopt.parallel._resize`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from commopt.checkpoint import _checksums
 from commopt.checkpoint._checksums import is_key
 from commopt.checkpoint._files import TREE_FILE, Where, brief, check_json_files, corrupt, orbax
+from commopt.parallel import _placement as place
+from commopt.parallel import _resize
 from commopt.parallel._data_parallel import DataParallel
 from commopt.parallel._resize import path_key
 
@@ -80,6 +86,23 @@ def _read(where: Where, target):
     raise corrupt(where, f"orbax cannot read its arrays ({brief(e)})") from e
 
 
+def _saved_layouts(tree) -> dict:
+  """``path_key -> (spec, axis sizes)``: how each leaf of the saved metadata ``tree`` was split
+  over the mesh it was saved on, from orbax's sharding metadata; None where orbax recorded no
+  ``NamedSharding`` (a host array, or a checkpoint without the ``_sharding`` file)."""
+  out = {}
+  for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    sharding = getattr(m, "sharding", None)
+    names = getattr(sharding, "axis_names", None)
+    sizes = getattr(sharding, "shape", None)
+    spec = getattr(sharding, "partition_spec", None)
+    layout = None
+    if names is not None and sizes is not None and spec is not None:
+      layout = (tuple(spec), dict(zip(names, (int(n) for n in np.asarray(sizes).reshape(-1)))))
+    out[path_key(p)] = layout
+  return out
+
+
 def restore_at(where: Where, dp: DataParallel, params, model_state) -> Restored:
   """Reads and verifies the checkpoint ``where`` onto ``dp``'s devices: :func:`restore` and
   :meth:`CheckpointManager.restore` (see :func:`restore`)."""
@@ -99,8 +122,14 @@ def restore_at(where: Where, dp: DataParallel, params, model_state) -> Restored:
     raise ValueError(f"{fn}: `model_state` was given but the checkpoint holds none.")
   shapes = {path_key(p): tuple(m.shape)
             for p, m in jax.tree_util.tree_flatten_with_path(saved["opt_state"])[0]}
-  same = all(shapes.get(path_key(p)) == tuple(t.shape)
-             for p, t in jax.tree_util.tree_flatten_with_path(state_t)[0])
+  # Onto the step's layout as it is only when every leaf keeps its shape and no two-phase
+  # server memory was split over the model axes otherwise (its blocks would be read into
+  # other devices' coordinates: it is re-laid out instead, by resize).
+  layouts = _saved_layouts(saved["opt_state"])
+  moved = [k for k in _resize.moved_leaves(layouts, state_t, dp.per_worker(params))
+           if _resize.SERVER_FIELD in k]
+  same = not moved and all(shapes.get(path_key(p)) == tuple(t.shape)
+                           for p, t in jax.tree_util.tree_flatten_with_path(state_t)[0])
   as_saved = lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated)
   params_same = all(tuple(m.shape) == tuple(t.shape) for m, t in zip(
       jax.tree.leaves(saved["params"]), jax.tree.leaves(params_t)))
@@ -127,7 +156,10 @@ def restore_at(where: Where, dp: DataParallel, params, model_state) -> Restored:
   if expected is not None:
     _checksums.verify(where, got, expected)
   got = jax.tree.map(_cast, got, target)
-  opt_state = got["opt_state"] if same else dp.resize_state(got["opt_state"], params)
+  # DataParallel.resize_state's rule, told the saved layout (the state was read whole).
+  opt_state = got["opt_state"] if same else place.resized(
+      dp, got["opt_state"], state_t, dp.per_worker(params), "resize_state",
+      saved_layouts=layouts)
   if not params_same:
     if not dp.local_params:
       raise ValueError(f"{fn}: the saved parameters' shapes differ from `params`' (a "

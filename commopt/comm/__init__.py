@@ -8,6 +8,8 @@
   compressed chunks, re-compression, all-gather) and ``hierarchical`` (dense
   inside a fast axis, compressed across a slow one).
 
+- :mod:`commopt.comm._shards`: how parameters are sharded over the model
+  axes (:func:`model_sharding`), for methods that need a leaf's dimensions.
 - :mod:`commopt.comm._channel`: the :class:`Channel` a compressor's own
   multi-round protocol (PowerSGD) is handed to do its collectives with, the
   generic payload exchange (gathered payloads summed decoded in one pass,
@@ -23,6 +25,7 @@ from commopt.comm._channel import (
     sum_decoded_reference,
     worker_key,
 )
+from commopt.comm._shards import model_sharding
 from commopt.comm._collectives import (
     all_gather,
     all_gather_tiled,
@@ -42,6 +45,7 @@ from commopt.comm._collectives import (
 
 __all__ = [
     "Channel",
+    "model_sharding",
     "exchange",
     "sum_decoded",
     "sum_decoded_reference",

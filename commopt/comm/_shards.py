@@ -59,16 +59,31 @@ def local_shape(shape, spec, sizes: dict) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def model_sharding(specs, shapes, sizes: dict):
+def model_sharding(specs, shapes, mesh):
   """States the parameters' shardings over the model axes for the code traced inside.
+
+  :func:`~commopt.data_parallel`'s shard-local step enters it around ``tx``;
+  enter it yourself inside your own ``shard_map`` manual over the data and
+  model axes, around ``tx.init`` and ``tx.update``, for the methods that
+  need a leaf's dimensions (PowerSGD's exact protocol on a row- or
+  column-sharded matrix). Elementwise, blockwise and norm-based methods need
+  only the values' varying types and work without it.
 
   Args:
     specs: a pytree like the parameters of their ``PartitionSpec``\\ s over the
       model axes (no data axis).
     shapes: a pytree like the parameters of their global shapes (tuples), or
-      of arrays / ``ShapeDtypeStruct``\\ s.
-    sizes: mesh axis name -> size.
+      of global arrays / ``ShapeDtypeStruct``\\ s.
+    mesh: the ``jax.sharding.Mesh`` (or a dict of axis name -> size).
+
+  Examples:
+    >>> import jax, commopt
+    >>> from jax.sharding import PartitionSpec as P
+    >>> with commopt.comm.model_sharding({"w": P(None, "model")}, {"w": (4, 8)},
+    ...                                  {"data": 2, "model": 4}):
+    ...   pass
   """
+  sizes = dict(mesh) if isinstance(mesh, dict) else dict(mesh.shape)
   flat, treedef = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)
   shape_leaves = jax.tree_util.tree_leaves(
       shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))

@@ -259,12 +259,35 @@ def placed(dp, params, opt_state, batch, model_state, key, extra_args=None):
 
 # -- resizing ---------------------------------------------------------------------------
 
-def resized(dp, saved, target, per_worker, name: str):
+def resized(dp, saved, target, per_worker, name: str, saved_layouts=None):
   """``saved`` resized to ``target``'s shapes by :mod:`commopt.parallel._resize`, placed
-  by ``target``'s shardings (``name`` is the caller, for messages)."""
+  by ``target``'s shardings (``name`` is the caller, for messages).
+
+  ``saved_layouts`` (``path_key -> (spec, axis sizes)``, None where unknown) is how
+  each saved leaf was split over the mesh it was saved on: a restore reads it from
+  orbax's metadata. Without it, a saved array's own ``NamedSharding`` tells (a state
+  taken from a run on another mesh), except a leaf replicated on this step's mesh,
+  which is what a state read whole ("as saved") looks like whatever its saved layout:
+  unknown. Only two-phase server memories of model-sharded parameters depend on it,
+  since they hold each device's block of the parameter, flattened
+  (:func:`._resize._server`).
+  """
   from jax.experimental import multihost_utils
 
   from commopt.parallel import _resize
+
+  def layout(x):
+    sharding = getattr(x, "sharding", None)
+    if not (isinstance(x, jax.Array) and isinstance(sharding, NamedSharding)):
+      return None
+    spec, sizes = _resize.layout_of(x)
+    if sharding.mesh == dp.mesh and not any(spec):
+      return None
+    return spec, sizes
+
+  flat_saved = jax.tree_util.tree_flatten_with_path(saved)[0]
+  if saved_layouts is None:
+    saved_layouts = {_resize.path_key(p): layout(x) for p, x in flat_saved}
 
   def host(x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -273,10 +296,10 @@ def resized(dp, saved, target, per_worker, name: str):
       x = jax.random.key_data(x)
     return np.asarray(x)
 
-  saved = {_resize.path_key(p): host(x) for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  saved = {_resize.path_key(p): host(x) for p, x in flat_saved}
   leaves = _resize.resize(saved, target, per_worker,
                           data_sizes=tuple(dp.mesh.shape[a] for a in dp.axes),
-                          fn=f"data_parallel.{name}")
+                          fn=f"data_parallel.{name}", layouts=saved_layouts)
   flat, treedef = jax.tree_util.tree_flatten(target)
   placed_leaves = [jax.make_array_from_callback(t.shape, t.sharding, lambda idx, v=v: v[idx])
                    for t, v in zip(flat, leaves)]

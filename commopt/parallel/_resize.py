@@ -19,7 +19,13 @@ the others must keep their sizes, and only the first changes):
 - **Two-phase server memories** (``CompressedMeanState.server_residual``, one
   chunk of the averaged update per worker): the chunks are concatenated and
   re-split into the new number of chunks, so the memory (already in the
-  units of the mean) is carried over element for element.
+  units of the mean) is carried over element for element. For a parameter
+  sharded over model axes (the shard-local step), each device chunks the
+  flattened block of the parameter it holds, and the memory is tiled over the
+  model axes, ``[workers, blocks * chunk]``: it is put back into the
+  parameter's coordinates block by block, by the layout it was saved with,
+  then cut and chunked by this run's layout, so it survives a change of the
+  model axes' sizes too (even one that keeps its shape).
 - **Per-worker state that is not a float** (counters, flags) must be equal on
   every old worker; it is copied. Otherwise resizing raises, except for
   records of the last step that no later step reads before rewriting them
@@ -27,11 +33,20 @@ the others must keep their sizes, and only the first changes):
   their initial value, zeros.
 - **Replicated state** (step counts, keys, the optimizer's moments after the
   reduction) is copied unchanged.
+
+Over the model axes, every other leaf is a global array (residuals, moments
+and anchors have their parameter's global shape; PowerSGD's factors are
+tiled in the order of the parameter's own sharding), which the caller places
+onto this run's sharding as it is. The saved layout of a leaf is
+``(spec, axis sizes)`` of the mesh it was saved on (``layouts``): from
+orbax's metadata on a restore, from the arrays' own shardings otherwise.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
+
 import jax
 import numpy as np
 
@@ -81,21 +96,20 @@ def _average(x: np.ndarray, old: int, new: int, rest: int) -> np.ndarray:
   return out.reshape((new * rest,) + x.shape[1:]).astype(x.dtype)
 
 
-def _rechunk(x: np.ndarray, length: int, old: int, new: int, chunk: int) -> np.ndarray:
-  """Chunks ``[old, c]`` of a flat memory of ``length`` values, re-split into ``[new, chunk]``."""
-  flat = x.reshape(-1)[:length]
-  return np.pad(flat, (0, new * chunk - length)).reshape(new, chunk)
-
-
-def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: str) -> list[np.ndarray]:
+def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: str,
+           layouts: Optional[dict] = None) -> list[np.ndarray]:
   """The new state's leaves (host arrays), in ``target``'s flattened order.
 
   Args:
     saved: ``path_key -> host array`` of the saved state.
-    target: the new state, abstract (shapes and dtypes).
+    target: the new state, abstract (shapes, dtypes and, for the model axes'
+      layout, shardings).
     per_worker: a pytree like ``target`` of bools.
     data_sizes: this run's data axis sizes.
     fn: the caller's name, for errors.
+    layouts: ``path_key -> (spec, axis sizes)`` of the saved leaves on the
+      mesh they were saved on, or None (or a missing key) where unknown; only
+      two-phase server memories of model-sharded parameters read it.
   """
   leaves, _ = jax.tree_util.tree_flatten_with_path(target)
   flags = jax.tree.leaves(per_worker)
@@ -120,19 +134,30 @@ def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: 
         "axis may change size.")
   old = old_total // rest
   new = data_sizes[0]
+  layouts = {} if layouts is None else layouts
+  wants = dict(zip(keys, (w for _, w in leaves)))
+  moved = moved_leaves(layouts, target, per_worker)
+  if rest > 1 and moved:
+    raise ValueError(
+        f"{fn}: the per-worker leaves {moved[:3]} were saved split over the model axes "
+        "differently than this run splits them; with several data axes such state cannot "
+        "be re-laid out (keep the model axes' sizes, or resize a run with one data axis).")
   out = []
   for (path, want), key, flag in zip(leaves, keys, flags):
     x = np.asarray(saved[key])
     name = jax.tree_util.keystr(path)
+    if flag and SERVER_FIELD in key:
+      # Before the shortcut below: a model-sharded memory moves when the model axes change,
+      # even with as many workers.
+      out.append(_server(x, key, saved, wants, layouts, old, new, rest, name, fn))
+      continue
     if not flag or old_total == new_total:
       if x.shape != tuple(want.shape):
         raise ValueError(f"{fn}: saved leaf {name} has shape {x.shape}, this run's has "
                          f"{tuple(want.shape)}.")
       out.append(x.astype(want.dtype))
       continue
-    if SERVER_FIELD in key:
-      out.append(_server(x, key, saved, want, old, new, rest, name, fn))
-    elif x.shape[1:] != tuple(want.shape[1:]):
+    if x.shape[1:] != tuple(want.shape[1:]):
       raise ValueError(
           f"{fn}: per-worker leaf {name} is {x.shape[1:]} per worker when saved and "
           f"{tuple(want.shape[1:])} here; its layout depends on the number of workers in a "
@@ -153,25 +178,159 @@ def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: 
   return out
 
 
-def _server(x, key, saved, want, old, new, rest, name, fn) -> np.ndarray:
-  """A two-phase server memory re-split into this run's chunks."""
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _tiling(layout, ndim: int):
+  """Per dimension of a per-worker leaf after the worker one: the model axes it is split
+  over, as ``((name, size), ...)`` (axes of size one left out); None for an unknown layout.
+
+  ``layout`` is ``(spec, axis sizes)``; the worker dimension's entry (the data axes, under
+  whatever names the saving run gave them) is skipped.
+  """
+  if layout is None:
+    return None
+  spec, sizes = layout
+  spec = list(spec)[:ndim] + [None] * (ndim - len(list(spec)[:ndim]))
+  return tuple(tuple((a, int(sizes[a])) for a in _axes(e) if int(sizes[a]) > 1)
+               for e in spec[1:])
+
+
+def layout_of(x):
+  """``(spec, axis sizes)`` of an array or ``ShapeDtypeStruct`` placed with a ``NamedSharding``;
+  a leaf on one device or none is split over no axis: ``((), {})``."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return tuple(sharding.spec), dict(sharding.mesh.shape)
+  return (), {}
+
+
+def moved_leaves(layouts: dict, target, per_worker) -> list[str]:
+  """The per-worker leaves of ``target`` whose saved split over the model axes (known in
+  ``layouts``, ``path_key -> (spec, axis sizes)``) differs from the target's: for a
+  two-phase server memory its values must be moved (:func:`resize`), whatever the shapes."""
+  out = []
+  for (path, want), flag in zip(jax.tree_util.tree_flatten_with_path(target)[0],
+                                jax.tree.leaves(per_worker)):
+    key = path_key(path)
+    if flag and layouts.get(key) is not None:
+      ndim = len(want.shape)
+      if _tiling(layouts[key], ndim) != _tiling(layout_of(want), ndim):
+        out.append(jax.tree_util.keystr(path))
+  return out
+
+
+def _blocks(param_tiling, server_tiling, shape, what: str, fn: str) -> list[tuple]:
+  """The blocks (index tuples into the global ``shape``) of a parameter split by
+  ``param_tiling``, in the order a server memory split by ``server_tiling`` holds them.
+
+  The step tiles a memory that does not mirror its parameter on its first dimension over
+  the parameter's model axes in the mesh's order (:func:`._shard_probe.state_spec`): the
+  block of the device at coordinates ``c`` is ``c`` read row-major over those axes.
+  """
+  order = server_tiling[-1] if server_tiling else ()
+  named = {a for entry in param_tiling for a, _ in entry}
+  if named != {a for a, _ in order} or any(server_tiling[:-1]):
+    raise ValueError(f"{fn}: server memory {what} is split over the model axes "
+                     f"{[a for a, _ in order]}, its parameter over {sorted(named)}; this "
+                     "layout is not the shard-local step's and cannot be re-laid out.")
+  for dim, entry in zip(shape, param_tiling):
+    if dim % math.prod(n for _, n in entry):
+      raise ValueError(f"{fn}: the parameter of server memory {what}, of shape {shape}, does "
+                       f"not split evenly over {entry}.")
+  out = []
+  for coords in np.ndindex(*[n for _, n in order]):
+    at = dict(zip((a for a, _ in order), coords))
+    index = []
+    for dim, entry in zip(shape, param_tiling):
+      j = 0
+      for a, n in entry:
+        j = j * n + at[a]
+      size = dim // math.prod(n for _, n in entry)
+      index.append(slice(j * size, (j + 1) * size))
+    out.append(tuple(index))
+  return out
+
+
+def _unchunk(x: np.ndarray, length: int, n: int, rest: int, over_first: bool) -> np.ndarray:
+  """Chunks ``[n * rest, c]`` of flat memories of ``length`` values: the memories,
+  ``[rest, length]`` (one per rank of the other data axes) when chunked over the first data
+  axis, else ``[1, length]`` (chunked over all workers)."""
+  if over_first:
+    blocks = x.reshape(n, rest, -1)
+    return np.stack([blocks[:, r].reshape(-1)[:length] for r in range(rest)])
+  return x.reshape(-1)[:length][None]
+
+
+def _chunk(u: np.ndarray, n: int, rest: int, over_first: bool, chunk: int) -> np.ndarray:
+  """The inverse of :func:`_unchunk`: memories ``[R, length]`` cut into ``[n * rest, chunk]``
+  (zero past ``length``)."""
+  length = u.shape[1]
+  if over_first:
+    parts = [np.pad(u[r], (0, n * chunk - length)).reshape(n, chunk) for r in range(rest)]
+    return np.stack(parts, axis=1).reshape(n * rest, chunk)
+  return np.pad(u[0], (0, n * rest * chunk - length)).reshape(n * rest, chunk)
+
+
+def _server(x, key, saved, wants, layouts, old, new, rest, name, fn) -> np.ndarray:
+  """A two-phase server memory re-split into this run's chunks (and model blocks).
+
+  Without model sharding it holds the chunks of one flat memory (of as many values as the
+  worker residual beside it); with it, the chunks of each device's block of the parameter,
+  flattened, one block after another (see the module). The memory is put back into the
+  parameter's coordinates by the saved layout, then blocked and chunked by this run's. A
+  saved layout that is unknown (host arrays, or arrays read whole) is taken as unsplit,
+  what every memory saved before model sharding is; onto a split layout that is refused,
+  since the blocks' order could not be told.
+  """
+  want = wants[key]
   i = len(key) - 1 - key[::-1].index(SERVER_FIELD)
   sibling = key[:i] + (RESIDUAL_FIELD,) + key[i + 1:]
   if sibling not in saved:
     raise ValueError(f"{fn}: server memory {name} has no worker residual beside it to size it.")
-  length = math.prod(saved[sibling].shape[1:])
-  chunk_old, chunk_new = x.shape[-1], want.shape[-1]
+  shape = tuple(saved[sibling].shape[1:])   # the residual: the parameter's global shape
+  res_ndim = len(shape) + 1
+  new_param = _tiling(layout_of(wants[sibling]), res_ndim) if sibling in wants else None
+  new_server = _tiling(layout_of(want), 2)
+  old_param = _tiling(layouts.get(sibling), res_ndim)
+  old_server = _tiling(layouts.get(key), 2)
+  new_param = tuple(() for _ in shape) if new_param is None else new_param
+  if old_param is None or old_server is None:
+    if any(new_param) or any(new_server):
+      raise ValueError(
+          f"{fn}: server memory {name} is split over the model axes here, but how it was "
+          "split when saved is unknown (the saved state holds host arrays, or arrays read "
+          "whole); restore with commopt.checkpoint, which reads the saved layout from "
+          "orbax's metadata, or pass the saved state as arrays that keep their sharding.")
+    old_param, old_server = new_param, new_server
+  if (old, x.shape, old_param, old_server) == (new, tuple(want.shape), new_param, new_server):
+    return x.astype(want.dtype)             # nothing moves: bit for bit
+  old_blocks = _blocks(old_param, old_server, shape, name, fn)
+  new_blocks = _blocks(new_param, new_server, shape, name, fn)
+  block = lambda index: tuple(s.stop - s.start for s in index)
+  length_old, length_new = math.prod(block(old_blocks[0])), math.prod(block(new_blocks[0]))
+  if x.shape[-1] % len(old_blocks) or want.shape[-1] % len(new_blocks):
+    raise ValueError(f"{fn}: server memory {name} of width {x.shape[-1]} (saved) or "
+                     f"{want.shape[-1]} (here) is not tiled over {len(old_blocks)} or "
+                     f"{len(new_blocks)} model blocks.")
+  chunk_old, chunk_new = x.shape[-1] // len(old_blocks), want.shape[-1] // len(new_blocks)
   # Chunks over the first data axis alone (hierarchical's slow axis) or over all workers.
-  over_first = chunk_old == -(-length // old) and chunk_new == -(-length // new)
-  over_all = chunk_old == -(-length // (old * rest)) and chunk_new == -(-length // (new * rest))
+  over_first = (chunk_old == -(-length_old // old) and chunk_new == -(-length_new // new))
+  over_all = (chunk_old == -(-length_old // (old * rest))
+              and chunk_new == -(-length_new // (new * rest)))
   if rest > 1 and over_first and over_all:
     raise ValueError(f"{fn}: cannot tell how server memory {name} is chunked over the data "
                      "axes; resize a run with one data axis.")
-  if over_first:
-    blocks = x.reshape(old, rest, chunk_old)
-    parts = [_rechunk(blocks[:, r], length, old, new, chunk_new) for r in range(rest)]
-    return np.stack(parts, axis=1).reshape(want.shape).astype(want.dtype)
-  if over_all:
-    return _rechunk(x, length, old * rest, new * rest, chunk_new).astype(want.dtype)
-  raise ValueError(f"{fn}: server memory {name} has chunks of {chunk_old} values for "
-                   f"{old * rest} workers, which does not match a memory of {length} values.")
+  if not (over_first or over_all):
+    raise ValueError(f"{fn}: server memory {name} has chunks of {chunk_old} values for "
+                     f"{old * rest} workers, which does not match a memory of {length_old} "
+                     "values.")
+  ranks = rest if over_first else 1
+  whole = np.zeros((ranks,) + shape, x.dtype)   # the memory in the parameter's coordinates
+  for b, index in enumerate(old_blocks):
+    part = _unchunk(x[:, b * chunk_old:(b + 1) * chunk_old], length_old, old, rest, over_first)
+    whole[(slice(None),) + index] = part.reshape((ranks,) + block(index))
+  parts = [_chunk(whole[(slice(None),) + index].reshape(ranks, -1), new, rest, over_first,
+                  chunk_new) for index in new_blocks]
+  return np.concatenate(parts, axis=1).astype(want.dtype)

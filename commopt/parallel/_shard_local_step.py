@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 def _sharding(dp, layout: Layout, shapes):
   """The context telling the reductions inside how each parameter (of global ``shapes``)
   is sharded over the model axes."""
-  return _shards.model_sharding(layout.param_specs, shapes, dict(dp.mesh.shape))
+  return _shards.model_sharding(layout.param_specs, shapes, dp.mesh)
 
 
 def init(dp, layout: Layout, params) -> Any:

@@ -62,10 +62,9 @@ def run_step(dp, layout: Layout, update, params, opt_state, batch, model_state, 
   (updates, new_state)``: per-worker gradients by ``vmap`` before, parameters and model
   state after (this body's and the shard-local one's)."""
   value, grads = worker_grads(dp, params, batch, model_state, key)
-  (axis,) = dp.axes
   loss, aux, new_ms = common.split_out(dp, value)
   grads = jax.vmap(functools.partial(faults.poison_if_nonfinite, dp),
-                   spmd_axis_name=axis)(grads, new_ms)
+                   spmd_axis_name=_spmd_axes(dp))(grads, new_ms)
   if layout.reads_value and "value" not in extra_args:
     extra_args = dict(extra_args, value=jnp.mean(loss))
   updates, new_state = update(dp, layout, grads, opt_state, params, extra_args)
@@ -84,7 +83,7 @@ def refuse_options(dp, shard_local: bool = False) -> None:
         "data_parallel: local_params=True with parameters sharded over other mesh axes "
         "needs the shard-local step, which this `tx` cannot take (see the warning or "
         "error that data_parallel gave when it traced `tx`).")
-  if len(dp.axes) != 1:
+  if len(dp.axes) != 1 and not shard_local:
     raise ValueError(
         f"data_parallel: on a mesh with other axes ({dp._other_axes}) the data axis must "
         f"be one mesh axis; got axis_name={dp.axis_name!r}.")
@@ -94,10 +93,15 @@ def refuse_options(dp, shard_local: bool = False) -> None:
         f"workers (model_state_sync='mean'); got {dp.model_state_sync!r}.")
 
 
+def _spmd_axes(dp):
+  """The data axes as ``jax.vmap``'s ``spmd_axis_name`` (a name, or a tuple of them)."""
+  return dp.axes[0] if len(dp.axes) == 1 else tuple(dp.axes)
+
+
 def worker_grads(dp, params, batch, model_state, key):
   """``(value, grads)`` of every worker on its rows, stacked ``[num_workers, ...]``
   (with ``local_params``, each worker's own parameters, stacked so too)."""
-  (axis,), n = dp.axes, dp.num_workers
+  axis, n = lay.data_spec(dp.axes), dp.num_workers
 
   def split_workers(x):
     shape = (n, x.shape[0] // n) + tuple(x.shape[1:])
@@ -121,7 +125,8 @@ def worker_grads(dp, params, batch, model_state, key):
   with jax.sharding.use_abstract_mesh(dp.mesh.abstract_mesh):
     return jax.vmap(worker_of, in_axes=(0, None if keys is None else 0,
                                         0 if dp.local_params else None),
-                    axis_name=axis, spmd_axis_name=axis)(local_batch, keys, params)
+                    axis_name=axis if isinstance(axis, str) else None,
+                    spmd_axis_name=_spmd_axes(dp))(local_batch, keys, params)
 
 
 def _update(dp, layout: Layout, grads, opt_state, params, extra_args):

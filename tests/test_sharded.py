@@ -1,0 +1,318 @@
+"""Sharded models: each device compresses its own shard of a parameter sharded over model axes.
+
+Tensor parallel on ("data", "model") 2 x 4, HSDP on ("replica", "fsdp",
+"tensor"), DiLoCo over sharded replicas, the user's own ``shard_map``; the
+bytes over the data axis from the compiled HLO, the step's memory, and the
+fallback to whole leaves for a ``tx`` that reduces a leaf by itself.
+"""
+
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import commopt
+from commopt import wire
+
+TP = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
+SHAPES = {"w1": (16, 256), "w2": (256, 8), "b": (8,)}
+
+
+def raw_params():
+  keys = jax.random.split(jax.random.PRNGKey(0), 2)
+  return {"w1": jax.random.normal(keys[0], SHAPES["w1"]) * 0.3,
+          "w2": jax.random.normal(keys[1], SHAPES["w2"]) * 0.3, "b": jnp.zeros(SHAPES["b"])}
+
+
+def placed(mesh, specs, params=None):
+  params = raw_params() if params is None else params
+  return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+
+
+def loss_fn(p, b):
+  h = jnp.tanh(b["x"] @ p["w1"])
+  out = jnp.einsum("bh,ho->bo", h, p["w2"], out_sharding=P(None, None))
+  return jnp.mean((out + p["b"] - b["y"]) ** 2)
+
+
+def batch(seed=2, rows=32):
+  x = jax.random.normal(jax.random.PRNGKey(seed), (rows, 16))
+  return {"x": x, "y": jnp.sin(x[:, :8])}
+
+
+def tp_mesh():
+  return jax.make_mesh((2, 4), ("data", "model"))
+
+
+def data_groups(mesh, axis="data"):
+  """The device-id groups of ``axis`` (the replica groups of a collective over it)."""
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
+  return {tuple(sorted(g)) for g in moved}
+
+
+def bytes_over(audit, groups):
+  """Bytes one device puts into the collectives whose groups are ``groups``."""
+  return sum(c.contributed_bytes for c in audit
+             if c.replica_groups and {tuple(sorted(g)) for g in c.replica_groups} <= groups)
+
+
+def local_shapes(mesh, specs):
+  out = {}
+  for k, shape in SHAPES.items():
+    spec = list(specs[k]) + [None] * (len(shape) - len(specs[k]))
+    out[k] = jax.ShapeDtypeStruct(
+        tuple(n // (mesh.shape[a] if a else 1) for n, a in zip(shape, spec)), jnp.float32)
+  return out
+
+
+def sgd_tx(compressor, **kwargs):
+  return optax.chain(commopt.compressed_mean(compressor, axis_name="data", min_size=0, **kwargs),
+                     optax.sgd(0.1))
+
+
+# -- the step on tensor-parallel parameters ------------------------------------------------
+
+@pytest.mark.parametrize("name", ["scaled_sign", "int_quant", "qsgd", "top_k", "random_k"])
+def test_each_device_sends_the_payload_of_its_shard(name):
+  """Over the data axis, each device moves exactly its shard's payload (a quarter of the
+  whole leaf's on 2 x 4); over the model axis nothing parameter-sized is gathered."""
+  mesh = tp_mesh()
+  compressor = commopt.compressors.make(name)
+  params = placed(mesh, TP)
+  dp = commopt.data_parallel(loss_fn, sgd_tx(compressor), mesh)
+  layout = dp.layout(params)
+  assert layout.shard_local
+  state = dp.init(params)
+  residual = state.inner_state[0].residual["w1"]
+  if not isinstance(residual, optax.MaskedNode):   # unbiased compressors keep none
+    assert residual.sharding.spec == P("data", None, "model")
+    assert residual.addressable_shards[0].data.shape == (1, 16, 64)
+  audit = wire.hlo_collectives(dp, params, state, batch())
+  payload = wire.payload_bytes(compressor, local_shapes(mesh, TP), min_size=0).total
+  assert bytes_over(audit, data_groups(mesh)) == payload
+  whole = wire.payload_bytes(compressor, {k: jax.ShapeDtypeStruct(s, jnp.float32)
+                                          for k, s in SHAPES.items()}, min_size=0).total
+  assert bytes_over(audit, data_groups(mesh)) < 0.3 * whole
+  model = data_groups(mesh, "model")
+  gathers = [c for c in audit if c.kind == "all-gather"
+             and {tuple(sorted(g)) for g in c.replica_groups} <= model]
+  assert not gathers, [c.line for c in gathers]
+
+
+def test_whole_leaves_on_request_and_for_a_tx_that_reduces_a_leaf():
+  mesh = tp_mesh()
+  params = placed(mesh, TP)
+  clipped = optax.chain(optax.clip_by_global_norm(1.0),
+                        commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
+                        optax.sgd(0.1))
+  with pytest.warns(UserWarning, match=r"reduce_sum.*runs on whole leaves"):
+    layout = commopt.data_parallel(loss_fn, clipped, mesh).layout(params)
+  assert not layout.shard_local
+  with pytest.raises(ValueError, match="shard_local=True, but `tx` computes over whole leaves"):
+    commopt.data_parallel(loss_fn, clipped, mesh, shard_local=True).layout(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    dp = commopt.data_parallel(loss_fn, clipped, mesh, shard_local=False)
+    assert not dp.layout(params).shard_local
+    p, s = params, dp.init(params)
+    p, s, losses = dp.step(p, s, batch())
+  assert np.all(np.isfinite(np.asarray(losses)))
+  with pytest.raises(ValueError, match="`shard_local` must be 'auto', True or False"):
+    commopt.data_parallel(loss_fn, clipped, mesh, shard_local="yes")
+
+
+def test_a_nonfinite_shard_skips_the_step_on_every_device():
+  mesh = tp_mesh()
+  params = placed(mesh, TP)
+  dp = commopt.data_parallel(loss_fn, sgd_tx(commopt.scaled_sign()), mesh, donate=False)
+  state = dp.init(params)
+  bad = batch()
+  bad["y"] = bad["y"].at[0, 0].set(jnp.inf)     # worker 0 only, reaching every shard of w1
+  new, new_state, _ = dp.step(params, state, bad)
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(params[k]))
+  assert int(new_state.total_notfinite) == 1
+  # A NaN in one shard's gradient only (column 0 of w1 lives on model rank 0).
+  w1 = np.array(params["w1"])
+  w1[:, 0] = np.nan
+  p = placed(mesh, TP, dict(raw_params(), w1=jnp.asarray(w1)))
+  new, new_state, _ = dp.step(p, state, batch())
+  assert int(new_state.total_notfinite) == 1
+  np.testing.assert_array_equal(np.asarray(new["w2"]), np.asarray(p["w2"]))
+
+
+def test_step_memory_shrinks_with_the_model_axis():
+  """memory_analysis of the step on 2 x 4: the shard-local step's arguments and
+  temporaries are <= 0.3 of the same step's with replicated parameters."""
+  mesh = tp_mesh()
+  keys = jax.random.split(jax.random.PRNGKey(1), 2)
+  big = {"w1": jax.random.normal(keys[0], (64, 512)) * 0.1,
+         "w2": jax.random.normal(keys[1], (512, 64)) * 0.1}
+
+  def loss(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"])
+    return jnp.mean((jnp.einsum("bh,ho->bo", h, p["w2"], out_sharding=P()) - b["y"]) ** 2)
+
+  x = jax.random.normal(jax.random.PRNGKey(3), (16, 64))
+  b = {"x": x, "y": jnp.sin(x)}
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
+                   optax.adam(1e-3))
+  used = {}
+  for label, specs in (("sharded", {"w1": P(None, "model"), "w2": P("model", None)}),
+                       ("replicated", {"w1": P(), "w2": P()})):
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in big.items()}
+    dp = commopt.data_parallel(loss, tx, mesh)
+    m = dp.lower(params, dp.init(params), b).compile().memory_analysis()
+    used[label] = m.argument_size_in_bytes + m.temp_size_in_bytes
+  assert used["sharded"] <= 0.3 * used["replicated"], used
+
+
+# -- the exchange in the user's own shard_map ------------------------------------------
+
+def mean_of(compressor, grads, mesh, in_spec, out_spec, q=None, q_spec=None, spec=None):
+  """``compressed_mean`` over "data" in the user's own ``shard_map``: ``grads`` stacks the
+  workers' gradients ``[workers, ...]`` of one leaf "w"; PowerSGD's ``q`` may be given."""
+  tx = commopt.compressed_mean(compressor, axis_name="data", min_size=0)
+
+  given = q is not None
+
+  def body(g, q):
+    g = {"w": g[0]}
+    ctx = (commopt.comm.model_sharding({"w": spec}, {"w": grads.shape[1:]}, mesh)
+           if spec is not None else contextlib.nullcontext())
+    with ctx:
+      state = tx.init(g)
+      if given:
+        state = state._replace(compressor_state={"w": state.compressor_state["w"]._replace(q=q)})
+      out, _ = tx.update(g, state)
+    return out["w"]
+
+  q_in = jnp.zeros(()) if q is None else q
+  if not isinstance(grads, jax.core.Tracer):   # arguments placed as in_specs say
+    grads = jax.device_put(grads, NamedSharding(mesh, in_spec))
+    q_in = jax.device_put(q_in, NamedSharding(mesh, q_spec or P()))
+  return jax.shard_map(body, mesh=mesh, in_specs=(in_spec, q_spec or P()),
+                       out_specs=out_spec)(grads, q_in)
+
+
+def flat_mesh():
+  return jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+
+
+@pytest.mark.parametrize("compressor", [
+    commopt.compressors.identity(), commopt.cast(jnp.bfloat16), commopt.sign(),
+    commopt.scaled_sign(block_size=64),
+    commopt.int_quant(bits=8, block_size=64, rounding="nearest")], ids=lambda c: c.name)
+@pytest.mark.parametrize("spec", [P(None, None, "model"), P(None, "model", None)],
+                         ids=["columns", "rows"])
+def test_aligned_blocks_equal_the_unsharded_mean_bit_for_bit(compressor, spec):
+  """Elementwise compressors, and blockwise ones whose blocks (64 values) fall inside a
+  shard, give on each shard exactly the unsharded mean's block."""
+  grads = jax.random.normal(jax.random.PRNGKey(4), (2, 16, 256))
+  if spec == P(None, "model", None):
+    grads = grads.reshape(2, 256, 16)
+  sharded = mean_of(compressor, grads, tp_mesh(), P("data", *spec[1:]), P(*spec[1:]))
+  whole = mean_of(compressor, grads, flat_mesh(), P("data"), P())
+  np.testing.assert_array_equal(np.asarray(sharded), np.asarray(whole))
+
+
+def test_per_leaf_scales_become_per_shard_scales():
+  """scaled_sign's one scale per leaf is one scale per shard on a sharded leaf: the same
+  as scaled_sign(block_size=shard) on the whole leaf when shards are contiguous (rows)."""
+  grads = jax.random.normal(jax.random.PRNGKey(5), (2, 256, 16))
+  sharded = mean_of(commopt.scaled_sign(), grads, tp_mesh(), P("data", "model", None),
+                    P("model", None))
+  blocks = mean_of(commopt.scaled_sign(block_size=64 * 16), grads, flat_mesh(), P("data"), P())
+  np.testing.assert_array_equal(np.asarray(sharded), np.asarray(blocks))
+
+
+@pytest.mark.parametrize("spec", [P(None, "model"), P("model", None)], ids=["columns", "rows"])
+@pytest.mark.parametrize("view", ["last", "first"])
+def test_power_sgd_on_a_sharded_matrix_equals_the_unsharded_protocol(spec, view):
+  """P = M Q summed over the column shards, P gathered over the row shards to be
+  orthogonalised, Q' = Mᵀ P̂ summed over the row shards: the unsharded result to rounding,
+  with each factor crossing the data axis once per model group (a quarter per device)."""
+  mesh = tp_mesh()
+  compressor = commopt.power_sgd(rank=2, min_compression_rate=0, view=view)
+  grads = jax.random.normal(jax.random.PRNGKey(6), (2, 32, 64))
+  q = jax.random.normal(jax.random.PRNGKey(7), (64 if view == "last" else 64, 2))
+  cols = spec == P(None, "model")
+  q_spec = P("model", None) if cols else P()
+  sharded = mean_of(compressor, grads, mesh, P("data", *spec), spec, q=q, q_spec=q_spec,
+                    spec=spec)
+  whole = mean_of(compressor, grads, flat_mesh(), P("data"), P(), q=q)
+  np.testing.assert_allclose(np.asarray(sharded), np.asarray(whole), rtol=2e-5, atol=2e-6)
+  fn = jax.jit(lambda g, q: mean_of(compressor, g, mesh, P("data", *spec), spec, q=q,
+                                    q_spec=q_spec, spec=spec))
+  audit = wire.hlo_collectives(fn, jax.device_put(grads, NamedSharding(mesh, P("data", *spec))),
+                               jax.device_put(q, NamedSharding(mesh, q_spec)))
+  n, m = (32, 64)
+  assert bytes_over(audit, data_groups(mesh)) == (n + m) * 2 * 4 // 4
+
+
+def test_power_sgd_without_the_leaf_spec_compresses_each_shard_as_its_own_matrix():
+  """Without model_sharding a sharded leaf's dimensions are unknown: each shard is its own
+  matrix (rank r per shard), still a valid low-rank compression of the leaf."""
+  mesh = tp_mesh()
+  compressor = commopt.power_sgd(rank=1, min_compression_rate=0)
+  grads = jnp.broadcast_to(jnp.outer(jnp.arange(1.0, 33.0), jnp.ones(64)), (2, 32, 64))
+  out = mean_of(compressor, grads, mesh, P("data", None, "model"), P(None, "model"))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(grads[0]), rtol=1e-4)
+
+
+# -- HSDP and synchronisation modes over sharded replicas ------------------------------
+
+def test_hsdp_diloco_keeps_every_state_sharded():
+  """("replica", "fsdp", "tensor"): DiLoCo's per-replica parameters, anchor, inner Adam and
+  outer momentum all keep the model sharding; the outer exchange runs over "replica"."""
+  mesh = jax.make_mesh((2, 2, 2), ("replica", "fsdp", "tensor"))
+  specs = {"w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp"), "b": P()}
+  params = placed(mesh, specs)
+  tx = commopt.diloco(optax.adam(1e-2), axis_name="replica", period=2,
+                      compressor=commopt.int_quant(bits=4), min_size=0)
+  dp = commopt.data_parallel(loss_fn, tx, mesh, axis_name="replica", local_params=True)
+  assert dp.layout(params).shard_local
+  state, p = dp.init(params), dp.place_params(params)
+  assert p["w1"].sharding.spec == P("replica", "fsdp", "tensor")
+  losses = []
+  for _ in range(6):
+    p, state, loss = dp.step(p, state, batch())
+    losses.append(float(np.mean(np.asarray(loss))))
+  assert losses[-1] < losses[0]
+  assert p["w2"].sharding.spec == P("replica", "tensor", "fsdp")
+  inner = state.inner_state
+  assert inner.anchor["w1"].sharding.spec == P("fsdp", "tensor")
+  assert inner.inner_state[0].mu["w1"].sharding.spec == P("replica", "fsdp", "tensor")
+  assert inner.outer_state[0].trace["w2"].sharding.spec == P("tensor", "fsdp")
+  assert inner.anchor["w1"].addressable_shards[0].data.shape == (8, 128)
+
+
+@pytest.mark.parametrize("strategy", ["two_phase", "hierarchical"])
+def test_strategies_chunk_the_local_shard(strategy):
+  """two_phase's server memory is this worker's chunk of its shard; hierarchical runs over
+  ("node", "local") with the model axis beside them."""
+  if strategy == "two_phase":
+    mesh, axes = tp_mesh(), "data"
+  else:
+    mesh, axes = jax.make_mesh((2, 2, 2), ("node", "local", "model")), ("node", "local")
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name=axes, min_size=0,
+                                           strategy=strategy), optax.sgd(0.1))
+  params = placed(mesh, TP)
+  dp = commopt.data_parallel(loss_fn, tx, mesh, axis_name=axes)
+  assert dp.layout(params).shard_local
+  state, p = dp.init(params), params
+  first = None
+  for _ in range(4):
+    p, state, loss = dp.step(p, state, batch())
+    first = float(np.mean(np.asarray(loss))) if first is None else first
+  assert float(np.mean(np.asarray(loss))) < first
+  if strategy == "two_phase":
+    server = state.inner_state[0].server_residual["w1"]
+    # 16 x 64 values per shard, in 2 chunks: 512 per device.
+    assert server.addressable_shards[0].data.shape == (1, 512)
