@@ -316,3 +316,21 @@ def test_strategies_chunk_the_local_shard(strategy):
     server = state.inner_state[0].server_residual["w1"]
     # 16 x 64 values per shard, in 2 chunks: 512 per device.
     assert server.addressable_shards[0].data.shape == (1, 512)
+
+
+def test_top_k_with_the_leaf_threshold_selects_the_whole_leafs_largest():
+  """shard_threshold="leaf": one threshold for the leaf, from the shards' candidates; with
+  slots for every selected coordinate (capacity = shards) it is the unsharded top-k, where
+  each shard's own top-k ("shard") is not when the large entries crowd into one shard."""
+  grads = jax.random.normal(jax.random.PRNGKey(8), (2, 16, 256)) * 0.01
+  grads = grads.at[:, :, :8].add(jnp.arange(1.0, 129.0).reshape(16, 8))   # model rank 0's
+  spec = P(None, "model")
+  whole = mean_of(commopt.top_k(ratio=0.02), grads, flat_mesh(), P("data"), P())
+  leaf = mean_of(commopt.top_k(ratio=0.02, shard_threshold="leaf", capacity=4), grads,
+                 tp_mesh(), P("data", *spec), spec)
+  own = mean_of(commopt.top_k(ratio=0.02), grads, tp_mesh(), P("data", *spec), spec)
+  np.testing.assert_array_equal(np.asarray(leaf), np.asarray(whole))
+  assert np.count_nonzero(np.asarray(whole)[:, 64:]) == 0     # all on model rank 0
+  assert np.count_nonzero(np.asarray(own)[:, 64:]) > 0       # each shard sent its own
+  with pytest.raises(ValueError, match="shard_threshold='leaf' finds one threshold"):
+    commopt.top_k(k=3, shard_threshold="leaf")

@@ -53,6 +53,10 @@ class Channel:
     from jax.sharding import PartitionSpec as P
     return self.specs[i] if i < len(self.specs) else P()
 
+  def shard_axes(self, x) -> tuple:
+    """The model axes ``x`` is sharded over (:func:`~commopt.comm._collectives.shard_axes`)."""
+    return coll.shard_axes(x, self.axis_name)
+
   def model_sum(self, x: jax.Array, axes: tuple) -> jax.Array:
     """Sum of ``x`` over the model ``axes`` (a leaf's partial sums made whole)."""
     return coll.psum(x, axes) if axes else x
