@@ -60,6 +60,7 @@ GUIDE = {
         first_step=0, steps=UNSHOWN_STEPS, my_rows=lambda step: ns["batch"],
         ckpt_dir=str(folder)), UNSHOWN_STEPS),
     "from_optax.md": (None, lambda ns, folder: {}, FACTOR * (50 + 50 + 50 + 30)),
+    "sharded.md": (None, lambda ns, folder: {}, FACTOR * (30 + 32)),
 }
 
 # Transforms the README builds without a loop: (phrase of the block, variable, local_params).

@@ -7,6 +7,8 @@ fallback to whole leaves for a ``tx`` that reduces a leaf by itself.
 """
 
 import contextlib
+import pathlib
+import re
 import warnings
 
 import jax
@@ -334,3 +336,22 @@ def test_top_k_with_the_leaf_threshold_selects_the_whole_leafs_largest():
   assert np.count_nonzero(np.asarray(own)[:, 64:]) > 0       # each shard sent its own
   with pytest.raises(ValueError, match="shard_threshold='leaf' finds one threshold"):
     commopt.top_k(k=3, shard_threshold="leaf")
+
+
+# -- the "Sharded models" page -----------------------------------------------------------
+
+PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "sharded.md"
+
+
+def test_the_sharded_models_page_runs_in_order(capsys):
+  blocks = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), flags=re.S | re.M)
+  ns = {}
+  for block in blocks:
+    exec(compile(block, str(PAGE), "exec"), ns)   # noqa: S102 - the page's own code
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == "P('replica', 'fsdp', 'tensor')" and out[2] == out[0]
+  assert out[4] == "False" and out[5] == "P('fsdp', 'tensor')"
+  start = float(jnp.mean((ns["batch"]["y"]) ** 2))    # about the loss at initialisation
+  assert float(out[1]) < 0.5 * start
+  assert float(out[3].split()[-1]) < float(out[1])
+  assert ns["dl"].layout(ns["params"]).shard_local and ns["dp"].layout(ns["params"]).shard_local
