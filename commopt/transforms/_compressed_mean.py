@@ -318,7 +318,15 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
   wkey = worker_key(state.key, state.count, cfg.compressor, cfg.axis_name)
   tree_wide = _is_global(cfg.compressor) or cfg.compressor.reduce_tree is not None
   if tree_wide and compressed and cfg.reduction.name != "hierarchical":
-    _reduce_tree_wide(cfg, leaves, compressed, wkey, out, new)
+    # One selection per sharding: leaves whole on this device apart from leaves cut over
+    # model axes, whose values differ between the model ranks (the replicated ones' output
+    # must not).
+    groups: dict = {}
+    for i in compressed:
+      groups.setdefault(coll.shard_axes(leaves.updates[i], cfg.axis_name), []).append(i)
+    for g, (_, idx) in enumerate(sorted(groups.items())):
+      _reduce_tree_wide(cfg, leaves, idx, wkey if len(groups) == 1 else
+                        jax.random.fold_in(wkey, g), out, new)
   else:
     _reduce_each_leaf(cfg, leaves, compressed, wkey, out, new)
   unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
