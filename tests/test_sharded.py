@@ -295,6 +295,30 @@ def test_hsdp_diloco_keeps_every_state_sharded():
   assert inner.anchor["w1"].addressable_shards[0].data.shape == (8, 128)
 
 
+@pytest.mark.parametrize("mode", ["local_sgd", "streaming_diloco", "easgd"])
+def test_other_sync_modes_keep_local_parameters_sharded(mode):
+  mesh = tp_mesh()
+  inner = optax.sgd(0.1)
+  tx = {"local_sgd": lambda: commopt.local_sgd(inner, axis_name="data", period=2,
+                                               compressor=commopt.scaled_sign(), min_size=0),
+        "streaming_diloco": lambda: commopt.streaming_diloco(
+            inner, axis_name="data", period=2, compressor=commopt.scaled_sign(), min_size=0),
+        "easgd": lambda: commopt.easgd(inner, axis_name="data", alpha=0.1, period=2)}[mode]()
+  params = placed(mesh, TP)
+  dp = commopt.data_parallel(loss_fn, tx, mesh, local_params=True)
+  assert dp.layout(params).shard_local
+  state, p = dp.init(params), dp.place_params(params)
+  losses = []
+  for _ in range(4):
+    p, state, loss = dp.step(p, state, batch())
+    losses.append(float(np.mean(np.asarray(loss))))
+  assert losses[-1] < losses[0]
+  assert p["w1"].sharding.spec == P("data", None, "model")
+  specs = {s for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding.spec, state))
+           if "model" in s}
+  assert specs, "no state leaf kept the model sharding"
+
+
 @pytest.mark.parametrize("strategy", ["two_phase", "hierarchical"])
 def test_strategies_chunk_the_local_shard(strategy):
   """two_phase's server memory is this worker's chunk of its shard; hierarchical runs over
@@ -381,3 +405,13 @@ def test_every_registered_compressor_trains_shard_local(name, options):
     assert np.all(np.isfinite(np.asarray(losses))), (name, mode)
   fixed = "k" in options or "cols" in options
   assert sent["auto"] <= (1.0 if fixed else 0.3) * sent[False], sent
+
+
+def test_power_sgd_with_a_callable_view_on_a_sharded_leaf_names_the_leaf():
+  mesh = tp_mesh()
+  compressor = commopt.power_sgd(rank=1, min_compression_rate=0, view=lambda s: (s[0], s[1]))
+  grads = jax.random.normal(jax.random.PRNGKey(9), (2, 32, 64))
+  with pytest.raises(ValueError, match=r"leaf \['w'\] \(sharded P\(None, 'model'\)\)"
+                                       r".*view='last' or view='first'"):
+    mean_of(compressor, grads, mesh, P("data", None, "model"), P(None, "model"),
+            spec=P(None, "model"))

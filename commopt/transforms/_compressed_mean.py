@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from commopt._src import base, feedback, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
@@ -232,6 +234,7 @@ class _Leaves(NamedTuple):
   cstates: list
   memories: list
   specs: list
+  paths: list
 
 
 def _leaf_key(cfg: _Config, wkey, i: int, u):
@@ -268,11 +271,22 @@ def _reduce_tree_wide(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out
       new_res[i] = _strategies.remember(p, local)
 
 
+@contextlib.contextmanager
+def _naming(leaves: _Leaves, i: int):
+  """A ValueError raised while leaf ``i`` is reduced names the leaf and its sharding."""
+  try:
+    yield
+  except ValueError as e:
+    spec = leaves.specs[i]
+    where = f"leaf {leaves.paths[i]}" + (f" (sharded {spec})" if spec not in (None, P()) else "")
+    raise ValueError(f"compressed_mean: {where}: {e}") from e
+
+
 def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new):
   """Each compressed leaf through the strategy on its own (see :func:`_reduce_tree_wide`)."""
   new_res, new_cs, new_servers = new
   for i in compressed:
-    with leaf_specs((leaves.specs[i],)):
+    with leaf_specs((leaves.specs[i],)), _naming(leaves, i):
       result = cfg.reduction.reduce(
           cfg.compressor, leaves.updates[i],
           leaves.residuals[i] if cfg.error_feedback else None,
@@ -307,7 +321,8 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
                    residuals=treedef.flatten_up_to(state.residual),
                    cstates=treedef.flatten_up_to(state.compressor_state),
                    memories=_server_memories(state, treedef),
-                   specs=_shards.specs_for(updates, cfg.axis_name))
+                   specs=_shards.specs_for(updates, cfg.axis_name),
+                   paths=[jax.tree_util.keystr(p) for p, _ in flat])
   compressed = [i for i, u in enumerate(leaves.updates) if cfg.compresses(u)]
   sent = set(compressed)
   out = [u if tree.is_node(u) or i in sent else cfg.reduction.dense_mean(u, cfg.axis_name)
