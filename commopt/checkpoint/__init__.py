@@ -10,7 +10,12 @@ the step number. :func:`restore` puts it back on the devices a
   shards its devices hold), and the run continues bit for bit;
 - saved with another number: the optimizer state is read whole and resized
   by :meth:`~commopt.DataParallel.resize_state`, whose rule keeps the
-  workers' mean residual (what error feedback owes the model) exactly.
+  workers' mean residual (what error feedback owes the model) exactly;
+- parameters sharded over other mesh axes (the shard-local step, its state
+  sharded like them): every leaf is a global array, placed onto the step's
+  sharding whatever the saved mesh's shape; a two-phase server memory (each
+  device's block of its parameter) is re-laid out by the layout orbax
+  recorded when it was saved.
 
 Every process of a multi-process run calls :func:`save` and :func:`restore`
 with the same arguments; orbax writes each shard once.

@@ -124,12 +124,13 @@ def restore_at(where: Where, dp: DataParallel, params, model_state) -> Restored:
             for p, m in jax.tree_util.tree_flatten_with_path(saved["opt_state"])[0]}
   # Onto the step's layout as it is only when every leaf keeps its shape and no two-phase
   # server memory was split over the model axes otherwise (its blocks would be read into
-  # other devices' coordinates: it is re-laid out instead, by resize).
+  # other devices' coordinates: it is re-laid out instead, by resize; with several data
+  # axes any per-worker leaf split otherwise goes there too, to be refused).
   layouts = _saved_layouts(saved["opt_state"])
-  moved = [k for k in _resize.moved_leaves(layouts, state_t, dp.per_worker(params))
-           if _resize.SERVER_FIELD in k]
-  same = not moved and all(shapes.get(path_key(p)) == tuple(t.shape)
-                           for p, t in jax.tree_util.tree_flatten_with_path(state_t)[0])
+  data_sizes = tuple(dp.mesh.shape[a] for a in dp.axes)
+  same = (not _resize.relaid_out(layouts, state_t, dp.per_worker(params), data_sizes)
+          and all(shapes.get(path_key(p)) == tuple(t.shape)
+                  for p, t in jax.tree_util.tree_flatten_with_path(state_t)[0]))
   as_saved = lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated)
   params_same = all(tuple(m.shape) == tuple(t.shape) for m, t in zip(
       jax.tree.leaves(saved["params"]), jax.tree.leaves(params_t)))

@@ -221,6 +221,14 @@ def moved_leaves(layouts: dict, target, per_worker) -> list[str]:
   return out
 
 
+def relaid_out(layouts: dict, target, per_worker, data_sizes: tuple[int, ...]) -> bool:
+  """Whether a state saved with ``layouts`` must go through :func:`resize` even where every
+  shape is kept: a two-phase server memory split over the model axes otherwise (its values
+  move), or, with several data axes, any per-worker leaf split otherwise (refused there)."""
+  moved = moved_leaves(layouts, target, per_worker)
+  return any(SERVER_FIELD in m for m in moved) or (len(data_sizes) > 1 and bool(moved))
+
+
 def _blocks(param_tiling, server_tiling, shape, what: str, fn: str) -> list[tuple]:
   """The blocks (index tuples into the global ``shape``) of a parameter split by
   ``param_tiling``, in the order a server memory split by ``server_tiling`` holds them.
