@@ -314,3 +314,13 @@ def test_diloco_replicas_sharded_over_model_restore_onto_another_mesh(tmp_path):
   p4, s4, losses = dp42.step(got.params, got.opt_state, batches[3])
   assert np.isfinite(np.asarray(losses)).all() and losses.shape == (4,)
   _shardings_equal((p4, s4), (got.params, got.opt_state))
+
+
+def test_resize_state_told_the_saved_shardings_moves_the_server_memory(run):
+  """A state read whole (host arrays) with the shardings it was saved with (as orbax's
+  metadata gives them): resize_state lays the server memories out as a restore does."""
+  dp42 = _dp((4, 2))
+  shardings = jax.tree.map(lambda x: x.sharding, run.opt_state)
+  live = dp42.resize_state(run.opt_state, _like(dp42.mesh))
+  told = dp42.resize_state(_host(run.opt_state), _like(dp42.mesh), saved_shardings=shardings)
+  assert_same_bits(_host(told), _host(live))

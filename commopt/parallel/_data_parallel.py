@@ -172,7 +172,7 @@ class DataParallel:
     """A pytree like the optimizer state: True where a leaf is per-worker (stacked)."""
     return self.layout(params).per_worker
 
-  def resize_state(self, saved_state, params) -> Any:
+  def resize_state(self, saved_state, params, *, saved_shardings=None) -> Any:
     """An optimizer state saved by a run with another number of workers, placed for this one.
 
     The rule (:mod:`commopt.parallel._resize`): per-worker float state such as
@@ -189,12 +189,20 @@ class DataParallel:
         or device arrays (multi-process arrays are gathered, so every process
         must call this).
       params: the parameters (arrays or ``ShapeDtypeStruct``\\ s) of this run.
+      saved_shardings: how the saved leaves were split over the mesh they were
+        saved on: a pytree like ``saved_state`` of ``NamedSharding``\\ s (or of
+        arrays or ``ShapeDtypeStruct``\\ s carrying one), e.g. from orbax's
+        metadata. Needed only for a state read whole whose two-phase server
+        memories hold each device's block of a model-sharded parameter; a
+        state of live arrays tells its own.
 
     Returns:
       The state with this run's shapes, placed on the mesh like :meth:`init`'s.
     """
     _, target = self.abstract_state(params)
-    return place.resized(self, saved_state, target, self.per_worker(params), "resize_state")
+    layouts = None if saved_shardings is None else place.layouts_of(saved_shardings)
+    return place.resized(self, saved_state, target, self.per_worker(params), "resize_state",
+                         saved_layouts=layouts)
 
   def resize_params(self, saved_params, params) -> Any:
     """With ``local_params=True``: per-worker parameters saved by another number of workers.

@@ -259,6 +259,21 @@ def placed(dp, params, opt_state, batch, model_state, key, extra_args=None):
 
 # -- resizing ---------------------------------------------------------------------------
 
+def layouts_of(shardings) -> dict:
+  """``path_key -> (spec, axis sizes)`` of a pytree of ``NamedSharding``\\ s (or of arrays or
+  ``ShapeDtypeStruct``\\ s placed with one): the ``saved_layouts`` of :func:`resized`."""
+  from commopt.parallel import _resize
+
+  def one(s):
+    if isinstance(s, NamedSharding):
+      return tuple(s.spec), dict(s.mesh.shape)
+    return _resize.layout_of(s)
+
+  flat = jax.tree_util.tree_flatten_with_path(
+      shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0]
+  return {_resize.path_key(p): one(s) for p, s in flat}
+
+
 def resized(dp, saved, target, per_worker, name: str, saved_layouts=None):
   """``saved`` resized to ``target``'s shapes by :mod:`commopt.parallel._resize`, placed
   by ``target``'s shardings (``name`` is the caller, for messages).
