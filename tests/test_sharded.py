@@ -430,3 +430,16 @@ def test_selections_and_per_leaf_scales_work_per_shard(compressor):
     block = grads[:, :, 64 * j:64 * (j + 1)]
     alone = mean_of(compressor, block, flat_mesh(), P("data"), P())
     np.testing.assert_array_equal(sharded[:, 64 * j:64 * (j + 1)], np.asarray(alone), err_msg=j)
+
+
+def test_min_size_judges_the_whole_leaf_not_its_shard():
+  """A leaf of 2048 elements, 512 per shard, is compressed under the default min_size (1024),
+  as it is on a replicated mesh: the residual is the shard's."""
+  mesh = tp_mesh()
+  w = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P(None, "model")))
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
+                   optax.sgd(0.1))
+  dp = commopt.data_parallel(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, mesh)
+  residual = dp.init({"w": w}).inner_state[0].residual["w"]
+  assert residual.sharding.spec == P("data", None, "model")
+  assert residual.addressable_shards[0].data.shape == (1, 32, 16)

@@ -21,11 +21,14 @@ def flatten(tree):
   return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)
 
 
-def compresses(compressor: base.Compressor, shape, dtype, min_size: int) -> bool:
+def compresses(compressor: base.Compressor, shape, dtype, min_size: int,
+               size: int | None = None) -> bool:
   """Whether a leaf goes through ``compressor`` (else it is sent dense).
 
   The one rule for every reduction: at least ``max(min_size, 1)`` elements,
-  and a shape and dtype the compressor accepts.
+  and a shape and dtype the compressor accepts. ``size`` is the whole leaf's
+  element count where ``shape`` is one device's shard of it (the leaf is
+  judged whole, its shard by the compressor).
   """
-  return (base.leaf_size(shape) >= max(min_size, 1)
-          and bool(compressor.accepts(tuple(shape), dtype)))
+  size = base.leaf_size(shape) if size is None else size
+  return size >= max(min_size, 1) and bool(compressor.accepts(tuple(shape), dtype))

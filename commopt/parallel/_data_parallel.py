@@ -11,8 +11,10 @@ done by one module per concept, each function taking the ``DataParallel`` as
   the mesh, checking what the user placed, resizing saved state.
 - The step bodies, one per parameter layout, each with ``init`` and ``step``
   (:class:`._step_common.StepBody`): :mod:`._replicated_step` (parameters
-  replicated, or per worker with ``local_params``) and
-  :mod:`._tensor_parallel_step` (parameters sharded over other mesh axes).
+  replicated, or per worker with ``local_params``), :mod:`._shard_local_step`
+  (parameters sharded over other mesh axes, each device updating its shards;
+  :mod:`._shard_probe` finds its layout) and :mod:`._tensor_parallel_step`
+  (the same parameters, ``tx`` on whole leaves).
   :meth:`DataParallel._body` picks one; a new parameter layout is a new module
   there. :mod:`._step_common` holds what they share (the loss's output,
   model-state sync), :mod:`._faults` the agreed non-finite skip.

@@ -41,8 +41,9 @@ def init(dp, layout: Layout, params) -> Any:
   def body(p):
     return lay.stack_workers(opt.init(p), layout.state_specs, axes)
 
-  return jax.shard_map(body, mesh=dp.mesh, in_specs=(P(),),
-                       out_specs=manual_specs(layout, axes), axis_names=set(axes))(params)
+  # Jitted: run eagerly, a shard_map compiles each of its operations on its own.
+  return jax.jit(jax.shard_map(body, mesh=dp.mesh, in_specs=(P(),),
+                               out_specs=manual_specs(layout, axes), axis_names=set(axes)))(params)
 
 
 def step(dp, layout: Layout, params, opt_state, batch, model_state, key, extra_args):

@@ -56,8 +56,9 @@ def init(dp, layout: Layout, params) -> Any:
       state = shard_probe.vary_to_specs(opt.init(p), state_specs)
     return lay.stack_workers(state, layout.state_specs, axes)
 
-  return jax.shard_map(body, mesh=dp.mesh, in_specs=(layout.param_specs,),
-                       out_specs=layout.state_specs)(params)
+  # Jitted: run eagerly, a shard_map compiles each of its operations on its own.
+  return jax.jit(jax.shard_map(body, mesh=dp.mesh, in_specs=(layout.param_specs,),
+                               out_specs=layout.state_specs))(params)
 
 
 def step(dp, layout: Layout, params, opt_state, batch, model_state, key, extra_args):

@@ -1,5 +1,7 @@
-"""The step body for parameters sharded over the mesh's other axes (tensor parallel plus data
-parallel), with no dense value crossing the data axis.
+"""The whole-leaf step body for parameters sharded over the mesh's other axes (tensor parallel
+plus data parallel), with no dense value crossing the data axis: for a ``tx`` that needs
+whole leaves, or ``shard_local=False`` (the shard-local body, :mod:`._shard_local_step`,
+is the default and shares :func:`run_step` and :func:`worker_grads` with this one).
 
 The gradients come from ``jax.vmap`` over the workers (``spmd_axis_name``
 shards the worker axis over the data axis, and the model's own sharding over
@@ -46,8 +48,9 @@ def init(dp, layout: Layout, params) -> Any:
     state = lay.slice_tree(opt.init(lay.gather_tree(p, layout.param_specs)), state_specs)
     return lay.stack_workers(state, layout.state_specs, axes)
 
-  return jax.shard_map(body, mesh=dp.mesh, in_specs=(layout.param_specs,),
-                       out_specs=layout.state_specs)(params)
+  # Jitted: run eagerly, a shard_map compiles each of its operations on its own.
+  return jax.jit(jax.shard_map(body, mesh=dp.mesh, in_specs=(layout.param_specs,),
+                               out_specs=layout.state_specs))(params)
 
 
 def step(dp, layout: Layout, params, opt_state, batch, model_state, key, extra_args):

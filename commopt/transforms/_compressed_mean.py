@@ -97,9 +97,13 @@ class _Config(NamedTuple):
   seed: int
 
   def compresses(self, leaf) -> bool:
-    """Whether ``leaf`` goes through the compressor (else it is sent dense)."""
-    return not tree.is_node(leaf) and compresses(self.compressor, leaf.shape, leaf.dtype,
-                                                 self.min_size)
+    """Whether ``leaf`` goes through the compressor (else it is sent dense): a shard of a
+    leaf sharded over model axes is judged by the whole leaf's size."""
+    if tree.is_node(leaf):
+      return False
+    axes = coll.shard_axes(leaf, self.axis_name)
+    size = base.leaf_size(leaf.shape) * (coll.axis_size(axes) if axes else 1)
+    return compresses(self.compressor, leaf.shape, leaf.dtype, self.min_size, size)
 
   def memory_dtype(self, dtype):
     """The error memories' dtype: 16-bit floats cannot hold a small update next to a
