@@ -185,6 +185,7 @@ def load_example():
   return module
 
 
+@pytest.mark.slow   # about 30 s on two free cores: the longest test of the default tier otherwise
 def test_example_runs_a_few_steps(tmp_path, capsys):
   example = load_example()
   out = tmp_path / "lm.json"
