@@ -188,6 +188,8 @@ def mean_of(compressor, grads, mesh, in_spec, out_spec, q=None, q_spec=None, spe
     g = {"w": g[0]}
     ctx = (commopt.comm.model_sharding({"w": spec}, {"w": grads.shape[1:]}, mesh)
            if spec is not None else contextlib.nullcontext())
+    if spec is None and any(out_spec):   # the model axes declared, the dimensions not
+      ctx = commopt.comm._collectives.model_axes({"model"})
     with ctx:
       state = tx.init(g)
       if given:
@@ -443,3 +445,46 @@ def test_min_size_judges_the_whole_leaf_not_its_shard():
   residual = dp.init({"w": w}).inner_state[0].residual["w"]
   assert residual.sharding.spec == P("data", None, "model")
   assert residual.addressable_shards[0].data.shape == (1, 32, 16)
+
+
+def test_a_transform_without_an_axis_keeps_per_worker_values_per_worker():
+  """apply_if_finite(axis_name=None) inside a shard_map over "data": a value varying over
+  "data" is per worker, not a shard (no model axis is declared), so nothing is agreed."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = commopt.transforms.apply_if_finite(optax.sgd(0.1))
+
+  def f(g):
+    s = tx.init(g)
+    _, s = tx.update(g, s)
+    return s.notfinite_count[None]
+
+  g = jax.device_put(jnp.ones((8, 4)).at[0, 0].set(jnp.nan), NamedSharding(mesh, P("data")))
+  fn = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  assert "psum" not in str(jax.make_jaxpr(fn)(g))
+  np.testing.assert_array_equal(np.asarray(jax.jit(fn)(g)), [1, 0, 0, 0, 0, 0, 0, 0])
+
+
+def test_a_tx_that_cannot_run_on_shards_runs_on_whole_leaves():
+  """A mask shaped like whole leaves (1-bit Adam's exp_avg_mask) cannot run on shards: with
+  shard_local="auto" the step warns and runs on whole leaves; True raises."""
+  mesh = tp_mesh()
+  params = placed(mesh, TP)
+  mask = {k: jnp.ones(s) for k, s in SHAPES.items()}
+  tx = commopt.onebit_adam(1e-2, 2, axis_name="data", min_size=0, exp_avg_mask=mask)
+  with pytest.warns(UserWarning, match="does not run on the shards"):
+    dp = commopt.data_parallel(loss_fn, tx, mesh)
+    assert not dp.layout(params).shard_local
+  p, s, losses = dp.step(params, dp.init(params), batch())
+  assert np.all(np.isfinite(np.asarray(losses)))
+  with pytest.raises(ValueError, match="exp_avg_mask"):
+    commopt.data_parallel(loss_fn, tx, mesh, shard_local=True).layout(placed(mesh, TP))
+
+
+def test_random_arrays_drawn_by_tx_send_it_to_whole_leaves():
+  """optax.add_noise draws one array from a key every shard shares: on shards each block
+  would get the same noise, so the step runs on whole leaves (with a warning)."""
+  mesh = tp_mesh()
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
+                   optax.add_noise(1.0, 0.0, 0), optax.sgd(0.1))
+  with pytest.warns(UserWarning, match="random_bits"):
+    assert not commopt.data_parallel(loss_fn, tx, mesh).layout(placed(mesh, TP)).shard_local

@@ -292,18 +292,38 @@ def pmax(tree: Any, axis_name) -> Any:
   return jax.lax.pmax(tree, axis_name)
 
 
-def shard_axes(x, axis_name) -> tuple[str, ...]:
-  """The mesh axes ``x`` varies over besides ``axis_name``'s, in sorted order.
+_MODEL_AXES: contextvars.ContextVar = contextvars.ContextVar("commopt_model_axes",
+                                                             default=frozenset())
 
-  Inside a ``shard_map`` manual over every mesh axis (the shard-local step of
-  :func:`~commopt.data_parallel`), these are the model axes a leaf's shard
-  is cut on: a quantity of the whole leaf (a norm, a count, a maximum) is
-  the partial one summed (or maxed) over them (:func:`leaf_sum`). Empty
-  under ``jax.vmap``, locally and for leaves replicated over the model axes.
+
+@contextlib.contextmanager
+def model_axes(axes):
+  """Code traced inside treats ``axes`` as model axes: a value varying over them is one
+  device's shard of a leaf (see :func:`shard_axes`); entered by
+  :func:`commopt.comm.model_sharding`."""
+  token = _MODEL_AXES.set(frozenset(axes))
+  try:
+    yield
+  finally:
+    _MODEL_AXES.reset(token)
+
+
+def shard_axes(x, axis_name) -> tuple[str, ...]:
+  """The model axes ``x`` varies over (besides ``axis_name``'s), in sorted order.
+
+  Inside a ``shard_map`` manual over the data and model axes, with the model
+  axes declared (:func:`model_axes`, entered by the shard-local step of
+  :func:`~commopt.data_parallel` and by :func:`commopt.comm.model_sharding`),
+  these are the axes a leaf's shard is cut on: a quantity of the whole leaf
+  (a norm, a count, a maximum) is the partial one summed (or maxed) over
+  them (:func:`leaf_sum`). Empty where no model axis is declared (a value
+  varying over a data axis its transform was not told of is per worker, not
+  a shard), under ``jax.vmap``, locally, and for leaves replicated over the
+  model axes.
   """
   skip = set() if axis_name is None else set(
       axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
-  return tuple(sorted(varying_axes(x) - skip))
+  return tuple(sorted((varying_axes(x) & _MODEL_AXES.get()) - skip))
 
 
 def leaf_sum(value: Any, like, axis_name) -> Any:

@@ -64,10 +64,13 @@ def model_sharding(specs, shapes, mesh):
 
   :func:`~commopt.data_parallel`'s shard-local step enters it around ``tx``;
   enter it yourself inside your own ``shard_map`` manual over the data and
-  model axes, around ``tx.init`` and ``tx.update``, for the methods that
-  need a leaf's dimensions (PowerSGD's exact protocol on a row- or
-  column-sharded matrix). Elementwise, blockwise and norm-based methods need
-  only the values' varying types and work without it.
+  model axes, around ``tx.init`` and ``tx.update``. It declares the axes the
+  specs name as model axes, so that a value varying over them is read as a
+  shard of a leaf: whole-leaf quantities (LAMB's norms, the agreed
+  non-finite skip, ``min_size``, ``top_k(shard_threshold="leaf")``) and
+  independent random draws per shard follow, and PowerSGD's exact protocol
+  reads the leaves' dimensions. Without it each shard is compressed as a
+  leaf of its own.
 
   Args:
     specs: a pytree like the parameters of their ``PartitionSpec``\\ s over the
@@ -95,7 +98,8 @@ def model_sharding(specs, shapes, mesh):
   by_local = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1}
   token = _CURRENT.set(_Sharding(specs, treedef, tuple(flat), by_local))
   try:
-    yield
+    with coll.model_axes({a for spec in flat for a in spec_axes(spec)}):
+      yield
   finally:
     _CURRENT.reset(token)
 

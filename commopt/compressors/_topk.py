@@ -63,8 +63,10 @@ def top_k(ratio: float | None = None, *, k: int | None = None, approx: bool = Fa
   (at most that many magnitudes per shard, on the fast links), and each
   shard sends its coordinates above it, in index order, in
   ``⌈capacity · ratio · shard size⌉`` slots; a shard holding more than that
-  leaves the rest in the error residual. On a leaf that is whole on every
-  device both options are the plain top-k.
+  leaves the rest in the error residual (coordinates tied at the threshold
+  may take more slots than the leaf's budget). On a leaf that is whole on
+  every device both options are the plain top-k; ``"leaf"`` is a protocol of
+  its own (``reduce``), which ``two_phase`` and ``hierarchical`` refuse.
 
   ``scope="global"`` selects over every compressed leaf of the model at once
   (with ``ratio``): the budget is the sum of the leaves' ``⌈ratio · size⌉``,

@@ -133,14 +133,28 @@ def find_layout(dp, params) -> Layout:
 
 def _shard_local_layout(dp, params, abstract, param_specs) -> Layout | None:
   """The shard-local step's layout, or None (with a warning) where ``tx`` reduces a
-  sharded leaf by itself and ``shard_local="auto"`` lets it run on whole leaves."""
+  sharded leaf by itself, draws an array alike on every shard or fails on shards, and
+  ``shard_local="auto"`` lets it run on whole leaves."""
+  import warnings
+
   from commopt.parallel import _shard_probe
   try:
     found = _shard_probe.trace(dp, abstract, param_specs)
+    fields = _shard_probe.layout_fields(dp, params, param_specs, found)
   except NameError as e:
     if not _unbound_axis(e):
       raise
     raise axis_error(dp, e) from None
+  except (ValueError, TypeError) as e:
+    if dp.shard_local is True:
+      raise
+    # A tx that cannot run on shards (a mask shaped like whole leaves, a callable
+    # PowerSGD view) runs on whole leaves, as before there was a shard-local step.
+    warnings.warn(
+        f"data_parallel: `tx` does not run on the shards of parameters sharded over the model "
+        f"axes ({e}); it runs on whole leaves instead, all-gathered over those axes. Pass "
+        "shard_local=False to choose that quietly.", stacklevel=4)
+    return None
   hazards = found["hazards"]
   if hazards:
     listed = "; ".join(str(h) for h in hazards[:4]) + (" ..." if len(hazards) > 4 else "")
@@ -153,13 +167,12 @@ def _shard_local_layout(dp, params, abstract, param_specs) -> Layout | None:
           "element (optax.adam, sgd, lion, ...) and commopt's reductions, or "
           "shard_local='auto' to run such a `tx` on whole leaves (all-gathered over the "
           "model axes, at the whole model's memory and bytes).")
-    import warnings
     warnings.warn(
         f"data_parallel: {what}; it runs on whole leaves instead, all-gathered over the "
         "model axes, so each model rank compresses and sends the whole leaf. Pass "
         "shard_local=False to choose that quietly.", stacklevel=4)
     return None
-  return Layout(**_shard_probe.layout_fields(dp, params, param_specs, found), shard_local=True)
+  return Layout(**fields, shard_local=True)
 
 
 def _whole(dp, tree):

@@ -237,6 +237,10 @@ def _blocks(param_tiling, server_tiling, shape, what: str, fn: str) -> list[tupl
   the parameter's model axes in the mesh's order (:func:`._shard_probe.state_spec`): the
   block of the device at coordinates ``c`` is ``c`` read row-major over those axes.
   """
+  if not any(server_tiling):
+    # Split over no model axis: the whole leaf's coordinates, one block (the whole-leaf
+    # step's layout, shard_local=False, whatever the parameter's split).
+    return [tuple(slice(0, d) for d in shape)]
   order = server_tiling[-1] if server_tiling else ()
   named = {a for entry in param_tiling for a, _ in entry}
   if named != {a for a, _ in order} or any(server_tiling[:-1]):

@@ -40,6 +40,10 @@ REDUCING = frozenset({
     "lu", "householder_product"})
 """Primitives whose result mixes the elements of an operand: on a shard they see part of it."""
 
+RANDOM = frozenset({"random_bits", "threefry2x32"})
+"""Primitives that draw random bits: an array drawn from a key the shards share is the same
+on every shard (noise that should differ between a leaf's blocks does not)."""
+
 
 class Hazard(NamedTuple):
   """A computation of ``tx`` that a shard would get wrong."""
@@ -47,7 +51,9 @@ class Hazard(NamedTuple):
   where: str
 
   def __str__(self) -> str:
-    return f"{self.primitive} at {self.where}" if self.where else self.primitive
+    what = self.primitive + (" (an array drawn alike on every shard)"
+                             if self.primitive in RANDOM else "")
+    return f"{what} at {self.where}" if self.where else what
 
 
 def _contracts(eqn) -> bool:
@@ -58,8 +64,9 @@ def _contracts(eqn) -> bool:
 
 
 def shard_hazards(jaxpr, model_axes) -> list[Hazard]:
-  """The reductions of a model-sharded value in ``jaxpr`` (sub-jaxprs included) outside
-  commopt's shard-aware code (:data:`commopt._src.vma.SHARD_AWARE_SCOPE`)."""
+  """The reductions of a model-sharded value in ``jaxpr`` (sub-jaxprs included), and the
+  random draws of arrays from keys every shard shares, outside commopt's shard-aware code
+  (:data:`commopt._src.vma.SHARD_AWARE_SCOPE`)."""
   model_axes = frozenset(model_axes)
   found: list[Hazard] = []
   todo = [(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr, False)]
@@ -72,9 +79,16 @@ def shard_hazards(jaxpr, model_axes) -> list[Hazard]:
     for eqn in j.eqns:
       here = inside or vma.SHARD_AWARE_SCOPE in str(
           getattr(getattr(eqn, "source_info", None), "name_stack", ""))
-      if (not here and eqn.primitive.name in REDUCING and _contracts(eqn)
-          and any(compat.varying_axes_of_type(getattr(v, "aval", None)) & model_axes
-                  for v in eqn.invars)):
+      reduces = (eqn.primitive.name in REDUCING and _contracts(eqn)
+                 and any(compat.varying_axes_of_type(getattr(v, "aval", None)) & model_axes
+                         for v in eqn.invars))
+      draws = (eqn.primitive.name in RANDOM
+               and any(len(getattr(getattr(v, "aval", None), "shape", ())) > 1
+                       or max(getattr(getattr(v, "aval", None), "shape", (0,)) or (0,)) > 2
+                       for v in eqn.outvars)
+               and not any(compat.varying_axes_of_type(getattr(v, "aval", None)) & model_axes
+                           for v in eqn.invars))
+      if not here and (reduces or draws):
         hazard = Hazard(eqn.primitive.name, compat.where_traced(eqn))
         if hazard not in found:
           found.append(hazard)

@@ -124,9 +124,9 @@ def _reduced_finite(new_updates, axis_name) -> jax.Array:
   ok = all_finite(_replicated(new_updates))
   data = set(_names(axis_name))
   sharded = [x for x in jax.tree.leaves(new_updates)
-             if coll.varying_axes(x) and not set(coll.varying_axes(x)) & data]
+             if coll.shard_axes(x, axis_name) and not set(coll.varying_axes(x)) & data]
   if sharded:
-    axes = tuple(sorted({a for x in sharded for a in coll.varying_axes(x)}))
+    axes = tuple(sorted({a for x in sharded for a in coll.shard_axes(x, axis_name)}))
     bad = jnp.logical_not(all_finite(sharded)).astype(jnp.int32)
     ok = ok & (coll.psum(bad, axes) == 0)
   return ok
