@@ -23,6 +23,7 @@ import optax
 import pytest
 
 import commopt
+import commopt.launch  # noqa: F401  (the guide test patches it; a submodule, not imported by commopt)
 
 TESTS = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
