@@ -36,6 +36,12 @@ def vary(x, axes):
   return compat.pcast_varying(x, missing) if missing else x
 
 
+def spec_axes(entries) -> tuple[str, ...]:
+  """Every mesh axis a ``PartitionSpec`` (or a list of its entries) names, in order."""
+  return tuple(a for e in entries if e is not None
+               for a in (e if isinstance(e, tuple) else (e,)))
+
+
 SHARD_AWARE_SCOPE = "commopt_shard_aware"
 """The ``jax.named_scope`` of commopt's code that reduces a model-sharded leaf on purpose.
 

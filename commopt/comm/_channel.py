@@ -75,9 +75,7 @@ class Channel:
   def model_gather(self, x: jax.Array, axes: tuple, dim: int) -> jax.Array:
     """``x`` from every device of the model ``axes`` concatenated along ``dim``, in
     :meth:`model_index` order."""
-    for name in reversed(axes):
-      x = coll.all_gather_tiled(x, name, dim)
-    return x
+    return coll.all_gather_tiled(x, tuple(axes), dim)
 
   def mean_split(self, x: jax.Array, axes: tuple, dim: int = -2) -> jax.Array:
     """The workers' mean of ``x``, which is the same on every device of the model

@@ -448,7 +448,15 @@ def all_gather(tree: Any, axis_name) -> Any:
 
 
 def all_gather_tiled(x, axis_name, axis: int):
-  """Concatenates every worker's ``x`` along ``axis``; typed invariant when ``x`` varies."""
+  """Concatenates every worker's ``x`` along ``axis``; typed invariant when ``x`` varies.
+
+  Over a tuple of axes (``()``: none) the blocks come in the order of
+  ``jax.lax.axis_index`` over the tuple: gathered one axis at a time, the last first.
+  """
+  if isinstance(axis_name, (tuple, list)):
+    for name in reversed(axis_name):
+      x = all_gather_tiled(x, name, axis)
+    return x
   if axis_name is None:
     return x
   _record("all-gather", x, axis_name)

@@ -21,6 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from commopt._src import tree as tree_lib
+from commopt._src.vma import spec_axes
 from commopt.comm import _collectives as coll
 
 
@@ -39,23 +40,10 @@ def _is_spec(x) -> bool:
   return isinstance(x, P)
 
 
-def spec_axes(spec) -> tuple[str, ...]:
-  """Every mesh axis ``spec`` names, in order."""
-  out = []
-  for entry in spec:
-    if entry is not None:
-      out.extend(entry if isinstance(entry, tuple) else (entry,))
-  return tuple(out)
-
-
 def local_shape(shape, spec, sizes: dict) -> tuple[int, ...]:
   """The shape of one device's block of a ``shape`` array sharded by ``spec``."""
-  out = []
-  for d, n in enumerate(shape):
-    entry = spec[d] if d < len(spec) else None
-    names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-    out.append(n // math.prod(sizes[a] for a in names))
-  return tuple(out)
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  return tuple(n // math.prod(sizes[a] for a in spec_axes((e,))) for n, e in zip(shape, entries))
 
 
 @contextlib.contextmanager

@@ -212,9 +212,7 @@ def _matrix_axes(opts: _Options, spec, ndim: int) -> tuple[tuple, tuple]:
   if spec is None:
     return (), ()
   entries = list(spec) + [None] * (ndim - len(spec))
-  names = lambda es: tuple(a for e in es if e is not None
-                           for a in (e if isinstance(e, tuple) else (e,)))
-  if not names(entries):
+  if not vma.spec_axes(entries):
     return (), ()
   if callable(opts.view):
     raise ValueError(
@@ -222,7 +220,7 @@ def _matrix_axes(opts: _Options, spec, ndim: int) -> tuple[tuple, tuple]:
         "view='first', which say which dimensions are the matrix's rows and columns; "
         "a callable view does not.")
   split = ndim - 1 if opts.view == "last" else 1
-  return names(entries[:split]), names(entries[split:])
+  return vma.spec_axes(entries[:split]), vma.spec_axes(entries[split:])
 
 
 def _reduce_group(opts: _Options, xs, states, channel, spec=None) -> list:

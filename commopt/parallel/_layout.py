@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from commopt._src.vma import spec_axes
 from commopt.comm import _collectives as coll
 
 
@@ -116,8 +117,7 @@ def is_stacked(spec: P, axes) -> bool:
 
 
 def check_no_data_axes(what: str, path, spec: P, axes, fn: str = "data_parallel"):
-  used = {a for e in spec for a in (e if isinstance(e, tuple) else (e,)) if a is not None}
-  clash = sorted(used & set(axes))
+  clash = sorted(set(spec_axes(spec)) & set(axes))
   if clash:
     raise ValueError(
         f"{fn}: {what} {keystr(path)} is sharded over the data axis {clash} (spec {spec}); "
@@ -157,10 +157,6 @@ def specs_by_shape(params, param_specs) -> dict:
   return {shape: next(iter(specs)) for shape, specs in seen.items() if len(specs) == 1}
 
 
-def _spec_axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-
-
 def gather_spec(x, spec: P):
   """Inside ``shard_map`` over ``spec``'s axes: the whole array from this rank's shard.
 
@@ -168,15 +164,14 @@ def gather_spec(x, spec: P):
   returned replicated.
   """
   for dim, entry in enumerate(spec):
-    for name in reversed(_spec_axes(entry)):
-      x = coll.all_gather_tiled(x, name, dim)
+    x = coll.all_gather_tiled(x, spec_axes((entry,)), dim)
   return x
 
 
 def slice_spec(x, spec: P):
   """Inside ``shard_map`` over ``spec``'s axes: this rank's shard of the whole array ``x``."""
   for dim, entry in enumerate(spec):
-    for name in _spec_axes(entry):
+    for name in spec_axes((entry,)):
       size = x.shape[dim] // coll.axis_size(name)
       x = jax.lax.dynamic_slice_in_dim(x, coll.axis_index(name) * size, size, axis=dim)
   return x

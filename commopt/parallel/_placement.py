@@ -264,14 +264,9 @@ def layouts_of(shardings) -> dict:
   ``ShapeDtypeStruct``\\ s placed with one): the ``saved_layouts`` of :func:`resized`."""
   from commopt.parallel import _resize
 
-  def one(s):
-    if isinstance(s, NamedSharding):
-      return tuple(s.spec), dict(s.mesh.shape)
-    return _resize.layout_of(s)
-
   flat = jax.tree_util.tree_flatten_with_path(
       shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0]
-  return {_resize.path_key(p): one(s) for p, s in flat}
+  return {_resize.path_key(p): _resize.layout_of(s) for p, s in flat}
 
 
 def resized(dp, saved, target, per_worker, name: str, saved_layouts=None):

@@ -198,9 +198,9 @@ def _tiling(layout, ndim: int):
 
 
 def layout_of(x):
-  """``(spec, axis sizes)`` of an array or ``ShapeDtypeStruct`` placed with a ``NamedSharding``;
-  a leaf on one device or none is split over no axis: ``((), {})``."""
-  sharding = getattr(x, "sharding", None)
+  """``(spec, axis sizes)`` of a ``NamedSharding``, or of an array or ``ShapeDtypeStruct``
+  placed with one; a leaf on one device or none is split over no axis: ``((), {})``."""
+  sharding = x if isinstance(x, jax.sharding.NamedSharding) else getattr(x, "sharding", None)
   if isinstance(sharding, jax.sharding.NamedSharding):
     return tuple(sharding.spec), dict(sharding.mesh.shape)
   return (), {}

@@ -109,10 +109,10 @@ def state_spec(path: str, shape, axes: frozenset, stacked: bool, params: list, d
   spec = P(*[None] * len(shape))
   if axes:
     matches = [s for p, local, s in params
-               if local == tuple(shape) and frozenset(_shards.spec_axes(s)) == axes]
+               if local == tuple(shape) and frozenset(vma.spec_axes(s)) == axes]
     by_path = [s for p, local, s in sorted(params, key=lambda t: -len(t[0]))
                if p and path.endswith(p) and local == tuple(shape)
-               and frozenset(_shards.spec_axes(s)) == axes]
+               and frozenset(vma.spec_axes(s)) == axes]
     if by_path:
       spec = by_path[0]
     elif len(set(matches)) == 1:
@@ -190,5 +190,5 @@ def layout_fields(dp, params, param_specs, found) -> dict:
 def vary_to_specs(tree, specs) -> Any:
   """Inside the all-manual ``shard_map``: each leaf typed varying over every axis its spec
   names (a state leaf the same on every shard at ``init`` that the step keeps per shard)."""
-  return lay.map_specs(lambda x, s: coll.vary(x, _shards.spec_axes(s)) if _shards.spec_axes(s)
+  return lay.map_specs(lambda x, s: coll.vary(x, vma.spec_axes(s)) if vma.spec_axes(s)
                        else x, tree, specs)
