@@ -489,3 +489,24 @@ def test_random_arrays_drawn_by_tx_send_it_to_whole_leaves():
                    optax.add_noise(1.0, 0.0, 0), optax.sgd(0.1))
   with pytest.warns(UserWarning, match="random_bits"):
     assert not commopt.data_parallel(loss_fn, tx, mesh).layout(placed(mesh, TP)).shard_local
+
+
+def test_the_shard_local_step_inside_the_users_jit_and_scan_equals_plain_calls():
+  mesh = tp_mesh()
+  params = placed(mesh, TP)
+  dp = commopt.data_parallel(loss_fn, sgd_tx(commopt.scaled_sign()), mesh, donate=False)
+  assert dp.layout(params).shard_local
+  state, b = dp.init(params), batch()
+  p1, s1 = params, state
+  for _ in range(3):
+    p1, s1, _ = dp.step(p1, s1, b)
+
+  def body(carry, _):
+    p, s, losses = dp.step_fn(*carry, b)
+    return (p, s), losses
+
+  (p2, _), losses = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=3))(params,
+                                                                                     state)
+  assert losses.shape == (3, 2)
+  for k in p1:
+    np.testing.assert_array_equal(np.asarray(p2[k]), np.asarray(p1[k]))
