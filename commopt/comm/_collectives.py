@@ -369,10 +369,11 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def pmean(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
-  """All-reduce mean in ``x``'s dtype (identity locally).
+def pmean(x: Any, axis_name: Optional[str]) -> Any:
+  """All-reduce mean of every leaf in its own dtype (identity locally): one all-reduce
+  for the whole pytree.
 
-  Floating-point ``x`` is summed pre-scaled (:func:`mean_factors`), so a
+  Floating-point leaves are summed pre-scaled (:func:`mean_factors`), so a
   mean of finite values that is representable comes out finite, also in
   16 bits, with nothing widened on the wire.
   """
@@ -380,12 +381,18 @@ def pmean(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
     return x
   _record("all-reduce", x, axis_name)
   n = axis_size(axis_name)
-  if not _is_float(x) or n == 1:
-    return (jax.lax.psum(x, axis_name) / n).astype(x.dtype)
   pre, post = mean_factors(n)
-  dtype = jnp.result_type(x)
-  total = jax.lax.psum(x * jnp.asarray(pre, dtype), axis_name)
-  return (total / jnp.asarray(post, dtype)).astype(dtype)
+
+  def scale(v, factor):
+    return v if n == 1 else v * jnp.asarray(factor, jnp.result_type(v))
+
+  def finish(total, v):
+    if not _is_float(v) or n == 1:
+      return (total / n).astype(v.dtype) if n > 1 else total
+    return (total / jnp.asarray(post, jnp.result_type(v))).astype(v.dtype)
+
+  sent = jax.tree.map(lambda v: scale(v, pre) if _is_float(v) else v, x)
+  return jax.tree.map(finish, jax.lax.psum(sent, axis_name), x)
 
 
 def all_to_all(x: jax.Array, axis_name: Optional[str]) -> jax.Array:

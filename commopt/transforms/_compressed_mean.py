@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from commopt._src import base, feedback, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
-from commopt.comm import _plan, _shards, _strategies
+from commopt.comm import _buckets, _plan, _shards, _strategies
 from commopt.comm._channel import Channel, exchange, leaf_specs, worker_key
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
@@ -95,6 +95,15 @@ class _Config(NamedTuple):
   residual_dtype: Any
   min_size: int
   seed: int
+  bucket_bytes: Any = "auto"
+
+  def sends_dense(self) -> bool:
+    """Whether the compressor's mean is the dense mean: a lossless, linear, stateless
+    per-leaf compressor summed by an all-reduce (identity), whose leaves then share the
+    dense leaves' buckets."""
+    c = self.compressor
+    return (c.error_kind == "lossless" and c.linear and not c.stateful and c.reduce is None
+            and c.encode_tree is None and c.reduce_tree is None and self.reduction.name == "psum")
 
   def compresses(self, leaf) -> bool:
     """Whether ``leaf`` goes through the compressor (else it is sent dense): a shard of a
@@ -148,7 +157,7 @@ def _check_residual_dtype(residual_dtype) -> None:
 
 
 def _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, strategy,
-               inner_strategy, seed) -> _Config:
+               inner_strategy, seed, bucket_bytes="auto") -> _Config:
   """Validates every option and decides the strategy and the error-feedback policy, once."""
   if not isinstance(compressor, base.Compressor):
     raise base.OptionTypeError(
@@ -163,11 +172,13 @@ def _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, 
   min_size = base.check_int("min_size", min_size, fn=FN, minimum=0)
   seed = base.check_int("seed", seed, fn=FN)
   _check_residual_dtype(residual_dtype)
+  bucket_bytes = _buckets.check_bucket_bytes(bucket_bytes, FN)
   return _Config(compressor=compressor, axis_name=axis_name, reduction=reduction,
                  error_feedback=error_feedback,
                  # Two-phase reductions keep a second error memory.
                  server_memory=error_feedback and reduction.keeps_server_memory,
-                 residual_dtype=residual_dtype, min_size=min_size, seed=seed)
+                 residual_dtype=residual_dtype, min_size=min_size, seed=seed,
+                 bucket_bytes=bucket_bytes)
 
 
 def _init(cfg: _Config, params) -> CompressedMeanState:
@@ -328,9 +339,16 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
                    specs=_shards.specs_for(updates, cfg.axis_name),
                    paths=[jax.tree_util.keystr(p) for p, _ in flat])
   compressed = [i for i, u in enumerate(leaves.updates) if cfg.compresses(u)]
-  sent = set(compressed)
-  out = [u if tree.is_node(u) or i in sent else cfg.reduction.dense_mean(u, cfg.axis_name)
-         for i, u in enumerate(leaves.updates)]
+  dense = [i for i, u in enumerate(leaves.updates) if not tree.is_node(u)
+           and (cfg.sends_dense() or i not in set(compressed))]
+  if cfg.sends_dense():
+    compressed = []
+  out = list(leaves.updates)
+  if dense:
+    means = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,
+                          cfg.reduction.dense_mean, _buckets.resolve(cfg.bucket_bytes))
+    for i, m in zip(dense, means):
+      out[i] = m
   new = (list(leaves.residuals), list(leaves.cstates), list(leaves.memories))
   if compressed and (cfg.error_feedback or cfg.server_memory):
     coll.check_state_kept(FN, cfg.axis_name, "error-feedback residuals")
@@ -364,6 +382,7 @@ def compressed_mean(
     strategy: str = "auto",
     inner_strategy: str = "auto",
     seed: int = 0,
+    bucket_bytes: int | str | None = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """The mean over ``axis_name`` of every worker's compressed updates.
 
@@ -452,6 +471,14 @@ def compressed_mean(
     inner_strategy: for ``"hierarchical"``, the reduction across the slow
       axis: ``"auto"``, ``"psum"``, ``"gather"`` or ``"two_phase"``.
     seed: seed of the base key.
+    bucket_bytes: how the leaves sent dense (below ``min_size``, or all of
+      them with the identity compressor) are all-reduced: an int concatenates
+      them, per dtype, into flat buffers of at most that many bytes, one
+      all-reduce each (as PyTorch DDP's 25 MB buckets); ``None`` sends them
+      as one all-reduce of the tuple of leaves, which XLA runs as one
+      collective in one process; ``"auto"`` (the default) builds 25 MB
+      buffers only where a tuple would cost one collective per leaf, on
+      XLA:CPU across processes (:mod:`commopt.comm._buckets`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -475,7 +502,7 @@ def compressed_mean(
     Beznosikov et al., On Biased Compression for Distributed Learning, 2020.
   """
   cfg = _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, strategy,
-                   inner_strategy, seed)
+                   inner_strategy, seed, bucket_bytes)
 
   def planner(params, workers, step=None):
     return _strategies.plan_reduction(cfg.compressor, cfg.reduction, params,

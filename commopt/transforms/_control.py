@@ -15,6 +15,8 @@ every worker, with the branches' outputs joined over their varying axes.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base, vma
+from commopt.comm import _buckets
 from commopt.comm import _collectives as coll
 
 
@@ -95,10 +98,32 @@ def _select(pred, new, old):
   return out if out.dtype == old.dtype else out.astype(old.dtype)
 
 
+def _largest_magnitude(tree) -> jax.Array:
+  """The largest ``|x|`` over the floating-point leaves of ``tree`` (float32): NaN if
+  any value is NaN (XLA's max propagates it), inf if any is infinite, 0 for none."""
+  biggest = [jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
+             for x in jax.tree.leaves(tree) if base.is_float_dtype(x.dtype)]
+  return functools.reduce(jnp.maximum, biggest, jnp.zeros((), jnp.float32))
+
+
+def nonfinite_flag(tree) -> jax.Array:
+  """A float32 scalar that is 0 when every value of ``tree`` is finite and NaN otherwise.
+
+  ``m - m`` of the largest magnitude ``m``: XLA:CPU runs ``max(|x|)`` as a
+  vectorised reduction (0.19 ms on 1M float32 values against 0.49 ms for
+  ``all(isfinite(x))``), and unlike ``sum(x * 0)`` it cannot be simplified
+  away (XLA folds ``(g * c) * 0`` into ``g * (c * 0)``, losing an overflow of
+  ``g * c``). Integer leaves are always finite. The mean of workers' flags is
+  NaN iff some worker's is, so the flag can ride in a dense all-reduce
+  (:mod:`commopt.comm._buckets`).
+  """
+  m = _largest_magnitude(tree)
+  return m - m
+
+
 def all_finite(tree) -> jax.Array:
   """Whether every value of every leaf of ``tree`` is finite (a scalar bool)."""
-  leaves = jax.tree.leaves(tree)
-  return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in leaves], bool))
+  return jnp.isfinite(_largest_magnitude(tree))
 
 
 def _names(axis_name) -> tuple:
@@ -107,13 +132,19 @@ def _names(axis_name) -> tuple:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
+def _model_axes(updates, axis_name) -> tuple:
+  """The model axes any leaf of ``updates`` is sharded over (see :func:`coll.shard_axes`)."""
+  return tuple(sorted({a for x in jax.tree.leaves(updates)
+                       for a in coll.shard_axes(x, axis_name)}))
+
+
 def _agreed_finite(updates, axis_name) -> jax.Array:
   """Whether every worker's ``updates`` are finite: one int32 all-reduce over ``axis_name``
   and the model axes any leaf is sharded over (so every shard of every worker agrees)."""
   local_bad = jnp.logical_not(all_finite(updates)).astype(jnp.int32)
-  model = sorted({a for x in jax.tree.leaves(updates) for a in coll.shard_axes(x, axis_name)})
+  model = _model_axes(updates, axis_name)
   if model:
-    axis_name = tuple(_names(axis_name)) + tuple(model)
+    axis_name = tuple(_names(axis_name)) + model
   return coll.psum(local_bad, axis_name) == 0
 
 
@@ -145,9 +176,14 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
                     ) -> optax.GradientTransformationExtraArgs:
   """Skips, on every worker together, an update in which any worker saw a NaN or Inf.
 
-  Each worker checks its own input updates; one all-reduce of an int32 flag
-  over ``axis_name`` makes every worker agree whether some worker's were not
-  finite. The inner update is always computed, so every worker runs the same
+  Each worker checks its own input updates, and every worker learns whether
+  some worker's were not finite: the flag rides, as one more element, in the
+  first dense all-reduce over ``axis_name`` that ``inner`` runs (the leaves
+  :func:`~commopt.compressed_mean` sends dense, or every leaf with the
+  identity compressor), so agreeing costs no collective; where ``inner``
+  runs none at this level (all leaves compressed, or its reduction inside a
+  ``lax.cond`` as under :func:`multi_steps`), or leaves are sharded over
+  model axes, one int32 all-reduce agrees instead. The inner update is always computed, so every worker runs the same
   collectives. Its output is checked too, since finite inputs can still
   overflow inside the exchange or the optimizer: the reduced update is the
   same on every worker, so every worker reaches the same verdict on it with
@@ -216,9 +252,19 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
 
   def update_fn(updates, state, params=None, **extra_args):
     with vma.shard_aware():
-      finite = _agreed_finite(updates, axis_name)
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+      # Each worker's verdict on its input rides in the first dense all-reduce over
+      # `axis_name` that `inner` runs at this trace (one element more, no collective of
+      # its own); if none takes it, or leaves are sharded over model axes too (whose
+      # ranks must agree as well), one int32 all-reduce agrees instead.
+      rides = bool(_names(axis_name)) and not _model_axes(updates, axis_name)
+      flag = nonfinite_flag(updates) if rides else None
+    with (_buckets.ride(flag, axis_name) if rides else contextlib.nullcontext()) as rider:
+      new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
     with vma.shard_aware():
+      if rider is not None and rider.result is not None:
+        finite = jnp.isfinite(rider.result)
+      else:
+        finite = _agreed_finite(updates, axis_name)
       # The reduced output is the same on every worker: so is this verdict (a leaf
       # sharded over model axes asks its shards, over those axes only).
       finite = finite & _reduced_finite(new_updates, axis_name)

@@ -1,0 +1,239 @@
+"""The base step against hand-written JAX: what ``data_parallel`` costs before any compression.
+
+Every row trains the same MLP (64 -> 1024 -> 1024 -> 1024 -> 10, 2.1M
+parameters, adam, ``--rows`` rows per worker) one step at a time, and is
+timed as the median of ``--steps`` steps (each blocked until ready), in
+``--rounds`` interleaved rounds so that a slow spell on a shared machine hits
+every row alike; the best round's median is reported, as a ratio to the
+fastest plain-JAX row of the same run:
+
+- ``plain``: ``jax.jit(jax.shard_map(step))`` whose gradients are averaged by
+  ``lax.pmean`` on the tree, the step most JAX users write;
+- ``plain (flat)``: the same, the gradients concatenated into one buffer for
+  one all-reduce (what DDP's buckets do);
+- ``identity``: ``data_parallel(loss, chain(compressed_mean(identity()), adam))``
+  with its defaults (the agreed non-finite skip on);
+- ``identity, no skip``: the same with ``skip_nonfinite=False``.
+
+Two layouts (``--layouts``): ``devices``, one process with ``--workers``
+CPU devices (on a GPU host, its GPUs); ``processes``, ``--workers``
+processes of one CPU device each, connected by ``jax.distributed`` over gloo
+(started by :func:`commopt.launch.launch`). ``--check`` exits 1 when the
+identity step costs more than ``TARGET`` times the fastest plain step.
+
+    python benchmarks/bench_base.py                     # both layouts, ~3 min on 2 cores
+    python benchmarks/bench_base.py --layouts processes --workers 4 --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGET = 1.05
+"""The most the identity step may cost, as a multiple of the fastest plain step."""
+SIZES = (64, 1024, 1024, 1024, 10)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--layouts", default="devices,processes",
+                 help="comma-separated: devices (one process) and/or processes (gloo)")
+  p.add_argument("--workers", type=int, default=4, help="devices or processes")
+  p.add_argument("--rows", type=int, default=64, help="rows per worker per step")
+  p.add_argument("--steps", type=int, default=15, help="timed steps per row and round")
+  p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best is kept)")
+  p.add_argument("--check", action="store_true",
+                 help=f"exit 1 when identity costs more than {TARGET}x plain")
+  p.add_argument("--timeout", type=float, default=900, help="seconds for the process layout")
+  p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+  p.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+  bad = [x for x in args.layouts if x not in ("devices", "processes")]
+  if bad:
+    p.error(f"--layouts: {bad} not among 'devices', 'processes'")
+  for name in ("workers", "rows", "steps", "rounds"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  return args
+
+
+def model(workers: int, rows: int, seed: int = 0):
+  """``(params, loss_fn, batch)``: the MLP and a global batch of ``workers * rows`` rows."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  keys = jax.random.split(jax.random.key(seed), len(SIZES) - 1)
+  params = {f"l{i}": {"w": jax.random.normal(keys[i], (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+            for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:]))}
+
+  def loss_fn(p, batch):
+    h = batch["x"]
+    for i in range(len(SIZES) - 1):
+      h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+      if i < len(SIZES) - 2:
+        h = jax.nn.relu(h)
+    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+
+  rng = np.random.default_rng(seed)
+  batch = {"x": rng.normal(size=(workers * rows, SIZES[0])).astype(np.float32),
+           "y": rng.integers(0, SIZES[-1], workers * rows).astype(np.int32)}
+  return params, loss_fn, batch
+
+
+def steps(mesh, params, loss_fn):
+  """``{label: (init, step)}`` of every row: ``step(params, state, batch)``."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import commopt
+
+  opt = optax.adam(1e-3)
+  replicated = NamedSharding(mesh, P())
+
+  def plain_step(flat: bool):
+    def body(p, s, b):
+      loss, g = jax.value_and_grad(loss_fn)(p, b)
+      if flat:
+        vec, unravel = jax.flatten_util.ravel_pytree(g)
+        g = unravel(jax.lax.pmean(vec, "data"))
+      else:
+        g = jax.lax.pmean(g, "data")
+      u, s = opt.update(g, s, p)
+      return optax.apply_updates(p, u), s, loss[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                               out_specs=(P(), P(), P("data"))), donate_argnums=(0, 1))
+    init = lambda p: jax.device_put(opt.init(p), replicated)
+    return init, fn
+
+  def identity(skip: bool):
+    tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
+                     opt)
+    dp = commopt.data_parallel(loss_fn, tx, mesh, skip_nonfinite=skip)
+    return dp.init, lambda p, s, b: dp.step(p, s, b)[:3]
+
+  import jax.flatten_util  # noqa: F401  (ravel_pytree)
+  del jnp
+  return {"plain": plain_step(False), "plain (flat)": plain_step(True),
+          "identity": identity(True), "identity, no skip": identity(False)}
+
+
+def measure(mesh, params, loss_fn, batch, n_steps: int, rounds: int, log=print) -> dict:
+  """``{label: best round's median seconds}``, rows interleaved round by round."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  rows = steps(mesh, params, loss_fn)
+  replicated = NamedSharding(mesh, P())
+  runs = {}
+  for label, (init, step) in rows.items():
+    p = jax.device_put(jax.tree.map(lambda x: x.copy(), params), replicated)
+    s = init(p)
+    for _ in range(2):                       # compile, then one warm step
+      p, s, _ = jax.block_until_ready(step(p, s, batch))
+    runs[label] = [p, s]
+  best = {label: float("inf") for label in rows}
+  for r in range(rounds):
+    for label, (_, step) in rows.items():
+      p, s = runs[label]
+      times = []
+      for _ in range(n_steps):
+        t0 = time.perf_counter()
+        p, s, _ = jax.block_until_ready(step(p, s, batch))
+        times.append(time.perf_counter() - t0)
+      runs[label] = [p, s]
+      best[label] = min(best[label], statistics.median(times))
+    log(f"  round {r + 1}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.items()))
+  return best
+
+
+def run_devices(args) -> dict:
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.workers)   # the CPU backend only
+  workers = args.workers if jax.default_backend() == "cpu" else len(jax.devices())
+  mesh = jax.make_mesh((workers,), ("data",), devices=jax.devices()[:workers])
+  params, loss_fn, batch = model(workers, args.rows)
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  print(f"[devices] {workers} {jax.default_backend()} devices in one process", flush=True)
+  return measure(mesh, params, loss_fn, batch, args.steps, args.rounds,
+                 log=lambda s: print(s, flush=True))
+
+
+def worker(args) -> None:
+  """One process of the ``processes`` layout: measures, and process 0 writes the result."""
+  from commopt import launch
+  ctx = launch.initialize()
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  params, loss_fn, batch = model(jax.device_count(), args.rows)
+  mine = jax.tree.map(lambda x: np.split(x, ctx.num_processes)[ctx.process_id], batch)
+  batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("data")), x), mine)
+  log = (lambda s: print(s, flush=True)) if ctx.process_id == 0 else (lambda s: None)
+  best = measure(mesh, params, loss_fn, batch, args.steps, args.rounds, log=log)
+  if ctx.process_id == 0:
+    pathlib.Path(args.worker).write_text(json.dumps(best))
+
+
+def run_processes(args) -> dict:
+  from commopt import launch
+  print(f"[processes] {args.workers} processes of one CPU device, gloo", flush=True)
+  with tempfile.TemporaryDirectory() as tmp:
+    result = pathlib.Path(tmp) / "result.json"
+    argv = [__file__, "--worker", str(result), "--rows", str(args.rows), "--steps",
+            str(args.steps), "--rounds", str(args.rounds)]
+    launch.launch(argv, processes=args.workers, devices_per_process=1, timeout=args.timeout)
+    return json.loads(result.read_text())
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.worker:
+    worker(args)
+    return 0
+  results, misses = {}, []
+  for layout in args.layouts:
+    best = run_devices(args) if layout == "devices" else run_processes(args)
+    plain = min(best["plain"], best["plain (flat)"])
+    results[layout] = {k: {"ms": v * 1e3, "ratio": v / plain} for k, v in best.items()}
+    if best["identity"] / plain > TARGET:
+      misses.append(layout)
+  import jax
+  print(f"\n| layout | step | ms/step | × fastest plain |\n|---|---|---|---|")
+  for layout, rows in results.items():
+    for label, r in rows.items():
+      mark = ""
+      if label == "identity":
+        mark = f" (target ≤ {TARGET}{', **missed**' if layout in misses else ''})"
+      print(f"| {layout} ({args.workers}) | {label} | {r['ms']:.1f} | {r['ratio']:.2f}{mark} |")
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / f"base_{jax.default_backend()}.json"
+  meta = {"jax": jax.__version__, "backend": jax.default_backend(), "workers": args.workers,
+          "rows": args.rows, "steps": args.steps, "rounds": args.rounds,
+          "python": platform.python_version(), "target": TARGET}
+  path.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+  print(f"wrote {path}; identity within {TARGET}x of plain: "
+        + ", ".join(f"{l} {'no' if l in misses else 'yes'}" for l in results))
+  return 1 if args.check and misses else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
