@@ -406,3 +406,29 @@ def test_nonfinite_model_state_alone_skips_the_step(mesh):
   p2, s2, ms2, _ = dp.step(copy(params), s, bad, ms)
   assert int(s2.total_notfinite) == 1 and float(ms2["stat"]) == 0.0
   np.testing.assert_array_equal(np.asarray(p2["w1"]), np.asarray(params["w1"]))
+
+
+def test_placement_checks_run_once_per_argument_signature(mesh, monkeypatch):
+  # Every step after the first is fed the previous step's outputs, placed as the step
+  # places them: the placement checks are skipped. An argument that changes type,
+  # shape or placement is checked (and refused where wrong) as on the first call.
+  from commopt.parallel import _placement as place
+  dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
+  params = make_params()
+  state = dp.init(params)
+  batches = make_batches(4)
+  params, state, _ = dp.step(params, state, batches[0])   # numpy batch: placed each call
+  batch = dp.place_batch(batches[1])
+  params, state, _ = dp.step(params, state, batch)
+  calls = []
+  real = place.checked_layout
+  monkeypatch.setattr(place, "checked_layout", lambda *a: calls.append(1) or real(*a))
+  for _ in range(3):
+    params, state, _ = dp.step(params, state, batch)
+  assert calls == []
+  params, state, _ = dp.step(params, state, batches[2])   # host arrays: checked again
+  assert calls == [1]
+  wrong = jax.tree.map(lambda x: x[:4] if x.ndim and x.shape[0] == N else x,
+                       jax.device_get(state))
+  with pytest.raises(ValueError, match="per-worker"):
+    dp.step(params, wrong, batch)

@@ -230,9 +230,17 @@ def placed(dp, params, opt_state, batch, model_state, key, extra_args=None):
   still aliases them).
   """
   extra_args = {} if extra_args is None else extra_args
-  before = jax.tree.leaves((params, opt_state, batch, model_state, key, extra_args))
+  before, treedef = jax.tree.flatten((params, opt_state, batch, model_state, key, extra_args))
   if any(compat.is_tracer(x) for x in before):
     return params, opt_state, batch, model_state, key, extra_args
+  # Arguments typed and placed as in an earlier call whose checks passed and moved nothing
+  # (every step after the first, fed the previous step's outputs) skip the checks.
+  signature = _signature(treedef, before)
+  if signature is not None and signature in dp._placed_signatures:
+    args = (params, opt_state, batch, model_state, key, extra_args)
+    if on_cpu(dp.mesh):
+      jax.block_until_ready(args)
+    return args
   layout = checked_layout(dp, params, opt_state)
   params = put(dp.mesh, params, param_specs(dp, layout))
   opt_state = put(dp.mesh, opt_state, layout.state_specs)
@@ -248,13 +256,31 @@ def placed(dp, params, opt_state, batch, model_state, key, extra_args=None):
     dp._check_batch(batch)   # a placement that fails on shapes, with the shapes named
     raise
   args = (params, opt_state, batch_placed, model_state, key, extra_args)
+  copied = [y for x, y in zip(before, jax.tree.leaves(args)) if y is not x]
   if on_cpu(dp.mesh):
     jax.block_until_ready(args)
-  else:
-    copied = [y for x, y in zip(before, jax.tree.leaves(args)) if y is not x]
-    if copied:
-      jax.block_until_ready(copied)
+  elif copied:
+    jax.block_until_ready(copied)
+  if signature is not None and not copied:
+    if len(dp._placed_signatures) >= _SIGNATURES_KEPT:
+      dp._placed_signatures.clear()
+    dp._placed_signatures.add(signature)
   return args
+
+
+_SIGNATURES_KEPT = 64
+"""Argument signatures :func:`placed` remembers per step (then it starts again)."""
+
+
+def _signature(treedef, leaves):
+  """What :func:`placed`'s checks depend on: the tree, each leaf's type, shape, dtype and
+  sharding (None if a leaf is not a ``jax.Array``, which is then placed every call)."""
+  parts = []
+  for x in leaves:
+    if not isinstance(x, jax.Array):
+      return None
+    parts.append((x.shape, x.dtype, x.sharding, x.committed))
+  return treedef, tuple(parts)
 
 
 # -- resizing ---------------------------------------------------------------------------
