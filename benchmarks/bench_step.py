@@ -15,7 +15,10 @@ Models (``--models``):
 
 On CPU it simulates ``--workers`` devices (8 by default); on a GPU it uses the
 GPUs present (one worker per GPU). ``--check`` exits 1 when a ratio misses
-its target (``TARGETS``).
+its target (``TARGETS``), or when the identity step costs more than
+``BASE_TARGET`` times the hand-written step beside it (``plain``: the same
+model and sgd in ``jax.jit(jax.shard_map(...))`` with ``lax.pmean`` on the
+gradients).
 
     python benchmarks/bench_step.py                            # everything, ~10 min on 2 cores
     python benchmarks/bench_step.py --compressors scaled_sign,top_k --models mlp --check
@@ -43,6 +46,8 @@ TARGETS = {
 """The most a step may cost, as a multiple of identity's step (adaptive_levels: reported only)."""
 
 TRANSFORMS = ("majority_vote", "dgc")
+BASE_TARGET = 1.05
+"""The most the identity step may cost, as a multiple of the plain shard_map + pmean step."""
 
 
 def parse_args(argv=None):
@@ -137,6 +142,43 @@ def time_step(dp, params, batch, steps):
   return statistics.median(times), compile_s
 
 
+def plain_step(mesh, loss_fn, opt):
+  """``step(params, state, batch)``: ``jax.jit(jax.shard_map(...))`` whose gradients are
+  averaged by ``lax.pmean``, the step a JAX user writes by hand, with donation."""
+  import jax
+  import optax
+  from jax.sharding import PartitionSpec as P
+
+  def body(p, s, b):
+    loss, g = jax.value_and_grad(loss_fn)(p, b)
+    u, s = opt.update(jax.lax.pmean(g, "data"), s, p)
+    return optax.apply_updates(p, u), s, loss[None]
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                               out_specs=(P(), P(), P("data"))), donate_argnums=(0, 1))
+
+
+def time_plain(mesh, loss_fn, params, batch, steps):
+  """Median seconds of :func:`plain_step` (sgd 0.1, as the rows)."""
+  import jax
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  opt = optax.sgd(0.1)
+  step = plain_step(mesh, loss_fn, opt)
+  replicated = NamedSharding(mesh, P())
+  p = jax.device_put(jax.tree.map(lambda x: x.copy(), params), replicated)
+  s = jax.device_put(opt.init(p), replicated)
+  batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  for _ in range(2):
+    p, s, _ = jax.block_until_ready(step(p, s, batch))
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    p, s, _ = jax.block_until_ready(step(p, s, batch))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
 def main(argv=None):
   args = parse_args(argv)
   import jax
@@ -171,10 +213,19 @@ def main(argv=None):
     def dp_for(tx):
       return commopt.data_parallel(loss_fn, optax.chain(tx, optax.sgd(0.1)), mesh)
 
+    plain = time_plain(mesh, loss_fn, params, batch, args.steps)
     base, base_compile = time_step(dp_for(reducer("identity", "gather")), params, batch, args.steps)
-    print(f"[{model}] identity: {base * 1e3:.1f} ms/step (compile {base_compile:.1f} s)", flush=True)
+    ok = base / plain <= BASE_TARGET
+    print(f"[{model}] plain shard_map + pmean: {plain * 1e3:.1f} ms/step; identity: "
+          f"{base * 1e3:.1f} ms/step, {base / plain:.2f}x plain (target <= {BASE_TARGET}x"
+          f"{'' if ok else ', MISSED'}; compile {base_compile:.1f} s)", flush=True)
+    rows.append({"model": model, "compressor": "plain (shard_map + pmean)", "strategy": "-",
+                 "ms": plain * 1e3, "ratio": plain / base})
     rows.append({"model": model, "compressor": "identity", "strategy": "psum",
-                 "ms": base * 1e3, "ratio": 1.0})
+                 "ms": base * 1e3, "ratio": 1.0, "vs_plain": base / plain,
+                 "target_vs_plain": BASE_TARGET, "met": ok})
+    if not ok:
+      misses.append(rows[-1])
     for name in names:
       if name == "identity":
         continue
@@ -203,6 +254,9 @@ def main(argv=None):
   for r in rows:
     target = r.get("target")
     mark = "" if target is None else (f"≤ {target}" + ("" if r["met"] else " **missed**"))
+    if "vs_plain" in r:
+      mark = (f"{r['vs_plain']:.2f}× plain, ≤ {BASE_TARGET}"
+              + ("" if r["met"] else " **missed**"))
     print(f"| {r['model']} | {r['compressor']} | {r['strategy']} | {r['ms']:.1f} | "
           f"{r['ratio']:.2f} | {mark} |")
   out = pathlib.Path(args.out)

@@ -1,4 +1,4 @@
-"""Dense leaves share all-reduces (flat buckets or one tuple), and the skip's flag rides in one."""
+"""Dense leaves share all-reduces: flat buffers of at most bucket_bytes, or one tuple."""
 
 import jax
 import jax.numpy as jnp
@@ -89,26 +89,26 @@ def _all_reduces(dp):
           if c.kind == "all-reduce"]
 
 
-def test_one_flat_buffer_per_dtype_with_the_flag_inside(mesh):
-  # w1 (2048) + b1 (64) + w2 (640) + b2 (10) float32 values and the flag: one buffer;
-  # the bfloat16 scalar: a second.
-  reduces = _all_reduces(_dp(mesh, 10**9))
+def test_one_flat_buffer_per_dtype(mesh):
+  # w1 (2048) + b1 (64) + w2 (640) + b2 (10) float32 values: one buffer; the bfloat16
+  # scalar: a second. The skip's int32 flag is an all-reduce of its own.
+  reduces = _all_reduces(_dp(mesh, 10**9, skip=False))
   shapes = sorted(s for c in reduces for s in c.shapes)
-  assert shapes == [(1,), (2048 + 64 + 640 + 10 + 1,)], shapes
+  assert shapes == [(1,), (2048 + 64 + 640 + 10,)], shapes
   assert all(c.group_size == N for c in reduces)
+  with_skip = _all_reduces(_dp(mesh, 10**9))
+  assert len(with_skip) == 3 and sum("s32" in c.dtypes for c in with_skip) == 1
 
 
 def test_capped_buckets_and_tuple_mode(mesh):
-  # 8 KB cap, leaves in the tree's order (b1, b2, s, w1, w2): b1 + b2 + the flag, then
-  # w1 (8192 bytes) alone, then w2; the bfloat16 scalar in its own buffer.
-  capped = _all_reduces(_dp(mesh, 8192))
-  assert sorted(s for c in capped for s in c.shapes) == [(1,), (64 + 10 + 1,), (640,), (2048,)]
-  # No flat buffers: the leaves as they are, one float32 scalar for the flag.
-  plain = _all_reduces(_dp(mesh, None))
+  # 8 KB cap, leaves in the tree's order (b1, b2, s, w1, w2): b1 + b2, then w1 (8192
+  # bytes) alone, then w2; the bfloat16 scalar in its own buffer.
+  capped = _all_reduces(_dp(mesh, 8192, skip=False))
+  assert sorted(s for c in capped for s in c.shapes) == [(1,), (64 + 10,), (640,), (2048,)]
+  # No flat buffers: the leaves as they are, in one tuple all-reduce per dtype.
+  plain = _all_reduces(_dp(mesh, None, skip=False))
   shapes = [s for c in plain for s in c.shapes]
-  assert sorted(shapes, key=str) == sorted([(32, 64), (64,), (64, 10), (10,), (), ()], key=str)
-  dense = _all_reduces(_dp(mesh, None, skip=False))
-  assert wire.total_bytes(plain) == wire.total_bytes(dense) + 4
+  assert sorted(shapes, key=str) == sorted([(32, 64), (64,), (64, 10), (10,), ()], key=str)
 
 
 def test_auto_keeps_leaves_whole_in_one_process(mesh):
@@ -146,26 +146,8 @@ def test_overflow_after_the_exchange_is_still_skipped(mesh):
   assert not bool(state.last_finite) and int(state.total_notfinite) == 1
 
 
-def test_rider_is_not_taken_inside_a_branch(mesh):
-  # multi_steps runs compressed_mean inside lax.cond: the flag cannot leave that branch,
-  # so the skip agrees with its own int32 all-reduce, and the step still skips.
-  inner = commopt.transforms.multi_steps(
-      optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
-                  optax.sgd(0.1)), every_k_schedule=2)
-  dp = commopt.data_parallel(_loss, inner, mesh)
-  params = _params()
-  reduces = [c for c in wire.hlo_collectives(dp, params, dp.init(params), _batch())
-             if c.kind == "all-reduce"]
-  assert any("s32" in c.dtypes for c in reduces)
-  state = dp.init(params)
-  bad = _batch()
-  bad["x"] = bad["x"].at[0, 0].set(jnp.inf)
-  params2, state, _ = dp.step(params, state, bad)
-  assert int(state.total_notfinite) == 1
-
-
-def test_rider_outside_apply_if_finite_in_a_users_shard_map(mesh):
-  # apply_if_finite in the user's own shard_map: the same agreement, riding.
+def test_skip_in_a_users_shard_map(mesh):
+  # apply_if_finite in the user's own shard_map: one worker's NaN skips every worker.
   from jax.sharding import PartitionSpec as P
   tx = apply_if_finite(optax.chain(
       commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),

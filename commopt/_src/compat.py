@@ -23,16 +23,6 @@ def is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def trace_state():
-  """An opaque token of the trace this runs in, equal only within that same trace.
-
-  0.10–0.12: ``jax.extend.core.get_opaque_trace_state`` (``jax.core``'s spelling
-  is deprecated).
-  """
-  import jax.extend.core
-  return jax.extend.core.get_opaque_trace_state(convention="commopt")
-
-
 def varying_axes_of_type(aval) -> frozenset:
   """The mesh axes a value's type (``jax.typeof(x)``) varies over.
 

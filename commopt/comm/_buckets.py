@@ -1,4 +1,4 @@
-"""Dense leaves reduced together: one all-reduce per bucket, and scalars that ride along.
+"""Dense leaves reduced together: one all-reduce per bucket (a flat buffer, or a tuple of leaves).
 
 A tree of leaves averaged leaf by leaf is one all-reduce per leaf in the
 program. How that runs depends on the platform, measured with
@@ -17,31 +17,17 @@ program. How that runs depends on the platform, measured with
 many bytes (``"auto"``: :func:`flat_by_default`), else one all-reduce over the
 tuple of leaves. Leaves are grouped by dtype and by the mesh axes they vary
 over, so a bucket never mixes values typed differently.
-
-**Riders.** A scalar that must be summed over the same axes, such as the
-agreed non-finite flag of :func:`commopt.transforms.apply_if_finite`, can
-ride inside the first floating-point bucket as one more element instead of
-costing a collective (and on one process a rendezvous of every device) of its
-own: :func:`ride` offers it while the wrapped update is traced, :func:`mean`
-takes it, and the offerer reads the reduced value afterwards
-(:attr:`Rider.result`, None when nothing took it). A rider is taken only at
-the trace it was offered in (never inside a ``lax.cond`` branch or a
-``scan`` body of the wrapped update) and only by a reduction over exactly its
-axes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import math
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from commopt._src import base, compat
+from commopt._src import base
 from commopt.comm import _collectives as coll
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -71,59 +57,6 @@ def resolve(bucket_bytes) -> Optional[int]:
   if isinstance(bucket_bytes, str):
     return DEFAULT_BUCKET_BYTES if flat_by_default() else None
   return bucket_bytes
-
-
-# -- riders -------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Rider:
-  """A scalar offered to the next dense reduction over ``axes`` (see the module).
-
-  Attributes:
-    value: the scalar (float32) each worker contributes; a mean over the axes
-      is what comes back, so only what survives averaging is meaningful
-      (e.g. 0 or NaN: the mean is NaN iff some worker's is).
-    axes: the mesh axes it must be reduced over, as a frozenset.
-    trace: the trace it was offered in.
-    result: the reduced value once a reduction took it, else None.
-  """
-  value: jax.Array
-  axes: frozenset
-  trace: Any
-  result: Optional[jax.Array] = None
-
-
-_RIDERS: contextvars.ContextVar = contextvars.ContextVar("commopt_riders", default=())
-
-
-@contextlib.contextmanager
-def ride(value, axis_name):
-  """Offers ``value`` to the dense reductions traced inside; yields the :class:`Rider`."""
-  rider = Rider(jnp.asarray(value, jnp.float32), frozenset(_names(axis_name)),
-                compat.trace_state())
-  token = _RIDERS.set(_RIDERS.get() + (rider,))
-  try:
-    yield rider
-  finally:
-    _RIDERS.reset(token)
-
-
-def _names(axis_name) -> tuple:
-  if axis_name is None:
-    return ()
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def _take(axis_name) -> Optional[Rider]:
-  """The innermost rider over exactly ``axis_name``'s axes offered at this trace, if any."""
-  riders = _RIDERS.get()
-  if not riders:
-    return None
-  rider = riders[-1]
-  if (rider.result is not None or rider.axes != frozenset(_names(axis_name))
-      or rider.trace != compat.trace_state()):
-    return None
-  return rider
 
 
 # -- the reduction ------------------------------------------------------------------------
@@ -157,36 +90,20 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
   (a strategy's dense reduction, which takes a list of arrays).
 
   ``bucket_bytes``: the cap of one flat buffer, or None to reduce each group's
-  leaves as one tuple all-reduce. A rider over ``axis_name`` (:func:`ride`) is
-  taken by the first floating-point group whose leaves vary over no other
-  axis.
+  leaves as one tuple all-reduce.
   """
   out: list = [None] * len(xs)
-  rider = _take(axis_name)
   for idx in _groups(xs):
-    dtype = jnp.dtype(xs[idx[0]].dtype)
-    carry = None
-    if (rider is not None and rider.result is None and base.is_float_dtype(dtype)
-        and coll.varying_axes(xs[idx[0]]) <= rider.axes):
-      carry = coll.vary_like(rider.value.astype(dtype), xs[idx[0]])
     if bucket_bytes is None:
-      sent = [xs[i] for i in idx] + ([carry] if carry is not None else [])
-      got = dense_mean(sent, axis_name)
-      for i, y in zip(idx, got):
+      for i, y in zip(idx, dense_mean([xs[i] for i in idx], axis_name)):
         out[i] = y
-      if carry is not None:
-        rider.result = got[-1].astype(jnp.float32)
       continue
-    for c, run in enumerate(_chunks(xs, idx, bucket_bytes)):
+    for run in _chunks(xs, idx, bucket_bytes):
       parts = [jnp.ravel(xs[i]) for i in run]
-      if carry is not None and c == 0:
-        parts.append(carry[None])
       flat = dense_mean(jnp.concatenate(parts) if len(parts) > 1 else parts[0], axis_name)
       at = 0
       for i in run:
         n = math.prod(xs[i].shape)
         out[i] = flat[at:at + n].reshape(xs[i].shape)
         at += n
-      if carry is not None and c == 0:
-        rider.result = flat[at].astype(jnp.float32)
   return out

@@ -73,7 +73,7 @@ class DataParallel:
   has_aux: bool = False
   has_state: bool = False
   model_state_sync: str = "mean"
-  skip_nonfinite: bool = True
+  skip_nonfinite: bool | str = True
   donate: bool = True
   local_params: bool = False
   shard_local: bool | str = "auto"
@@ -104,7 +104,11 @@ class DataParallel:
             or (isinstance(self.shard_local, str) and self.shard_local == "auto")):
       raise ValueError(f"{fn}: `shard_local` must be 'auto', True or False, got "
                        f"{self.shard_local!r}.")
-    for name in ("has_aux", "has_state", "skip_nonfinite", "donate", "local_params"):
+    if not (self.skip_nonfinite is True or self.skip_nonfinite is False
+            or (isinstance(self.skip_nonfinite, str) and self.skip_nonfinite == "strict")):
+      raise base.OptionTypeError(f"{fn}: `skip_nonfinite` must be True, False or 'strict', "
+                                 f"got {self.skip_nonfinite!r}.")
+    for name in ("has_aux", "has_state", "donate", "local_params"):
       object.__setattr__(self, name, base.check_bool(name, getattr(self, name), fn=fn))
     object.__setattr__(self, "_layouts", {})
     object.__setattr__(self, "_placed_signatures", set())
@@ -383,7 +387,7 @@ class DataParallel:
 def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
                   mesh: jax.sharding.Mesh, axis_name: str | tuple[str, ...] = "data", *,
                   has_aux: bool = False, has_state: bool = False,
-                  model_state_sync: str = "mean", skip_nonfinite: bool = True,
+                  model_state_sync: str = "mean", skip_nonfinite: bool | str = True,
                   donate: bool = True, local_params: bool = False,
                   shard_local: bool | str = "auto") -> DataParallel:
   """A data-parallel training step over ``mesh``'s ``axis_name``.
@@ -400,14 +404,18 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
 
   Faults: with ``skip_nonfinite=True`` the optimizer runs inside
   :func:`commopt.transforms.apply_if_finite`: a non-finite value in any
-  worker's gradient makes all workers agree to skip the step (the flag rides
-  in the step's dense all-reduce, or costs one int32 all-reduce of its own); so does a non-finite reduced update (finite gradients that
-  overflow in the exchange or the optimizer), which every worker sees the
-  same and judges alike with no collective. Parameters, optimizer state
-  (error residuals included) and model state stay as they were, and
-  ``opt_state.total_notfinite`` counts the skips. The compressed exchange
-  still runs on a skipped step (its result is discarded), so no worker ever
-  waits in a collective another one skipped.
+  worker's gradient makes all workers agree, with one int32 all-reduce, to
+  skip the step: parameters, optimizer state (error residuals included) and
+  model state stay as they were, and ``opt_state.total_notfinite`` counts
+  the skips. The optimizer, its exchange included, runs inside one
+  ``lax.cond`` on that agreed verdict, so every worker takes the same branch
+  and none waits in a collective another one skipped. A non-finite reduced
+  update (finite gradients that overflow in the exchange or the optimizer),
+  which every worker sees the same and judges alike with no collective, is
+  skipped too: parameters and model state stay as they were, and the
+  optimizer state has advanced, unless ``skip_nonfinite="strict"``, which
+  keeps it too at the price of a copy of the state on every step (see
+  :func:`commopt.transforms.apply_if_finite`).
 
   Model state (``has_state=True``), e.g. batch-norm statistics: ``loss_fn``
   returns the new state beside the loss. With ``model_state_sync='mean'``
@@ -431,7 +439,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
     has_state: ``loss_fn`` takes and returns model state.
     model_state_sync: ``"mean"`` or ``"none"``.
     skip_nonfinite: skip steps with a non-finite gradient on any worker or a
-      non-finite reduced update.
+      non-finite reduced update: True, False, or ``"strict"`` (on an
+      overflowed update, keep the optimizer state as well).
     donate: donate params, optimizer state and model state to the jitted step.
     local_params: keep one copy of the parameters per worker, stacked
       ``[num_workers, ...]`` and sharded over the data axes, for transforms
