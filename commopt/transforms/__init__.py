@@ -12,6 +12,7 @@ from commopt.transforms._control import (
     apply_if_finite,
     multi_steps,
 )
+from commopt.transforms._delayed import PipelinedState, pipelined
 from commopt.transforms._dgc import (
     DGC_WARMUP_DENSITIES,
     DGCLeafState,
@@ -52,4 +53,5 @@ __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
            "local_sgd", "multi_steps", "onebit_adam", "onebit_lamb", "OneBitLambState",
            "zero_one_adam", "ZeroOneAdamState", "stale", "StaleState", "streaming_diloco",
            "StreamingDiLoCoState",
-           "scheduled_top_k", "sfb_dense", "sfb_mean", "sfb_pays", "warmup_density"]
+           "scheduled_top_k", "sfb_dense", "sfb_mean", "sfb_pays", "warmup_density",
+           "pipelined", "PipelinedState"]
