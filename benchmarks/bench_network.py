@@ -21,26 +21,53 @@ worker), for ``--steps`` steps, and reports:
 - bytes each worker sends per step (ring model, ``commopt.wire.comm_plan``)
   and the rate all workers together put through the link in the
   communication time;
-- time to ``--target-loss``: the first step at which the training loss
-  (mean over workers, averaged over 5 steps) reaches the target, times the
-  measured step times up to it; and the final loss (the same average over
-  the last 5 steps), so a run that reaches the target and then diverges
-  shows it.
+- time to ``--target-loss``: the first step after which the global model's
+  loss on 512 fixed digits (``EVAL_ROWS``, scored untimed after every step)
+  reaches the target, times the measured step times up to it; the final
+  training loss (mean over workers, averaged over the last 5 steps), so a
+  run that reaches the target and then diverges shows it; and the global
+  model's loss on all the digits at the end.
 
-Methods: dense (identity, all-reduce), cast to bfloat16, scaled_sign,
-top_k (1%), qsgd and power_sgd (rank 2), each under ``gather`` and
-``two_phase`` where it takes them (cast and identity all-reduce; power_sgd
-runs its own all-reduce protocol), with error feedback except for QSGD (see
-``METHODS``), then momentum SGD.
+Methods (``--methods``):
+
+- commopt per step (``METHODS``): dense (identity, all-reduce), cast to
+  bfloat16, scaled_sign, top_k (1%), qsgd and power_sgd (rank 2), each under
+  ``gather`` and ``two_phase`` where it takes them (cast and identity
+  all-reduce; power_sgd runs its own all-reduce protocol), with error
+  feedback except for QSGD, then momentum SGD.
+- commopt combined (``COMBINED``): ``diloco(H)+<compressor>``, DiLoCo with
+  the same momentum SGD inside and every ``H`` steps an outer step
+  (``optax.sgd(1.0)``: over momentum SGD, DiLoCo's Nesterov 0.7/0.9
+  diverges) on the mean pseudo-gradient, exchanged (``two_phase``) through
+  scaled_sign with error feedback or through 4-bit int_quant (unbiased, no
+  residual). Their step time is the median over runs of ``H`` steps of the
+  mean step (one exchange each), and so is their compute time; their bytes
+  are one exchange's over ``H``. Between exchanges each worker trains a
+  model of its own and the global model (the anchor) moves only at an
+  exchange, so they reach the target at an exchange.
+- PyTorch (``TORCH_METHODS``, ``benchmarks/_torch_peer.py``, optional: the
+  ``peers`` extra; without torch they are skipped, saying why): DDP over
+  gloo on CPU, the same MLP from the same initial weights, the same batches,
+  ``torch.optim.SGD`` with the same learning rate and momentum 0.9, in the
+  same namespace: ``torch:dense`` (plain DDP), ``torch:fp16`` (DDP's
+  ``fp16_compress_hook``) and ``torch:power_sgd(2)`` (DDP's PowerSGD hook,
+  rank 2, error feedback, warm start, compressing from step 2). Their rows
+  report the same fields, bytes under the same ring model.
+
+After the table, a summary per process count and bandwidth: commopt dense,
+commopt's best per-step compressed method, its best combined method, and
+PyTorch's dense, fp16 and PowerSGD (step time, time to the target), and a
+verdict: whether commopt's best reaches the target no later than PyTorch's
+best. ``network.json`` holds it under ``summary``.
 
 Needs root (``ip netns``, ``tc``); without it the benchmark says why and
 exits 0 having measured nothing. Namespaces are named
 ``commopt-net-<pid>-<random>`` and always deleted, on errors and Ctrl-C too;
 the host's own interfaces are never touched.
 
-    sudo python benchmarks/bench_network.py                       # ~25 min on 2 cores
+    sudo python benchmarks/bench_network.py                       # ~60 min on 2 cores
     python benchmarks/bench_network.py --processes 2 --bandwidths 1gbit --steps 20 \\
-        --methods dense,scaled_sign/gather                        # a quick look
+        --methods 'dense,scaled_sign/gather,diloco(8)+scaled_sign,torch:power_sgd(2)'
 
 Writes ``network.json`` and ``network.png`` (time to the target loss against
 bandwidth, one line per method, one panel per process count) under ``--out``.
@@ -79,6 +106,21 @@ METHODS = {
     "qsgd/two_phase": ("qsgd", {}, "two_phase", False),
     "power_sgd(2)": ("power_sgd", {"rank": 2}, "auto", True),
 }
+"""commopt's per-step methods: every step all-reduces through the compressor."""
+COMBINED = {
+    # label: (period H, registry name, options, strategy, outer optimizer)
+    # DiLoCo with the same momentum SGD inside, its pseudo-gradients exchanged every H steps
+    # through a compressor. Outer: sgd(1.0) throughout, the module's choice over an
+    # error-feedback residual (scaled_sign), passed for int_quant, which keeps none (its default
+    # there, Nesterov 0.7/0.9, compounds with the inner momentum and diverges on this MLP).
+    "diloco(4)+int_quant(4)": (4, "int_quant", {"bits": 4}, "two_phase", "sgd(1.0)"),
+    "diloco(8)+int_quant(4)": (8, "int_quant", {"bits": 4}, "two_phase", "sgd(1.0)"),
+    "diloco(8)+scaled_sign": (8, "scaled_sign", {}, "two_phase", None),
+}
+"""commopt's combined methods: DiLoCo (``period`` local steps) with compressed outer gradients."""
+TORCH_METHODS = ("torch:dense", "torch:fp16", "torch:power_sgd(2)")
+"""The PyTorch peer (``benchmarks/_torch_peer.py``): DDP over gloo, plain and with its hooks."""
+ALL_METHODS = [*METHODS, *COMBINED, *TORCH_METHODS]
 BURST = {"1gbit": "128kb", "10gbit": "1280kb"}
 """tbf bucket per rate: at least rate / HZ (one timer tick of data)."""
 
@@ -89,8 +131,8 @@ def parse_args(argv=None):
   p.add_argument("--processes", default="2,4", help="comma-separated process counts")
   p.add_argument("--bandwidths", default="1gbit,10gbit,unlimited",
                  help="comma-separated tc rates (e.g. 1gbit, 500mbit) or unlimited")
-  p.add_argument("--methods", default=",".join(METHODS),
-                 help=f"comma-separated, from: {', '.join(METHODS)}")
+  p.add_argument("--methods", default=",".join(ALL_METHODS),
+                 help=f"comma-separated, from: {', '.join(ALL_METHODS)}")
   p.add_argument("--steps", type=int, default=60, help="training steps per method")
   p.add_argument("--compute-steps", type=int, default=8, help="steps timed for compute alone")
   p.add_argument("--hidden", type=int, default=2048, help="the MLP's hidden width")
@@ -107,9 +149,9 @@ def parse_args(argv=None):
   args.processes = [int(x) for x in args.processes.split(",") if x.strip()]
   args.bandwidths = [x.strip() for x in args.bandwidths.split(",") if x.strip()]
   args.methods = [x.strip() for x in args.methods.split(",") if x.strip()]
-  bad = [m for m in args.methods if m not in METHODS]
+  bad = [m for m in args.methods if m not in ALL_METHODS]
   if bad:
-    p.error(f"--methods: unknown {bad}; valid: {list(METHODS)}")
+    p.error(f"--methods: unknown {bad}; valid: {ALL_METHODS}")
   if any(n < 2 for n in args.processes):
     p.error(f"--processes: each count must be at least 2, got {args.processes}")
   if args.steps < 10:
@@ -127,12 +169,49 @@ def smoothed(losses, window=5):
   return out
 
 
+EVAL_ROWS = 512
+"""Digits (drawn once from the training digits, the same for every method) the global model is
+scored on after each step, for the time to the target loss."""
+
+
+def eval_rows(n: int):
+  """The indices of the :data:`EVAL_ROWS` digits (of ``n``) that the time to the target uses."""
+  import numpy as np
+  return np.sort(np.random.default_rng(2024).choice(n, min(EVAL_ROWS, n), replace=False))
+
+
+def per_step(times, period: int = 1) -> float:
+  """A typical step: the median of ``times``; for a method that exchanges every ``period`` steps,
+  the median over consecutive runs of ``period`` steps (each holding one exchange) of their mean."""
+  if period <= 1:
+    return statistics.median(times)
+  runs = [times[i:i + period] for i in range(0, len(times) - period + 1, period)]
+  return statistics.median(sum(r) / period for r in runs) if runs else sum(times) / len(times)
+
+
+def make_tx(label: str, lr: float):
+  """(optax transform, period, whether each worker keeps its own parameters) of a commopt method."""
+  import optax
+
+  import commopt
+  inner = optax.sgd(lr, momentum=0.9)
+  if label in COMBINED:
+    period, name, opts, strategy, outer = COMBINED[label]
+    outer = {None: None, "sgd(1.0)": optax.sgd(1.0)}[outer]
+    tx = commopt.diloco(inner, outer, axis_name="data", period=period, strategy=strategy,
+                        compressor=commopt.compressors.make(name, **opts))
+    return tx, period, True
+  name, opts, strategy, ef = METHODS[label]
+  reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name="data",
+                                    strategy=strategy, error_feedback=ef)
+  return optax.chain(reducer, inner), 1, False
+
+
 def worker(config_path: str, result_path: str) -> None:
   from commopt import launch
   ctx = launch.initialize()
   import jax
   import numpy as np
-  import optax
   from jax.experimental import multihost_utils
 
   import commopt
@@ -152,16 +231,27 @@ def worker(config_path: str, result_path: str) -> None:
 
   global_mesh = jax.make_mesh((workers,), ("data",))
   local_mesh = jax.make_mesh((1,), ("data",), devices=jax.local_devices()[:1])
+  score = jax.jit(loss_fn)
+
+  def global_loss(model, rows=None) -> float:
+    """The loss of a (replicated) global model on ``rows`` of the digits (all by default): each
+    process scores its share, and the processes add up (untimed)."""
+    rows = np.arange(len(x_all)) if rows is None else rows
+    share = np.array_split(rows, ctx.num_processes)[ctx.process_id]
+    host = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), model)
+    part = float(score(host, {"x": x_all[share], "y": y_all[share]})) * len(share)
+    return float(np.sum(multihost_utils.process_allgather(np.float64(part)))) / len(rows)
+
+  scored = eval_rows(len(x_all))
+
   results = {}
   for label in cfg["methods"]:
-    name, opts, strategy, ef = METHODS[label]
-    reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name="data",
-                                      strategy=strategy, error_feedback=ef)
-    tx = optax.chain(reducer, optax.sgd(cfg["lr"], momentum=0.9))
-    plan = wire.comm_plan(reducer, params0, workers)
-    dp = commopt.data_parallel(loss_fn, tx, global_mesh)
+    tx, period, local_params = make_tx(label, cfg["lr"])
+    # What one synchronisation sends; a periodic method's per-step share is 1/period of it.
+    plan = wire.comm_plan(tx, params0, workers)
+    dp = commopt.data_parallel(loss_fn, tx, global_mesh, local_params=local_params)
     params, state = dp.place_params(params0), dp.init(params0)
-    times, losses = [], []
+    times, losses, global_losses = [], [], []
     for step in range(cfg["steps"]):
       batch = dp.local_batch(my_rows(step))
       t0 = time.perf_counter()
@@ -169,36 +259,67 @@ def worker(config_path: str, result_path: str) -> None:
       jax.block_until_ready((params, state))
       times.append(time.perf_counter() - t0)
       losses.append(loss)
+      # The global model after this step, scored untimed: the parameters, or a periodic
+      # method's anchor, which only a synchronisation moves.
+      if not local_params:
+        global_losses.append([step + 1, global_loss(params, scored)])
+      elif commopt.transforms.is_sync_step(step, period, 0):
+        global_losses.append([step + 1, global_loss(commopt.global_params(state), scored)])
     losses = [float(np.mean(v)) for v in multihost_utils.process_allgather(losses, tiled=True)]
-    # Compute alone: the same step on this process's device, every process at once.
-    local = commopt.data_parallel(loss_fn, tx, local_mesh)
+    eval_loss = global_loss(commopt.global_params(state) if local_params else params)
+    # Compute alone: the same step on this process's device, every process at once (whole
+    # periods of a periodic method, each with its one exchange, encoding and decoding).
+    local = commopt.data_parallel(loss_fn, tx, local_mesh, local_params=local_params)
     lp, ls = local.place_params(params0), local.init(params0)
     batch = my_rows(0)
     multihost_utils.sync_global_devices(f"compute {label}")
     compute = []
-    for _ in range(cfg["compute_steps"] + 1):
+    for _ in range(period * -(-cfg["compute_steps"] // period) + 1):
       t0 = time.perf_counter()
       lp, ls, _ = local.step(lp, ls, batch)
       jax.block_until_ready((lp, ls))
       compute.append(time.perf_counter() - t0)
     multihost_utils.sync_global_devices(f"computed {label}")
-    step_s = statistics.median(times[1:])
-    compute_s = statistics.median(compute[1:])
+    step_s = per_step(times[1:], period)
+    compute_s = per_step(compute[1:], period)
     comm_s = max(step_s - compute_s, 0.0)
     results[label] = {
         "step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
-        "sent_bytes": plan.sent_bytes, "dense_sent_bytes": plan.dense_sent,
-        "losses": losses, "step_times": times, "compile_s": times[0],
+        "sent_bytes": plan.sent_bytes / period, "dense_sent_bytes": plan.dense_sent,
+        "period": period, "sync_sent_bytes": plan.sent_bytes, "global_losses": global_losses,
+        "losses": losses, "step_times": times, "compile_s": times[0], "eval_loss": eval_loss,
     }
     if ctx.is_main:
       print(f"  {label}: {step_s * 1e3:.1f} ms/step (compute {compute_s * 1e3:.1f}, "
-            f"communication {comm_s * 1e3:.1f}), {plan.sent_bytes / 1e6:.2f} MB sent/worker, "
-            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+            f"communication {comm_s * 1e3:.1f}), {plan.sent_bytes / period / 1e6:.2f} MB "
+            f"sent/worker, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
   if ctx.is_main:
     pathlib.Path(result_path).write_text(json.dumps(results))
 
 
 # -- the driver: namespaces, shaping, launching ---------------------------------------
+
+def torch_peer():
+  """benchmarks/_torch_peer.py as a module (it imports torch only when it runs or is asked)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("_torch_peer",
+                                                ROOT / "benchmarks" / "_torch_peer.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def peer_arrays(hidden: int, path: pathlib.Path) -> dict:
+  """Writes the JAX side's initial MLP weights and the digits for the PyTorch peer; its config."""
+  import numpy as np
+  sys.path.insert(0, str(ROOT / "examples"))
+  from digits_cnn import load_digits_flat, mlp_fns
+  params0, _ = mlp_fns(hidden)
+  x_all, y_all = load_digits_flat()
+  layers = sorted(params0)
+  np.savez(path, x=x_all, y=y_all, scored=eval_rows(len(x_all)),
+           **{f"{k}.{leaf}": params0[k][leaf] for k in layers for leaf in ("w", "b")})
+  return {"arrays": str(path), "layers": layers}
 
 def sh(*cmd, check=True) -> subprocess.CompletedProcess:
   return subprocess.run(cmd, capture_output=True, text=True, check=check)
@@ -244,12 +365,30 @@ class Namespace:
 
 
 def run_job(ns: Namespace, processes: int, cfg: dict, timeout: float) -> dict:
+  """Every method of ``cfg``: commopt's in one JAX job, then PyTorch's in one torch job."""
+  ours = [m for m in cfg["methods"] if m not in TORCH_METHODS]
+  theirs = [m for m in cfg["methods"] if m in TORCH_METHODS]
+  results = {}
+  if ours:
+    results.update(launch_job(ns, processes, dict(cfg, methods=ours), timeout,
+                              [str(pathlib.Path(__file__).resolve()), "--worker"], "--cpu-devices"))
+  if theirs:
+    results.update(launch_job(ns, processes, dict(cfg, methods=theirs), timeout,
+                              [str(ROOT / "benchmarks" / "_torch_peer.py")]))
+  return results
+
+
+def launch_job(ns: Namespace, processes: int, cfg: dict, timeout: float, script: list,
+               cpu_devices: str | None = None) -> dict:
+  """``python -m commopt.launch`` inside the namespace: ``processes`` copies of ``script CONFIG
+  RESULT`` under ``timeout``; process 0 writes RESULT. The launcher's coordinator port is one it
+  found free inside the namespace."""
   with tempfile.TemporaryDirectory(prefix="commopt-net-") as tmp:
     config, result = pathlib.Path(tmp, "config.json"), pathlib.Path(tmp, "result.json")
     config.write_text(json.dumps(cfg))
     argv = ["ip", "netns", "exec", ns.name, sys.executable, "-m", "commopt.launch",
-            "--processes", str(processes), "--cpu-devices", "1", "--timeout", str(timeout),
-            str(pathlib.Path(__file__).resolve()), "--worker", str(config), str(result)]
+            "--processes", str(processes), *([cpu_devices, "1"] if cpu_devices else []),
+            "--timeout", str(timeout), *script, str(config), str(result)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -268,20 +407,28 @@ def run_job(ns: Namespace, processes: int, cfg: dict, timeout: float) -> dict:
       if line.startswith("  "):
         print(line, flush=True)
     if proc.returncode != 0 or not result.exists():
-      raise RuntimeError(f"the {processes}-process job failed (exit {proc.returncode}):\n"
-                         + out[-4000:])
+      raise RuntimeError(f"the {processes}-process job of {', '.join(cfg['methods'])} failed "
+                         f"(exit {proc.returncode}):\n" + out[-4000:])
     return json.loads(result.read_text())
 
 
 def derive(r: dict, processes: int, target: float) -> dict:
-  """Time to the target loss and achieved rates, from one method's measurements."""
+  """Time to the target loss and achieved rates, from one method's measurements.
+
+  The steps to the target: the first step after which the global model scores the target on
+  :data:`EVAL_ROWS` digits (a periodic method's anchor moves only when it synchronises). A report of an earlier version, which has no such scores, counts on the
+  workers' training loss (smoothed) instead.
+  """
   curve = smoothed(r["losses"])
-  hit = next((i for i, v in enumerate(curve) if v <= target), None)
+  if r.get("global_losses"):
+    done = next((k for k, v in r["global_losses"] if v <= target), None)
+  else:
+    done = next((i + 1 for i, v in enumerate(curve) if v <= target), None)
   # The compiling first step counts as a typical one.
   times = [r["step_s"]] + r["step_times"][1:]
   comm = r["comm_s"]
-  return dict(r, final_loss=curve[-1], steps_to_target=None if hit is None else hit + 1,
-              time_to_target_s=None if hit is None else sum(times[:hit + 1]),
+  return dict(r, final_loss=curve[-1], steps_to_target=done,
+              time_to_target_s=None if done is None else sum(times[:done]),
               # What one worker sends, and what all of them put through the one link.
               achieved_bytes_per_s=r["sent_bytes"] / comm if comm > 0 else None,
               link_bytes_per_s=r["sent_bytes"] * processes / comm if comm > 0 else None)
@@ -297,14 +444,15 @@ def rate_bits(rate: str) -> float:
 
 def table(results: dict, bandwidths, processes) -> str:
   lines = ["| processes | bandwidth | method | step ms | × dense | compute ms | comm ms | "
-           "MB sent/worker | link Gbit/s | steps to target | time to target s | final loss |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "MB sent/worker | link Gbit/s | steps to target | time to target s | final loss | "
+           "global model's loss |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for n in processes:
     for bw in bandwidths:
       rows = results.get(str(n), {}).get(bw, {})
       dense = rows.get("dense", {}).get("step_s")
       for label, r in rows.items():
-        achieved, ttt = r["link_bytes_per_s"], r["time_to_target_s"]
+        achieved, ttt, ev = r["link_bytes_per_s"], r["time_to_target_s"], r.get("eval_loss")
         lines.append(
             f"| {n} | {bw} | {label} | {r['step_s'] * 1e3:.1f} | "
             f"{(r['step_s'] / dense) if dense else float('nan'):.2f} | "
@@ -312,8 +460,14 @@ def table(results: dict, bandwidths, processes) -> str:
             f"{r['sent_bytes'] / 1e6:.2f} | "
             f"{'-' if not achieved else f'{achieved * 8 / 1e9:.2f}'} | "
             f"{r['steps_to_target'] or 'not reached'} | "
-            f"{'-' if ttt is None else f'{ttt:.1f}'} | {r['final_loss']:.3f} |")
+            f"{'-' if ttt is None else f'{ttt:.1f}'} | {r['final_loss']:.3f} | "
+            f"{'-' if ev is None else f'{ev:.3f}'} |")
   return "\n".join(lines)
+
+
+def order(label: str) -> int:
+  """A method's place in tables and plots (labels this version does not know last)."""
+  return ALL_METHODS.index(label) if label in ALL_METHODS else len(ALL_METHODS)
 
 
 def plot(results: dict, bandwidths, processes, target: float, path: pathlib.Path) -> None:
@@ -325,7 +479,7 @@ def plot(results: dict, bandwidths, processes, target: float, path: pathlib.Path
   fig, axes = plt.subplots(1, len(processes), figsize=(6.5 * len(processes), 4.5), squeeze=False)
   for ax, n in zip(axes[0], processes):
     by_bw = results.get(str(n), {})
-    methods = sorted({m for rows in by_bw.values() for m in rows}, key=list(METHODS).index)
+    methods = sorted({m for rows in by_bw.values() for m in rows}, key=order)
     top = max(xs.values(), default=1) * 4
     for m in methods:
       pts = [(xs.get(b, top), by_bw[b][m]["time_to_target_s"]) for b in bandwidths
@@ -333,14 +487,15 @@ def plot(results: dict, bandwidths, processes, target: float, path: pathlib.Path
       if pts:
         pts.sort()
         # One colour per method in every panel.
-        ax.plot(*zip(*pts), marker="o", label=m, color=f"C{list(METHODS).index(m) % 10}")
+        ax.plot(*zip(*pts), marker="o", label=m, color=plt.cm.tab20(order(m) % 20),
+                linestyle="--" if m in TORCH_METHODS else ":" if m in COMBINED else "-")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ticks = sorted(xs.values()) + ([top] if "unlimited" in bandwidths else [])
     ax.set_xticks(ticks, [f"{t:g}" for t in sorted(xs.values())]
                   + (["unlimited"] if "unlimited" in bandwidths else []))
     ax.set_xlabel("loopback rate (Gbit/s, tc tbf)")
-    ax.set_ylabel(f"seconds to training loss {target}")
+    ax.set_ylabel(f"seconds to loss {target} (global model, {EVAL_ROWS} digits)")
     ax.set_title(f"{n} processes × 1 CPU device, gloo")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
@@ -365,9 +520,22 @@ def main(argv=None) -> int:
   for bw in args.bandwidths:
     if bw != "unlimited":
       rate_bits(bw)
-  reason = cannot_shape()
   meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
           "argv": sys.argv[1:]}
+  theirs = [m for m in args.methods if m in TORCH_METHODS]
+  if theirs:
+    why = torch_peer().unavailable()
+    if why:
+      # PyTorch is optional (the `peers` extra): its methods are left out, the rest runs.
+      print(f"bench_network: skipping {', '.join(theirs)}: {why}; install the `peers` extra "
+            f"(pip install -e '.[peers]') to run them.")
+      args.methods = [m for m in args.methods if m not in TORCH_METHODS]
+      meta["left_out"] = {"methods": theirs, "why": why}
+    else:
+      import torch
+      meta["torch"] = torch.__version__
+  reason = None if args.methods else "no method left to measure"
+  reason = reason or cannot_shape()
   if reason is None:
     try:
       with Namespace():
@@ -386,45 +554,64 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   # SIGTERM ends the run like Ctrl-C, so the namespace is deleted either way.
   signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-  with Namespace() as ns:
+  with tempfile.TemporaryDirectory(prefix="commopt-net-") as tmp, Namespace() as ns:
+    if theirs and not meta.get("left_out"):
+      # The PyTorch peer starts from the JAX side's weights, on the same digits.
+      cfg_torch = peer_arrays(args.hidden, pathlib.Path(tmp, "peer.npz"))
+    else:
+      cfg_torch = {}
     print(f"namespace {ns.name}")
     for bw in args.bandwidths:
       ns.shape(bw)
       for n in args.processes:
         print(f"{n} processes at {bw} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        results.setdefault(str(n), {})[bw] = run_job(ns, n, cfg, args.timeout)
+        results.setdefault(str(n), {})[bw] = run_job(ns, n, dict(cfg, **cfg_torch), args.timeout)
   report = {"config": cfg, "meta": meta, "bandwidths": args.bandwidths,
             "processes": args.processes, "results": results, "seconds": time.perf_counter() - t0}
+  report["summary"] = summarize(derived(report, args.target_loss), args.bandwidths,
+                                args.processes)
   (out / "network.json").write_text(json.dumps(report, indent=1))
   render(report, args.target_loss, out)
   print(f"wrote {out / 'network.json'} in {time.perf_counter() - t0:.0f} s")
   return 0
 
 
+def derived(report: dict, target: float) -> dict:
+  """``report["results"]`` with each row's time to ``target`` and rates (:func:`derive`)."""
+  return {n: {bw: {m: derive(r, int(n), target) for m, r in rows.items()}
+              for bw, rows in by_bw.items()} for n, by_bw in report["results"].items()}
+
+
 def render(report: dict, target: float, out: pathlib.Path) -> None:
-  """The table (printed and written as network.md) and the plot, from a report."""
+  """The tables (printed and written as network.md) and the plot, from a report."""
   bandwidths, processes = report["bandwidths"], report["processes"]
-  results = {n: {bw: {m: derive(r, int(n), target) for m, r in rows.items()}
-                 for bw, rows in by_bw.items()} for n, by_bw in report["results"].items()}
+  results = derived(report, target)
   text = table(results, bandwidths, processes)
   summary = verdicts(results, bandwidths, processes)
-  print(text + "\n\n" + summary)
+  versus = summarize(results, bandwidths, processes)
+  comparison = summary_table(versus) + "\n\n" + comparison_lines(versus)
+  left_out = report.get("meta", {}).get("left_out")
+  if left_out:
+    comparison += (f"\n\nLeft out: {', '.join(left_out['methods'])} ({left_out['why']}).")
+  print(text + "\n\n" + summary + "\n\n" + comparison)
   (out / "network.md").write_text(
-      f"Target training loss {target}; {report['config']['steps']} steps per method; "
+      f"Target loss {target} (the global model on {EVAL_ROWS} digits); "
+      f"{report['config']['steps']} steps per method; "
       f"MLP hidden {report['config']['hidden']}, {report['config']['batch']} rows per worker.\n\n"
-      + text + "\n\n" + summary + "\n")
+      + text + "\n\n" + summary + "\n\n" + comparison + "\n")
   plot(results, bandwidths, processes, target, out / "network.png")
   print(f"wrote {out / 'network.md'} and {out / 'network.png'}")
 
 
 def verdicts(results: dict, bandwidths, processes) -> str:
-  """Per process count and bandwidth: the fastest compressed method per step against dense,
-  and the soonest to the target loss, among the runs that reached it."""
+  """Per process count and bandwidth, among commopt's methods: the fastest compressed method per
+  step against dense, and the soonest to the target loss, among the runs that reached it."""
   lines = []
   times = lambda a, b: f"{a / b:.2f}x faster" if a >= b else f"{b / a:.2f}x slower"
   for n in processes:
     for bw in bandwidths:
-      rows = results.get(str(n), {}).get(bw, {})
+      rows = {m: r for m, r in results.get(str(n), {}).get(bw, {}).items()
+              if m not in TORCH_METHODS}
       dense = rows.get("dense")
       others = [m for m in rows if m != "dense"]
       if dense is None or not others:
@@ -443,6 +630,121 @@ def verdicts(results: dict, bandwidths, processes) -> str:
       lines.append(line + ".")
   return "\n".join(lines)
 
+
+
+# -- commopt against PyTorch ----------------------------------------------------------
+
+ROLES = ("commopt dense", "commopt best compressed", "commopt best combined",
+         "PyTorch dense", "PyTorch fp16", "PyTorch PowerSGD")
+"""The rows of the summary: one method each, picked per process count and bandwidth."""
+
+
+def soonest(rows: dict, labels) -> str | None:
+  """The label soonest to the target; among none that reached it, the fastest per step."""
+  labels = [m for m in labels if m in rows]
+  if not labels:
+    return None
+  return min(labels, key=lambda m: (rows[m]["time_to_target_s"] is None,
+                                    rows[m]["time_to_target_s"] or 0.0, rows[m]["step_s"]))
+
+
+def summarize(results: dict, bandwidths, processes) -> dict:
+  """Per process count and bandwidth, from derived rows: the method in each role (:data:`ROLES`)
+  with its step time and time to the target, and commopt's best against PyTorch's best.
+
+  ``{n: {bw: {"roles": {role: row}, "commopt_best": row, "torch_best": row,
+  "commopt_not_slower": bool, "combined_vs_dense": float}}}``, a row being ``{"method",
+  "step_s", "steps_to_target", "time_to_target_s"}`` (None where that side did not run).
+  ``commopt_not_slower``: whether commopt's best reached the target no later than PyTorch's best
+  (True where only commopt's reached it; None where neither did or a side did not run).
+  ``combined_vs_dense``: commopt dense's time to the target over the best combined method's,
+  None unless both reached it.
+  """
+  out: dict = {}
+  for n in processes:
+    for bw in bandwidths:
+      rows = results.get(str(n), {}).get(bw, {})
+      if not rows:
+        continue
+      torch = [m for m in rows if m.startswith("torch:")]
+      ours = [m for m in rows if m not in torch]
+      row = lambda m: None if m is None else {
+          "method": m, "step_s": rows[m]["step_s"], "steps_to_target": rows[m]["steps_to_target"],
+          "time_to_target_s": rows[m]["time_to_target_s"]}
+      picks = {
+          "commopt dense": "dense" if "dense" in rows else None,
+          "commopt best compressed": soonest(rows, [m for m in ours if m in METHODS
+                                                    and m != "dense"]),
+          "commopt best combined": soonest(rows, [m for m in ours if m in COMBINED
+                                                  or m.startswith("diloco(")]),
+          "PyTorch dense": "torch:dense" if "torch:dense" in rows else None,
+          "PyTorch fp16": "torch:fp16" if "torch:fp16" in rows else None,
+          "PyTorch PowerSGD": soonest(rows, [m for m in torch if m.startswith("torch:power_sgd")]),
+      }
+      best_ours, best_torch = row(soonest(rows, ours)), row(soonest(rows, torch))
+      ttt = lambda r: None if r is None else r["time_to_target_s"]
+      if best_ours is None or best_torch is None or (ttt(best_ours) is None
+                                                     and ttt(best_torch) is None):
+        not_slower = None
+      elif ttt(best_torch) is None or ttt(best_ours) is None:
+        not_slower = ttt(best_ours) is not None
+      else:
+        not_slower = ttt(best_ours) <= ttt(best_torch)
+      dense_t = ttt(row(picks["commopt dense"]))
+      combined_t = ttt(row(picks["commopt best combined"]))
+      out.setdefault(str(n), {})[bw] = {
+          "roles": {role: row(m) for role, m in picks.items() if m is not None},
+          "commopt_best": best_ours, "torch_best": best_torch, "commopt_not_slower": not_slower,
+          "combined_vs_dense": dense_t / combined_t if dense_t and combined_t else None}
+  return out
+
+
+def summary_table(summary: dict) -> str:
+  """The summary's rows: per process count and bandwidth, one method per role."""
+  lines = ["| processes | bandwidth | role | method | step ms | steps to target | "
+           "time to target s |", "|---|---|---|---|---|---|---|"]
+  for n, by_bw in summary.items():
+    for bw, s in by_bw.items():
+      for role in ROLES:
+        r = s["roles"].get(role)
+        if r is not None:
+          ttt = r["time_to_target_s"]
+          lines.append(f"| {n} | {bw} | {role} | {r['method']} | {r['step_s'] * 1e3:.1f} | "
+                       f"{r['steps_to_target'] or 'not reached'} | "
+                       f"{'-' if ttt is None else f'{ttt:.2f}'} |")
+  return "\n".join(lines)
+
+
+def comparison_lines(summary: dict) -> str:
+  """One verdict per process count and bandwidth: commopt's best against PyTorch's best, to the
+  target loss; and commopt's best combined method against its dense."""
+  def reached(side, r):
+    t = r["time_to_target_s"]
+    return f"{side}'s best, {r['method']}, " + ("did not reach the target" if t is None
+                                                else f"reached it in {t:.2f} s")
+
+  def sooner(a, b):      # a, b: seconds; how a compares with b
+    return f"{b / a:.1f}x sooner" if a <= b else f"{a / b:.1f}x later"
+
+  lines = []
+  for n, by_bw in summary.items():
+    for bw, s in by_bw.items():
+      ours, theirs = s["commopt_best"], s["torch_best"]
+      if ours is None or theirs is None:
+        text = f"{'PyTorch' if theirs is None else 'commopt'} did not run: no verdict"
+      else:
+        verdict = {True: "commopt's best ≤ PyTorch's best: yes",
+                   False: "commopt's best ≤ PyTorch's best: no",
+                   None: "neither reached the target: no verdict"}[s["commopt_not_slower"]]
+        text = f"{reached('commopt', ours)}; {reached('PyTorch', theirs)}: {verdict}"
+        if ours["time_to_target_s"] and theirs["time_to_target_s"]:
+          text += f" ({sooner(ours['time_to_target_s'], theirs['time_to_target_s'])})"
+      if s["combined_vs_dense"] is not None:
+        combined = s["roles"]["commopt best combined"]
+        text += (f"; {combined['method']} against commopt dense: "
+                 f"{sooner(1.0, s['combined_vs_dense'])} to the target")
+      lines.append(f"- {n} processes, {bw}: {text}.")
+  return "\n".join(lines)
 
 if __name__ == "__main__":
   sys.exit(main())

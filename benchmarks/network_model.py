@@ -75,6 +75,8 @@ def main(argv=None):
       gbit = bench.rate_bits(bw) / 1e9
       shared = lambda latency: network.Network(network.Link.gbit(gbit, latency), topology="shared")
       for label, r in methods.items():
+        if label not in bench.METHODS:   # DiLoCo combinations and the PyTorch peer
+          continue
         name, opts, strategy, ef = bench.METHODS[label]
         reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name="data",
                                           strategy=strategy, error_feedback=ef)
