@@ -9,8 +9,9 @@ fastest plain-JAX row of the same run:
 
 - ``plain``: ``jax.jit(jax.shard_map(step))`` whose gradients are averaged by
   ``lax.pmean`` on the tree, the step most JAX users write;
-- ``plain (flat)``: the same, the gradients concatenated into one buffer for
-  one all-reduce (what DDP's buckets do);
+- ``plain (flat)``: the same with each worker's gradients kept local
+  (parameters cast to per-worker values) and concatenated into one buffer
+  for one all-reduce (what DDP's buckets do);
 - ``identity``: ``data_parallel(loss, chain(compressed_mean(identity()), adam))``
   with its defaults (the agreed non-finite skip on);
 - ``identity, no skip``: the same with ``skip_nonfinite=False``.
@@ -50,6 +51,9 @@ def parse_args(argv=None):
   p.add_argument("--rows", type=int, default=64, help="rows per worker per step")
   p.add_argument("--steps", type=int, default=15, help="timed steps per row and round")
   p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best is kept)")
+  p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                 help="wall: seconds per step; cpu: this process's CPU seconds per step "
+                      "(the work done, steadier on a shared machine; devices layout only)")
   p.add_argument("--check", action="store_true",
                  help=f"exit 1 when identity costs more than {TARGET}x plain")
   p.add_argument("--timeout", type=float, default=900, help="seconds for the process layout")
@@ -105,11 +109,16 @@ def steps(mesh, params, loss_fn):
 
   def plain_step(flat: bool):
     def body(p, s, b):
-      loss, g = jax.value_and_grad(loss_fn)(p, b)
       if flat:
+        # Gradients of parameters cast to per-worker values stay per worker (the
+        # autodiff of replicated parameters would all-reduce each leaf itself), then
+        # one all-reduce of their concatenation.
+        local = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), p)
+        loss, g = jax.value_and_grad(loss_fn)(local, b)
         vec, unravel = jax.flatten_util.ravel_pytree(g)
         g = unravel(jax.lax.pmean(vec, "data"))
       else:
+        loss, g = jax.value_and_grad(loss_fn)(p, b)
         g = jax.lax.pmean(g, "data")
       u, s = opt.update(g, s, p)
       return optax.apply_updates(p, u), s, loss[None]
@@ -131,8 +140,9 @@ def steps(mesh, params, loss_fn):
           "identity": identity(True), "identity, no skip": identity(False)}
 
 
-def measure(mesh, params, loss_fn, batch, n_steps: int, rounds: int, log=print) -> dict:
-  """``{label: best round's median seconds}``, rows interleaved round by round."""
+def measure(mesh, params, loss_fn, batch, n_steps: int, rounds: int, log=print,
+            clock=time.perf_counter) -> dict:
+  """``{label: best round's median seconds}`` by ``clock``, rows interleaved round by round."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -151,9 +161,9 @@ def measure(mesh, params, loss_fn, batch, n_steps: int, rounds: int, log=print) 
       p, s = runs[label]
       times = []
       for _ in range(n_steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         p, s, _ = jax.block_until_ready(step(p, s, batch))
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
       runs[label] = [p, s]
       best[label] = min(best[label], statistics.median(times))
     log(f"  round {r + 1}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.items()))
@@ -168,9 +178,11 @@ def run_devices(args) -> dict:
   params, loss_fn, batch = model(workers, args.rows)
   from jax.sharding import NamedSharding, PartitionSpec as P
   batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  print(f"[devices] {workers} {jax.default_backend()} devices in one process", flush=True)
+  print(f"[devices] {workers} {jax.default_backend()} devices in one process, "
+        f"{args.clock} time", flush=True)
   return measure(mesh, params, loss_fn, batch, args.steps, args.rounds,
-                 log=lambda s: print(s, flush=True))
+                 log=lambda s: print(s, flush=True),
+                 clock=time.process_time if args.clock == "cpu" else time.perf_counter)
 
 
 def worker(args) -> None:
@@ -216,7 +228,8 @@ def main(argv=None) -> int:
     if best["identity"] / plain > TARGET:
       misses.append(layout)
   import jax
-  print(f"\n| layout | step | ms/step | × fastest plain |\n|---|---|---|---|")
+  unit = "CPU ms/step" if args.clock == "cpu" else "ms/step"
+  print(f"\n| layout | step | {unit} | × fastest plain |\n|---|---|---|---|")
   for layout, rows in results.items():
     for label, r in rows.items():
       mark = ""
@@ -227,7 +240,7 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   path = out / f"base_{jax.default_backend()}.json"
   meta = {"jax": jax.__version__, "backend": jax.default_backend(), "workers": args.workers,
-          "rows": args.rows, "steps": args.steps, "rounds": args.rounds,
+          "rows": args.rows, "steps": args.steps, "rounds": args.rounds, "clock": args.clock,
           "python": platform.python_version(), "target": TARGET}
   path.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
   print(f"wrote {path}; identity within {TARGET}x of plain: "
