@@ -364,6 +364,19 @@ class Namespace:
     self.delete()
 
 
+def why_not_shaped() -> str | None:
+  """Why this machine cannot run a shaped benchmark, or None when it can (a namespace of
+  this benchmark's own is created and deleted to find out)."""
+  reason = cannot_shape()
+  if reason is None:
+    try:
+      with Namespace():
+        pass
+    except subprocess.CalledProcessError as e:
+      reason = f"cannot create a network namespace: {e.stderr.strip() or e}"
+  return reason
+
+
 def run_job(ns: Namespace, processes: int, cfg: dict, timeout: float) -> dict:
   """Every method of ``cfg``: commopt's in one JAX job, then PyTorch's in one torch job."""
   ours = [m for m in cfg["methods"] if m not in TORCH_METHODS]
@@ -535,13 +548,7 @@ def main(argv=None) -> int:
       import torch
       meta["torch"] = torch.__version__
   reason = None if args.methods else "no method left to measure"
-  reason = reason or cannot_shape()
-  if reason is None:
-    try:
-      with Namespace():
-        pass
-    except subprocess.CalledProcessError as e:
-      reason = f"cannot create a network namespace: {e.stderr.strip() or e}"
+  reason = reason or why_not_shaped()
   if reason:
     print(f"bench_network: skipped, {reason}.")
     (out / "network.json").write_text(json.dumps({"skipped": reason, **meta}, indent=1))

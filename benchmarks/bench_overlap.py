@@ -476,16 +476,10 @@ def main(argv=None) -> int:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   sys.path.insert(0, str(ROOT / "benchmarks"))
-  from bench_network import Namespace, cannot_shape
+  from bench_network import Namespace, why_not_shaped
   meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
           "argv": sys.argv[1:], "load_before": os.getloadavg()}
-  reason = cannot_shape()
-  if reason is None:
-    try:
-      with Namespace():
-        pass
-    except subprocess.CalledProcessError as e:
-      reason = f"cannot create a network namespace: {e.stderr.strip() or e}"
+  reason = why_not_shaped()
   if reason:
     print(f"bench_overlap: skipped, {reason}.")
     (out / "overlap.json").write_text(json.dumps({"skipped": reason, **meta}, indent=1))
