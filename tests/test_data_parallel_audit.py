@@ -85,11 +85,12 @@ def test_identity_is_the_dense_baseline():
 def test_compression_ratios():
   assert audit("scaled_sign")[1].ratio >= 30
   assert audit("top_k")[1].ratio >= 45
-  # PowerSGD on the 1024x512 weight alone: two all-reduces, [1024, 2] and [512, 2].
+  # PowerSGD: every weight's P in one all-reduce (w1's [1024, 2] and w2's [512, 2] end to
+  # end), every Q in another (w1's [512, 2] and w2's [10, 2]).
   collectives, report = audit("power_sgd")
   assert report.per_leaf["w1"] * 150 <= 1024 * 512 * 4
   shapes = [s for c in collectives for s in c.shapes]
-  assert (1024, 2) in shapes and (512, 2) in shapes
+  assert ((1024 + 512) * 2,) in shapes and ((512 + 10) * 2,) in shapes
 
 
 def test_training_reduces_loss_and_keeps_replicas_equal(mesh):

@@ -270,12 +270,12 @@ def test_orthogonalization_epsilon_keeps_a_zero_column_finite():
   np.testing.assert_allclose(out["w"], m, rtol=1e-4)
 
 
-def test_batched_equals_per_leaf_with_fewer_all_reduces(mesh):
+def test_batched_equals_per_leaf_and_every_factor_crosses_in_one_all_reduce(mesh):
   # Three leaves view as [32, 24] (one as [4, 8, 24]), one as [16, 40]; a dense bias.
   params = {"a": jnp.zeros((32, 24)), "b": jnp.zeros((32, 24)), "c": jnp.zeros((4, 8, 24)),
             "d": jnp.zeros((16, 40)), "bias": jnp.zeros(24)}
   rng = np.random.default_rng(5)
-  results, audits = {}, {}
+  results, audits, qrs = {}, {}, {}
   for batched in (False, True):
     tx = commopt.compressed_mean(commopt.power_sgd(rank=2, batched=batched), axis_name="data",
                                  min_size=100)
@@ -290,17 +290,43 @@ def test_batched_equals_per_leaf_with_fewer_all_reduces(mesh):
     results[batched] = outs, state
     audits[batched] = {stage: wire.hlo_collectives(sm.update, us[0], state, stage=stage)
                        for stage in ("lowered", "compiled")}
+    qrs[batched] = sm.update.lower(us[0], state).compile().as_text().count('"lapack_sgeqrf')
   for a, b in zip(jax.tree.leaves(results[False]), jax.tree.leaves(results[True])):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                rtol=1e-5, atol=1e-5)
   ars = {k: {s: [c for c in v if c.kind == "all-reduce"] for s, v in a.items()}
          for k, a in audits.items()}
-  # Per leaf: P and Q of 4 leaves and the bias; batched: P and Q of 2 groups and the bias.
-  assert len(ars[False]["lowered"]) == 2 * 4 + 1 and len(ars[True]["lowered"]) == 2 * 2 + 1
-  assert len(ars[True]["compiled"]) < len(ars[False]["compiled"])
+  # Either way, as PyTorch's hook: every P in one all-reduce, every Q in one, and the bias.
+  for batched in (False, True):
+    assert len(ars[batched]["lowered"]) == 2 + 1
+    factors = sorted(int(np.prod(s)) for c in ars[batched]["lowered"] for s in c.shapes)
+    assert factors == [24, (3 * 32 + 16) * 2, (3 * 24 + 40) * 2]
   assert wire.total_bytes(ars[True]["compiled"]) == wire.total_bytes(ars[False]["compiled"])
   assert wire.total_bytes(ars[True]["compiled"]) == wire.payload_bytes(
       commopt.power_sgd(rank=2, batched=True), params, min_size=100).total
+  # Batched: one QR per group of same-shaped matrices, not one per leaf.
+  assert qrs == {False: 4, True: 2} or jax.default_backend() != "cpu"
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4, 6])
+def test_the_products_with_the_matrix_are_the_matmuls_up_to_rounding(rank):
+  """Up to SMALL_RANK, Mᵀ P and P Qᵀ are written as reductions and broadcast products (one
+  read of M, fused into what reads P Qᵀ); above it they are the matmuls themselves."""
+  from commopt.compressors._lowrank import SMALL_RANK, _left_product, _outer
+  rng = np.random.default_rng(rank)
+  for lead in ((), (3,)):
+    m = rng.normal(size=lead + (300, 70)).astype(np.float32)
+    p = rng.normal(size=lead + (300, rank)).astype(np.float32)
+    q = rng.normal(size=lead + (70, rank)).astype(np.float32)
+    left = np.asarray(jax.jit(_left_product)(m, p))
+    outer = np.asarray(jax.jit(_outer)(p, q))
+    want_left = np.swapaxes(m.astype(np.float64), -1, -2) @ p
+    want_outer = p.astype(np.float64) @ np.swapaxes(q, -1, -2)
+    assert left.shape == want_left.shape and outer.shape == want_outer.shape
+    np.testing.assert_allclose(left, want_left, rtol=0, atol=300 * EPS32 * np.abs(want_left).max())
+    np.testing.assert_allclose(outer, want_outer, rtol=0, atol=4 * EPS32 * np.abs(want_outer).max())
+    matmul = "dot_general" in str(jax.make_jaxpr(_outer)(p, q))
+    assert matmul == (rank > SMALL_RANK)
 
 
 def test_option_errors_name_the_option():

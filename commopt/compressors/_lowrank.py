@@ -187,21 +187,27 @@ def _init(opts: _Options, leaf) -> PowerSGDLeafState:
 def _reduce(opts: _Options, x, state, key, channel) -> base.Reduced:
   """One leaf: the protocol on a group of one."""
   del key
-  return _reduce_group(opts, [x], [state], channel, channel.spec(0))[0]
+  return _reduce_groups(opts, [([x], [state], channel.spec(0))], channel)[0][0]
 
 
 def _reduce_tree(opts: _Options, xs, states, keys, channel) -> list:
-  """Every compressed leaf at once (``batched=True``): one protocol per group of
-  leaves with the same matrix shape, rank, dtype and sharding; the results in ``xs``'s order."""
+  """Every compressed leaf at once, as PyTorch's hook runs them: every leaf's ``P`` in one
+  all-reduce, every ``Q`` in another. With ``batched=True`` the leaves with the same matrix
+  shape, rank, dtype and sharding are stacked into one group (one batched
+  orthogonalisation); without, each leaf is a group of its own. The results in ``xs``'s
+  order."""
   del keys
   groups = {}
   for i, x in enumerate(xs):
-    groups.setdefault((_dims(opts, x.shape), jnp.dtype(x.dtype), channel.spec(i)), []).append(i)
+    shared = (_dims(opts, x.shape), jnp.dtype(x.dtype), channel.spec(i))
+    groups.setdefault(shared if opts.batched else i, []).append(i)
+  members = list(groups.values())
+  reduced = _reduce_groups(opts, [([xs[i] for i in idx], [states[i] for i in idx],
+                                   channel.spec(idx[0])) for idx in members], channel)
   out = [None] * len(xs)
-  for (_, _, spec), idx in groups.items():
-    for i, got in zip(idx, _reduce_group(opts, [xs[i] for i in idx], [states[i] for i in idx],
-                                         channel, spec)):
-      out[i] = got
+  for idx, got in zip(members, reduced):
+    for i, r in zip(idx, got):
+      out[i] = r
   return out
 
 
@@ -223,77 +229,187 @@ def _matrix_axes(opts: _Options, spec, ndim: int) -> tuple[tuple, tuple]:
   return vma.spec_axes(entries[:split]), vma.spec_axes(entries[split:])
 
 
-def _reduce_group(opts: _Options, xs, states, channel, spec=None) -> list:
-  """The protocol on leaves of one matrix shape, dtype and sharding (stacked when several).
+class _Group(NamedTuple):
+  """Leaves of one matrix shape, dtype and sharding, as the rounds see them."""
+  wire: jnp.dtype          # the leaves' dtype, in which the factors cross the wire
+  single: bool             # one leaf: ``[n, m]`` matrices, else stacked ``[g, n, m]``
+  axes: tuple              # (rows, cols): the model axes cutting the matrix (_matrix_axes)
+
+
+def _reduce_groups(opts: _Options, groups, channel) -> list:
+  """The protocol on ``groups`` (``(xs, states, spec)`` each: leaves of one matrix shape,
+  dtype and sharding, stacked when several); one list of
+  :class:`~commopt._src.base.Reduced` per group, each with its leaf's next state.
 
   Dense for the first ``start_iter`` reductions (:func:`_dense_round`), the
-  two rounds after (:func:`_two_rounds`); one :class:`~commopt._src.base.Reduced`
-  per leaf, with its next state. A leaf sharded over model axes with a known
-  ``spec`` is this device's block of the matrix: the rounds sum its partial
-  products over those axes, so the result is the unsharded protocol's.
+  two rounds after (:func:`_two_rounds`), whose all-reduces carry every
+  group at once. A leaf sharded over model axes with a known ``spec`` is
+  this device's block of the matrix: the rounds sum its partial products
+  over those axes, so the result is the unsharded protocol's.
   """
-  n, m, _ = _dims(opts, xs[0].shape)
-  wire = xs[0].dtype
-  single = len(xs) == 1
-  stack = (lambda t: t[0]) if single else jnp.stack
-  mat = stack([x.reshape(n, m).astype(_work_dtype(wire)) for x in xs])
-  q, count = stack([s.q for s in states]), states[0].count
-  axes = _matrix_axes(opts, spec, xs[0].ndim)
+  info, mats, qs = [], [], []
+  for xs, states, spec in groups:
+    n, m, _ = _dims(opts, xs[0].shape)
+    wire = xs[0].dtype
+    single = len(xs) == 1
+    stack = (lambda t: t[0]) if single else jnp.stack
+    mats.append(stack([x.reshape(n, m).astype(_work_dtype(wire)) for x in xs]))
+    qs.append(stack([s.q for s in states]))
+    info.append(_Group(wire, single, _matrix_axes(opts, spec, xs[0].ndim)))
+  # Every leaf counts the same reductions: one switch for all (see PowerSGDLeafState).
+  count = groups[0][1][0].count
   if opts.start_iter:
-    mean, local, q_next = jax.lax.cond(
-        count < opts.start_iter, lambda ops: _dense_round(*ops, wire, channel),
-        lambda ops: _two_rounds(opts, *ops, wire, channel, axes), (mat, q))
+    means, locals_, q_next = jax.lax.cond(
+        count < opts.start_iter, lambda ops: _dense_round(info, *ops, channel),
+        lambda ops: _two_rounds(opts, info, *ops, channel), (mats, qs))
   else:
-    mean, local, q_next = _two_rounds(opts, mat, q, wire, channel, axes)
-  if single:
-    mean, local, q_next = mean[None], local[None], q_next[None]
+    means, locals_, q_next = _two_rounds(opts, info, mats, qs, channel)
   count = optax.safe_int32_increment(count)
-  return [base.Reduced(mean=mean[i].reshape(x.shape).astype(x.dtype),
-                       local=local[i].reshape(x.shape).astype(x.dtype),
-                       state=PowerSGDLeafState(q=q_next[i], count=count))
-          for i, x in enumerate(xs)]
+  out = []
+  for (xs, _, _), g, mean, local, q in zip(groups, info, means, locals_, q_next):
+    if g.single:
+      mean, local, q = mean[None], local[None], q[None]
+    out.append([base.Reduced(mean=mean[i].reshape(x.shape).astype(x.dtype),
+                             local=local[i].reshape(x.shape).astype(x.dtype),
+                             state=PowerSGDLeafState(q=q[i], count=count))
+                for i, x in enumerate(xs)])
+  return out
 
 
-def _dense_round(mat, q, wire, channel):
-  """The warm-up: the exact mean of ``mat``, sent in the wire dtype; nothing is owed."""
-  sent = mat.astype(wire)
-  return channel.mean(sent).astype(mat.dtype), sent.astype(mat.dtype), q
+def _dense_round(info, mats, qs, channel):
+  """The warm-up: the exact means of ``mats``, sent in their wire dtypes; nothing is owed."""
+  sent = [mat.astype(g.wire) for g, mat in zip(info, mats)]
+  means = channel.mean(sent)
+  return ([mean.astype(mat.dtype) for mean, mat in zip(means, mats)],
+          [s.astype(mat.dtype) for s, mat in zip(sent, mats)], qs)
 
 
-def _two_rounds(opts: _Options, mat, q, wire, channel, axes=((), ())):
-  """The two rounds on ``mat`` ``[..., n, m]`` (work dtype): ``(mean, local, q_next)``.
+def _mean_split(info, xs, which: int, channel) -> list:
+  """:meth:`Channel.mean_split` of each ``x`` over its group's model axes ``axes[which]``
+  (``dim=-2``), the workers' means of every group in one all-reduce."""
+  parts, cuts = [], []
+  for g, x in zip(info, xs):
+    axes = g.axes[which]
+    k = channel.model_size(axes)
+    cut = k > 1 and x.shape[-2] % k == 0
+    if cut:
+      size = x.shape[-2] // k
+      x = jax.lax.dynamic_slice_in_dim(x, channel.model_index(axes) * size, size, axis=-2)
+    parts.append(x)
+    cuts.append(cut)
+  means = _packed_mean(parts, channel)
+  return [channel.model_gather(mean, g.axes[which], -2) if cut else mean
+          for g, mean, cut in zip(info, means, cuts)]
 
-  ``axes = (rows, cols)``: the model axes that cut ``mat``'s rows and columns
-  when it is this device's block of a sharded leaf. Then ``M Q`` is summed
-  over ``cols`` and ``Mᵀ P̂`` over ``rows`` (partial products made whole),
-  ``P`` is gathered over ``rows`` to be orthogonalised whole (it is
-  ``[n, r]``, not the leaf), and each factor crosses the workers' axis only
-  once per model group: each device sends its slice (:meth:`Channel.mean_split`).
+
+def _packed_mean(xs: list, channel) -> list:
+  """``channel.mean`` of each of ``xs``, those of one dtype laid end to end in one buffer:
+  one all-reduce per dtype, which the compiler cannot split (it would chain each group's
+  next all-reduce after the previous group's orthogonalisation). Elementwise, so the
+  means are those of the arrays sent one by one."""
+  if len(xs) == 1:
+    return [channel.mean(xs[0])]
+  by_dtype = {}
+  for i, x in enumerate(xs):
+    by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
+  out = [None] * len(xs)
+  for idx in by_dtype.values():
+    if len(idx) == 1:
+      out[idx[0]] = channel.mean(xs[idx[0]])
+      continue
+    flat = channel.mean(jnp.concatenate([xs[i].reshape(-1) for i in idx]))
+    start = 0
+    for i in idx:
+      out[i] = flat[start:start + xs[i].size].reshape(xs[i].shape)
+      start += xs[i].size
+  return out
+
+
+SMALL_RANK = 4
+"""Up to this rank the protocol's products with the leaf's matrix are written out
+elementwise (:func:`_left_product`, :func:`_outer`)."""
+
+
+def _left_product(mat: jax.Array, p: jax.Array) -> jax.Array:
+  """``Mᵀ P`` (``[..., n, m]``, ``[..., n, r]`` to ``[..., m, r]``).
+
+  At rank up to :data:`SMALL_RANK` as ``r`` sums over the rows of ``M ⊙ pⱼ``
+  in one read of ``M``: a matrix-vector product against the rows is
+  memory-bound, and XLA:CPU's dot runs it about four times slower than the
+  reduction (it contracts ``M``'s leading axis). The rows are summed in
+  order, not blocked as a dot sums them: the result differs in rounding only.
   """
-  rows, cols = axes
-  work = mat.dtype
-  # Q carries the inputs' magnitude from the last step; only its span
-  # matters here, so it enters at a max-abs near 1 (the same on every
-  # worker: Q is), and M Q overflows only where M's own rows would.
-  q_max = channel.model_max(jnp.max(jnp.abs(q), axis=(-2, -1), keepdims=True), cols)
-  p = channel.model_sum(mat @ (q * _far_scales(q_max)[0]), cols)
-  p = channel.mean_split(p.astype(wire), cols).astype(work)
-  k = channel.model_size(rows)
-  p_hat = _orthogonalize(channel.model_gather(p, rows, -2), opts.orthogonalization_epsilon)
-  if k > 1:
-    size = p.shape[-2]
-    p_hat = jax.lax.dynamic_slice_in_dim(p_hat, channel.model_index(rows) * size, size, -2)
-  # What this worker sends, rounded to the wire dtype so that its own
-  # reconstruction matches its share of the mean exactly.
-  q_local = channel.model_sum(_transpose(mat) @ p_hat, rows).astype(wire)
-  q_mean = channel.mean_split(q_local, rows).astype(work)
-  mean = p_hat @ _transpose(q_mean)
-  local = mean if opts.residual == "aggregate" else p_hat @ _transpose(q_local.astype(work))
-  # An all-zero step (e.g. a frozen layer) would leave Q = 0 and lose the
-  # warm start; keep the previous Q then.
-  nonzero = jnp.any(q_mean != 0, axis=(-2, -1), keepdims=True).astype(jnp.int32)
-  q_next = jnp.where(channel.model_max(nonzero, cols) > 0, q_mean, q)
-  return mean, vma.vary_like(local, mat), q_next
+  if p.shape[-1] > SMALL_RANK:
+    return _transpose(mat) @ p
+  prod = jnp.expand_dims(mat, -3) * jnp.expand_dims(_transpose(p), -1)   # [..., r, n, m]
+  return _transpose(jnp.sum(prod, axis=-2))
+
+
+def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
+  """``P Qᵀ`` (``[..., n, r]``, ``[..., m, r]`` to ``[..., n, m]``).
+
+  At rank up to :data:`SMALL_RANK` as ``r`` broadcast products added in
+  order, which the compiler fuses into whatever reads the result (the
+  residual, the optimizer's step) instead of writing an ``[n, m]`` product
+  first.
+  """
+  if p.shape[-1] > SMALL_RANK:
+    return p @ _transpose(q)
+  acc = p[..., :, 0:1] * jnp.expand_dims(q[..., :, 0], -2)
+  for j in range(1, p.shape[-1]):
+    acc = p[..., :, j:j + 1] * jnp.expand_dims(q[..., :, j], -2) + acc
+  return acc
+
+
+def _two_rounds(opts: _Options, info, mats, qs, channel):
+  """The two rounds on each group's ``mat`` ``[..., n, m]`` (work dtype):
+  ``(means, locals, q_nexts)``, one per group.
+
+  Every group's ``P`` crosses the workers' axis in one all-reduce, then
+  every group's ``Q`` in another. ``axes = (rows, cols)``: the model axes
+  that cut ``mat``'s rows and columns when it is this device's block of a
+  sharded leaf. Then ``M Q`` is summed over ``cols`` and ``Mᵀ P̂`` over
+  ``rows`` (partial products made whole), ``P`` is gathered over ``rows`` to
+  be orthogonalised whole (it is ``[n, r]``, not the leaf), and each factor
+  crosses the workers' axis only once per model group: each device sends
+  its slice (:meth:`Channel.mean_split`).
+  """
+  sent = []
+  for g, mat, q in zip(info, mats, qs):
+    _, cols = g.axes
+    # Q carries the inputs' magnitude from the last step; only its span
+    # matters here, so it enters at a max-abs near 1 (the same on every
+    # worker: Q is), and M Q overflows only where M's own rows would.
+    q_max = channel.model_max(jnp.max(jnp.abs(q), axis=(-2, -1), keepdims=True), cols)
+    sent.append(channel.model_sum(mat @ (q * _far_scales(q_max)[0]), cols).astype(g.wire))
+  p_hats, q_locals = [], []
+  for g, mat, p in zip(info, mats, _mean_split(info, sent, 1, channel)):
+    rows, _ = g.axes
+    p = p.astype(mat.dtype)
+    p_hat = _orthogonalize(channel.model_gather(p, rows, -2), opts.orthogonalization_epsilon)
+    k = channel.model_size(rows)
+    if k > 1:
+      size = p.shape[-2]
+      p_hat = jax.lax.dynamic_slice_in_dim(p_hat, channel.model_index(rows) * size, size, -2)
+    p_hats.append(p_hat)
+    # What this worker sends, rounded to the wire dtype so that its own
+    # reconstruction matches its share of the mean exactly.
+    q_locals.append(channel.model_sum(_left_product(mat, p_hat), rows).astype(g.wire))
+  means, locals_, q_next = [], [], []
+  for g, mat, q, p_hat, q_local, q_mean in zip(info, mats, qs, p_hats, q_locals,
+                                               _mean_split(info, q_locals, 0, channel)):
+    _, cols = g.axes
+    work = mat.dtype
+    q_mean = q_mean.astype(work)
+    mean = _outer(p_hat, q_mean)
+    local = mean if opts.residual == "aggregate" else _outer(p_hat, q_local.astype(work))
+    # An all-zero step (e.g. a frozen layer) would leave Q = 0 and lose the
+    # warm start; keep the previous Q then.
+    nonzero = jnp.any(q_mean != 0, axis=(-2, -1), keepdims=True).astype(jnp.int32)
+    means.append(mean)
+    locals_.append(vma.vary_like(local, mat))
+    q_next.append(jnp.where(channel.model_max(nonzero, cols) > 0, q_mean, q))
+  return means, locals_, q_next
 
 
 # ---------------------------------------------------------------------------
@@ -340,9 +456,13 @@ def power_sgd(rank: int = 1, *, view: View = "last",
     P = mean_w(M_w Q);  P̂ = orth(P);  Q' = mean_w(M_wᵀ P̂);  out = P̂ Q'ᵀ
 
   ``Q'`` is kept as state and warm-starts the next step, so the factors track
-  the dominant subspace. Two all-reduces of [n, r] and [m, r] cross the wire.
-  The factors are computed in float64 for float64 leaves and in float32 for
-  every narrower float; they cross the wire in the leaf's dtype.
+  the dominant subspace. Through :func:`~commopt.compressed_mean` two
+  all-reduces cross the wire per step whatever the number of leaves, as
+  PyTorch's hook buckets them: every compressed leaf's ``P`` ([n, r]) laid
+  end to end in one, every ``Q`` ([m, r]) in the other (one per dtype; a
+  callable ``view`` without ``batched=True``: two per leaf). The factors
+  are computed in float64 for float64 leaves and in float32 for every
+  narrower float; they cross the wire in the leaf's dtype.
 
   Error feedback (``residual``): with ``"aggregate"`` a worker
   keeps its input less the aggregate ``P̂ Q'ᵀ`` that every worker receives.
@@ -372,12 +492,10 @@ def power_sgd(rank: int = 1, *, view: View = "last",
   runs (the leaf's bytes before ``start_iter``, the factors' after), as
   :func:`commopt.wire.record_collectives` records it.
 
-  ``batched=True`` runs the protocol once per group of compressed leaves
-  with the same matrix shape, rank and dtype (through
-  :func:`~commopt.compressed_mean`): their matrices are stacked, so a group
-  makes one all-reduce of its stacked ``P`` and one of its ``Q`` and one
-  batched orthogonalisation, whatever the number of leaves. The results
-  equal the per-leaf protocol's up to float rounding.
+  ``batched=True`` stacks the compressed leaves with the same matrix shape,
+  rank and dtype (through :func:`~commopt.compressed_mean`), so a group is
+  orthogonalised by one batched QR whatever the number of its leaves. The
+  results equal the per-leaf protocol's up to float rounding.
 
   Leaves with at most one dimension, or whose compression rate
   ``nm / ((n + m) r)`` is below ``min_compression_rate``, are sent dense.
@@ -410,7 +528,7 @@ def power_sgd(rank: int = 1, *, view: View = "last",
 
   Returns:
     A :class:`~commopt.Compressor` whose ``reduce`` runs the two-round
-    protocol (and ``reduce_tree`` the grouped one with ``batched=True``).
+    protocol on one leaf and ``reduce_tree`` on every compressed leaf at once.
     Its ``encode`` and ``decode`` are the one-worker protocol as a payload,
     ``(P̂, MᵀP̂)``, which always compresses.
 
@@ -441,7 +559,10 @@ def power_sgd(rank: int = 1, *, view: View = "last",
       linear=False,
       accepts=functools.partial(_accepts, opts),
       reduce=functools.partial(_reduce, opts),
-      reduce_tree=functools.partial(_reduce_tree, opts) if opts.batched else None,
+      # A callable view runs leaf by leaf (unless batched): compressed_mean names the leaf
+      # in the error a sharded one raises (_matrix_axes).
+      reduce_tree=(functools.partial(_reduce_tree, opts)
+                   if opts.batched or not callable(opts.view) else None),
       dense_steps=opts.start_iter,
   )
 

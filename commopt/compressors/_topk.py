@@ -43,15 +43,16 @@ def top_k(ratio: float | None = None, *, k: int | None = None, approx: bool = Fa
   ``‖x − C(x)‖² ≤ (1 − k/d)‖x‖²``; use it with error feedback.
 
   Selection: ``method="exact"`` uses :func:`commopt.kernels.select_top_k`
-  (a radix-select Pallas kernel on GPUs, ``jax.lax.top_k`` elsewhere; ties go
-  to the lower index, NaN ranks above ``inf``); ``approx=True`` lets it use
-  ``jax.lax.approx_max_k``, which on TPU trades recall for speed and on other
-  backends is exact. The indices are sent in ascending order, whatever the
-  backend. ``method="sample"`` estimates the threshold as DGC does,
-  from the top of a random sample of ``sample_ratio`` of the leaf, and sends
-  the coordinates above it in index order into the ``k`` slots: an
-  underestimate leaves slots empty, an overestimate leaves the excess in the
-  error residual.
+  (a radix-select Pallas kernel on GPUs, histograms and bit-packed words on
+  the CPU from ``k = 2048``, ``jax.lax.top_k`` elsewhere; the same
+  coordinates: ties go to the lower index, NaN ranks above ``inf``);
+  ``approx=True`` lets it use ``jax.lax.approx_max_k``, which on TPU trades
+  recall for speed and on other backends is exact. The indices are sent in
+  ascending order, whatever the backend. ``method="sample"`` estimates the
+  threshold as DGC does, from the top of a random sample of ``sample_ratio``
+  of the leaf, and sends the coordinates above it in index order into the
+  ``k`` slots: an underestimate leaves slots empty, an overestimate leaves
+  the excess in the error residual.
 
   On a leaf sharded over model axes (the shard-local step of
   :func:`~commopt.data_parallel`), each device compresses its own shard.

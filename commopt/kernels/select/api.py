@@ -2,10 +2,12 @@
 
 :func:`select_top_k` checks its arguments, then runs
 :mod:`commopt.kernels.select.reference` (``lax.top_k`` on the key, then a
-sort of the ``k`` indices) or :mod:`commopt.kernels.select.pallas` (a radix
-select that never sorts). Both rank by :func:`~commopt.kernels.magnitude_key`
-(NaN above ``inf``, ``-0.0`` tied with ``0.0``), break ties to the lower
-index, and return the same coordinates in the same order.
+sort of the ``k`` indices), :mod:`commopt.kernels.select.histogram` (the
+same selection in XLA by histograms and bit-packed words, what the CPU runs
+for large ``k``) or :mod:`commopt.kernels.select.pallas` (a radix select that
+never sorts). All rank by :func:`~commopt.kernels.magnitude_key` (NaN above
+``inf``, ``-0.0`` tied with ``0.0``), break ties to the lower index, and
+return the same coordinates in the same order.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from commopt.kernels import _dispatch as dispatch
+from commopt.kernels.select import histogram
 from commopt.kernels.select import pallas as kernel
 from commopt.kernels.select import reference
 
@@ -34,8 +37,11 @@ def select_top_k(x: jax.Array, k: int, *, implementation: Optional[str] = None,
   Ranking: by :func:`magnitude_key` (``|x|``; NaN counts as the largest
   magnitude, above ``inf``), ties to the lower index. The reference
   (``"xla"``) is ``lax.top_k`` on the key followed by a sort of the ``k``
-  indices; the Pallas kernel is a radix select (see the module docstring)
-  and returns the same coordinates in the same order.
+  indices; on the CPU, for ``k`` of at least
+  :data:`~commopt.kernels.select.histogram.MIN_K`, it runs the same
+  selection by histograms and bit-packed words instead (XLA:CPU's
+  ``lax.top_k`` slows with ``k``). The Pallas kernel is a radix select (see
+  the module docstring). All return the same coordinates in the same order.
 
   With ``approx=True`` the reference selects with ``lax.approx_max_k`` on a
   TPU (at least ``recall_target`` of the true top ``k`` in expectation);
@@ -93,4 +99,6 @@ def select_top_k(x: jax.Array, k: int, *, implementation: Optional[str] = None,
   pallas, interpret = dispatch.resolve(implementation, interpret, "select_top_k")
   if pallas:
     return kernel.select_top_k(flat, k, radix_bits, block, interpret)
+  if histogram.suits(n, k):
+    return histogram.select_top_k(flat, k)
   return reference.select_top_k(flat, k, approx, recall_target)
