@@ -384,7 +384,7 @@ def run_job(ns: Namespace, processes: int, cfg: dict, timeout: float) -> dict:
   results = {}
   if ours:
     results.update(launch_job(ns, processes, dict(cfg, methods=ours), timeout,
-                              [str(pathlib.Path(__file__).resolve()), "--worker"], "--cpu-devices"))
+                              [str(pathlib.Path(__file__).resolve()), "--worker"], cpu_devices=1))
   if theirs:
     results.update(launch_job(ns, processes, dict(cfg, methods=theirs), timeout,
                               [str(ROOT / "benchmarks" / "_torch_peer.py")]))
@@ -392,17 +392,21 @@ def run_job(ns: Namespace, processes: int, cfg: dict, timeout: float) -> dict:
 
 
 def launch_job(ns: Namespace, processes: int, cfg: dict, timeout: float, script: list,
-               cpu_devices: str | None = None) -> dict:
+               cpu_devices: int | None = None, xla_flags: str = "") -> dict:
   """``python -m commopt.launch`` inside the namespace: ``processes`` copies of ``script CONFIG
-  RESULT`` under ``timeout``; process 0 writes RESULT. The launcher's coordinator port is one it
-  found free inside the namespace."""
+  RESULT`` under ``timeout`` (``cpu_devices`` CPU devices each, if given; ``xla_flags``
+  added to ``XLA_FLAGS``); process 0 writes RESULT. The launcher's coordinator port is one
+  it found free inside the namespace."""
   with tempfile.TemporaryDirectory(prefix="commopt-net-") as tmp:
     config, result = pathlib.Path(tmp, "config.json"), pathlib.Path(tmp, "result.json")
     config.write_text(json.dumps(cfg))
     argv = ["ip", "netns", "exec", ns.name, sys.executable, "-m", "commopt.launch",
-            "--processes", str(processes), *([cpu_devices, "1"] if cpu_devices else []),
+            "--processes", str(processes),
+            *(["--cpu-devices", str(cpu_devices)] if cpu_devices else []),
             "--timeout", str(timeout), *script, str(config), str(result)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if xla_flags:
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:

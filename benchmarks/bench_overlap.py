@@ -65,9 +65,7 @@ import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -381,34 +379,11 @@ def _global_batch(mesh, rows):
 
 def run_job(ns, processes: int, cfg: dict, xla_flags: str, timeout: float) -> dict:
   """One launched job inside ``ns``: the workers' results."""
-  with tempfile.TemporaryDirectory(prefix="commopt-overlap-") as tmp:
-    config, result = pathlib.Path(tmp, "config.json"), pathlib.Path(tmp, "result.json")
-    config.write_text(json.dumps(cfg))
-    argv = ["ip", "netns", "exec", ns.name, sys.executable, "-m", "commopt.launch",
-            "--processes", str(processes), "--cpu-devices",
-            "2" if "split/2dev" in cfg["variants"] else "1", "--timeout", str(timeout),
-            str(pathlib.Path(__file__).resolve()), "--worker", str(config), str(result)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-      out, _ = proc.communicate(timeout=timeout + 60)
-    except BaseException:
-      os.killpg(proc.pid, signal.SIGTERM)    # the launcher ends its processes
-      try:
-        proc.wait(30)
-      except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-      raise
-    for line in out.splitlines():
-      if line.startswith("  "):
-        print(line, flush=True)
-    if proc.returncode != 0 or not result.exists():
-      raise RuntimeError(f"the {processes}-process job failed (exit {proc.returncode}):\n"
-                         + out[-4000:])
-    return json.loads(result.read_text())
+  from bench_network import launch_job
+  return launch_job(ns, processes, cfg, timeout,
+                    [str(pathlib.Path(__file__).resolve()), "--worker"],
+                    cpu_devices=2 if "split/2dev" in cfg["variants"] else 1,
+                    xla_flags=xla_flags)
 
 
 def derive(r: dict, steps: int) -> dict:
