@@ -14,6 +14,8 @@ fastest plain-JAX row of the same run:
   for one all-reduce (what DDP's buckets do);
 - ``identity``: ``data_parallel(loss, chain(compressed_mean(identity()), adam))``
   with its defaults (the agreed non-finite skip on);
+- ``identity, fast skip``: the same with ``skip_nonfinite="fast"`` (the
+  optimizer inside a ``lax.cond`` on the agreed verdict, no selects);
 - ``identity, no skip``: the same with ``skip_nonfinite=False``.
 
 Two layouts (``--layouts``): ``devices``, one process with ``--workers``
@@ -128,7 +130,7 @@ def steps(mesh, params, loss_fn):
     init = lambda p: jax.device_put(opt.init(p), replicated)
     return init, fn
 
-  def identity(skip: bool):
+  def identity(skip):
     tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
                      opt)
     dp = commopt.data_parallel(loss_fn, tx, mesh, skip_nonfinite=skip)
@@ -137,7 +139,8 @@ def steps(mesh, params, loss_fn):
   import jax.flatten_util  # noqa: F401  (ravel_pytree)
   del jnp
   return {"plain": plain_step(False), "plain (flat)": plain_step(True),
-          "identity": identity(True), "identity, no skip": identity(False)}
+          "identity": identity(True), "identity, fast skip": identity("fast"),
+          "identity, no skip": identity(False)}
 
 
 def measure(mesh, params, loss_fn, batch, n_steps: int, rounds: int, log=print,

@@ -105,8 +105,8 @@ class DataParallel:
       raise ValueError(f"{fn}: `shard_local` must be 'auto', True or False, got "
                        f"{self.shard_local!r}.")
     if not (self.skip_nonfinite is True or self.skip_nonfinite is False
-            or (isinstance(self.skip_nonfinite, str) and self.skip_nonfinite == "strict")):
-      raise base.OptionTypeError(f"{fn}: `skip_nonfinite` must be True, False or 'strict', "
+            or (isinstance(self.skip_nonfinite, str) and self.skip_nonfinite == "fast")):
+      raise base.OptionTypeError(f"{fn}: `skip_nonfinite` must be True, False or 'fast', "
                                  f"got {self.skip_nonfinite!r}.")
     for name in ("has_aux", "has_state", "donate", "local_params"):
       object.__setattr__(self, name, base.check_bool(name, getattr(self, name), fn=fn))
@@ -405,16 +405,17 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   Faults: with ``skip_nonfinite=True`` the optimizer runs inside
   :func:`commopt.transforms.apply_if_finite`: a non-finite value in any
   worker's gradient makes all workers agree, with one int32 all-reduce, to
-  skip the step: parameters, optimizer state (error residuals included) and
-  model state stay as they were, and ``opt_state.total_notfinite`` counts
-  the skips. The optimizer, its exchange included, runs inside one
-  ``lax.cond`` on that agreed verdict, so every worker takes the same branch
-  and none waits in a collective another one skipped. A non-finite reduced
-  update (finite gradients that overflow in the exchange or the optimizer),
-  which every worker sees the same and judges alike with no collective, is
-  skipped too: parameters and model state stay as they were, and the
-  optimizer state has advanced, unless ``skip_nonfinite="strict"``, which
-  keeps it too at the price of a copy of the state on every step (see
+  skip the step; so does a non-finite reduced update (finite gradients that
+  overflow in the exchange or the optimizer), which every worker sees the
+  same and judges alike with no collective. Parameters, optimizer state
+  (error residuals included) and model state stay as they were, and
+  ``opt_state.total_notfinite`` counts the skips. The compressed exchange
+  still runs on a skipped step (its result is discarded), so no worker ever
+  waits in a collective another one skipped. ``skip_nonfinite="fast"``
+  runs the optimizer inside one ``lax.cond`` on the agreed verdict instead:
+  no select over the state on every step (faster), about a copy of the
+  optimizer state more peak memory, and on an update that overflowed from
+  finite gradients the optimizer state advances (see
   :func:`commopt.transforms.apply_if_finite`).
 
   Model state (``has_state=True``), e.g. batch-norm statistics: ``loss_fn``
@@ -439,8 +440,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
     has_state: ``loss_fn`` takes and returns model state.
     model_state_sync: ``"mean"`` or ``"none"``.
     skip_nonfinite: skip steps with a non-finite gradient on any worker or a
-      non-finite reduced update: True, False, or ``"strict"`` (on an
-      overflowed update, keep the optimizer state as well).
+      non-finite reduced update: True, False, or ``"fast"`` (the optimizer
+      inside a ``lax.cond``; see above).
     donate: donate params, optimizer state and model state to the jitted step.
     local_params: keep one copy of the parameters per worker, stacked
       ``[num_workers, ...]`` and sharded over the data axes, for transforms

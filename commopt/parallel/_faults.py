@@ -15,14 +15,13 @@ import jax.numpy as jnp
 import optax
 
 
-
 def optimizer(tx, axis_name, skip_nonfinite) -> optax.GradientTransformation:
   """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip
-  (``skip_nonfinite``: True, False or ``"strict"``, see :func:`apply_if_finite`)."""
+  (``skip_nonfinite``: True, False or ``"fast"``, see :func:`apply_if_finite`)."""
   if skip_nonfinite is False:
     return optax.with_extra_args_support(tx)
   from commopt.transforms._control import apply_if_finite
-  return apply_if_finite(tx, axis_name=axis_name, strict=skip_nonfinite == "strict")
+  return apply_if_finite(tx, axis_name=axis_name, strict=skip_nonfinite != "fast")
 
 
 def poison_if_nonfinite(dp, grads, new_model_state):

@@ -338,11 +338,10 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
                    memories=_server_memories(state, treedef),
                    specs=_shards.specs_for(updates, cfg.axis_name),
                    paths=[jax.tree_util.keystr(p) for p, _ in flat])
-  compressed = [i for i, u in enumerate(leaves.updates) if cfg.compresses(u)]
-  dense = [i for i, u in enumerate(leaves.updates) if not tree.is_node(u)
-           and (cfg.sends_dense() or i not in set(compressed))]
-  if cfg.sends_dense():
-    compressed = []
+  compressed = ([] if cfg.sends_dense() else
+                [i for i, u in enumerate(leaves.updates) if cfg.compresses(u)])
+  sent = set(compressed)
+  dense = [i for i, u in enumerate(leaves.updates) if not tree.is_node(u) and i not in sent]
   out = list(leaves.updates)
   if dense:
     means = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,

@@ -96,6 +96,15 @@ def _select(pred, new, old):
   return out if out.dtype == old.dtype else out.astype(old.dtype)
 
 
+def _run_or_hold(pred, run, operand, inner_state):
+  """``run(operand, inner_state)`` where ``pred`` (the same on every worker), else updates of
+  negative zeros shaped like its output and ``inner_state`` as it was: one ``lax.cond``."""
+  def hold(x, s):
+    shapes, _ = jax.eval_shape(run, x, s)
+    return jax.tree.map(_skip_zeros, shapes), s
+  return coll.cond(pred, run, hold, operand, inner_state)
+
+
 def nonfinite_flag(tree) -> jax.Array:
   """A float32 scalar that is 0 when every value of ``tree`` is finite and NaN otherwise.
 
@@ -152,9 +161,8 @@ def _reduced_finite(new_updates, axis_name) -> jax.Array:
   sharded = [x for x in jax.tree.leaves(new_updates)
              if coll.shard_axes(x, axis_name) and not set(coll.varying_axes(x)) & data]
   if sharded:
-    axes = tuple(sorted({a for x in sharded for a in coll.shard_axes(x, axis_name)}))
     bad = jnp.logical_not(all_finite(sharded)).astype(jnp.int32)
-    ok = ok & (coll.psum(bad, axes) == 0)
+    ok = ok & (coll.psum(bad, _model_axes(sharded, axis_name)) == 0)
   return ok
 
 
@@ -168,32 +176,36 @@ def _replicated(tree) -> list:
 def apply_if_finite(inner: optax.GradientTransformation, *,
                     axis_name: Optional[str | tuple[str, ...]] = None,
                     max_consecutive_errors: Optional[int] = None,
-                    strict: bool = False
+                    strict: bool = True
                     ) -> optax.GradientTransformationExtraArgs:
   """Skips, on every worker together, an update in which any worker saw a NaN or Inf.
 
   Each worker checks its own input updates (:func:`nonfinite_flag`), and one
   int32 all-reduce over ``axis_name`` (and any model axes a leaf is sharded
   over) makes every worker agree whether some worker's were not finite. The
-  verdict is the same everywhere, so ``inner`` runs inside one ``lax.cond``
-  on it: on a skip no worker runs ``inner`` (nor its collectives), its state
-  is returned as it was, error-feedback residuals included, and the returned
-  updates are zeros (negative zeros, so ``params + updates`` leaves every
-  parameter unchanged bit for bit). No select touches the state when the
-  step goes through.
+  output is checked too, since finite inputs can still overflow inside the
+  exchange or the optimizer: the reduced update is the same on every worker,
+  so every worker reaches the same verdict on it with no further collective.
+  On a skip the returned updates are zeros (negative zeros, so ``params +
+  updates`` leaves every parameter unchanged bit for bit).
 
-  The output is checked too, since finite inputs can still overflow inside
-  the exchange or the optimizer: the reduced update is the same on every
-  worker, so every worker reaches the same verdict on it with no further
-  collective, and the returned updates are zeros. ``inner``'s state has
-  then advanced (from finite inputs) unless ``strict=True``, which returns
-  it as it was as well, at the price of a copy and a select of the whole
-  state on every step, taken or not (the verdict exists only once the
-  state is computed): measured with ``benchmarks/bench_base.py``'s model
-  on 4 CPU devices, CPU time per step 1.97x the unguarded step's, against
-  1.23x without. Without ``strict`` a step whose update overflowed can
-  leave an error-feedback residual holding the spike that overflowed, so
-  the next updates overflow again (each counted in ``notfinite_count``).
+  ``strict=True`` (the default): ``inner`` always runs, so every worker runs
+  the same collectives, and on a skip, whichever check caused it, its state
+  (error-feedback residuals included) is returned as it was, by a select per
+  state leaf. ``strict=False`` runs ``inner`` inside one ``lax.cond`` on the
+  agreed input verdict instead: on a skip of a non-finite input no worker
+  runs ``inner`` (nor its collectives) and its state is kept, and no select
+  touches the state when the step goes through; on an update that overflowed
+  from finite inputs the state has advanced, and an error-feedback residual
+  may keep the spike that overflowed, so the next updates overflow again
+  (each counted in ``notfinite_count``). What each costs, measured with
+  ``benchmarks/bench_base.py``'s model (2.1M parameters, adam) on an idle
+  2-core machine: on 4 CPU devices in one process, CPU time per step 1.95x
+  the unguarded step's with the selects and 1.29x with ``strict=False``;
+  across 4 gloo processes 1.81x and 1.23x (the guide's Performance page).
+  The selects keep the old state alive beside the new; XLA:CPU keeps a
+  conditional's outputs in buffers of their own, so ``strict=False`` raises
+  a step's peak memory by about a copy of the optimizer state instead.
   Only output leaves typed replicated
   (varying over no mesh axis) are read; an update that stays per worker (as
   under :func:`~commopt.local_sgd`) is left to the input check, so no
@@ -220,8 +232,9 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     max_consecutive_errors: ``None`` to skip every non-finite update; an
       integer ``m >= 0`` to apply the update anyway once more than ``m``
       consecutive updates were not finite, as optax does.
-    strict: also keep ``inner``'s state as it was when only the reduced
-      output is non-finite (see above; costs a state copy per step).
+    strict: always run ``inner`` and keep its state as it was on any skip
+      (True, the default), or run it inside a ``lax.cond`` on the agreed
+      input verdict (False; see above).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -259,21 +272,18 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   def update_fn(updates, state, params=None, **extra_args):
     with vma.shard_aware():
       finite = _agreed_finite(updates, axis_name)
-    run_inner = finite
-    if max_consecutive_errors is not None:
-      # optax's rule: past `m` consecutive non-finite updates, apply the next one anyway.
-      run_inner = finite | (state.notfinite_count >= max_consecutive_errors)
-
-    def run(u, inner_state):
-      return inner.update(u, inner_state, params, **extra_args)
-
-    def hold(u, inner_state):
-      shapes, _ = jax.eval_shape(run, u, inner_state)
-      return jax.tree.map(_skip_zeros, shapes), inner_state
-
-    # The verdict is the same on every worker, so every worker takes the same branch and
-    # none waits in a collective of `inner` that another one skipped.
-    new_updates, new_inner = coll.cond(run_inner, run, hold, updates, state.inner_state)
+    run = lambda u, inner_state: inner.update(u, inner_state, params, **extra_args)
+    if strict:
+      # Always run, so every worker runs the same collectives; select after.
+      new_updates, new_inner = run(updates, state.inner_state)
+    else:
+      run_inner = finite
+      if max_consecutive_errors is not None:
+        # optax's rule: past `m` consecutive non-finite updates, apply the next one anyway.
+        run_inner = finite | (state.notfinite_count >= max_consecutive_errors)
+      # The verdict is the same on every worker, so every worker takes the same branch
+      # and none waits in a collective of `inner` that another one skipped.
+      new_updates, new_inner = _run_or_hold(run_inner, run, updates, state.inner_state)
     with vma.shard_aware():
       # The reduced output is the same on every worker: so is this verdict (a leaf
       # sharded over model axes asks its shards, over those axes only).
@@ -378,11 +388,7 @@ def multi_steps(inner: optax.GradientTransformation,
       mean = jax.tree.map(lambda a, u: a.astype(u.dtype), acc, updates)
       return inner.update(mean, inner_state, params, **extra_args)
 
-    def hold(acc, inner_state):
-      shapes, _ = jax.eval_shape(run, acc, inner_state)
-      return jax.tree.map(_skip_zeros, shapes), inner_state
-
-    new_updates, inner_state = coll.cond(emit, run, hold, acc, state.inner_opt_state)
+    new_updates, inner_state = _run_or_hold(emit, run, acc, state.inner_opt_state)
     return new_updates, MultiStepsState(
         mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
         gradient_step=jnp.where(emit, optax.safe_int32_increment(state.gradient_step),
