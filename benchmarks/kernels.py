@@ -1,14 +1,19 @@
 """commopt.kernels against their baselines, side by side in one run.
 
-GPU section (skipped without a GPU), float32 at 16M and 128M elements:
+GPU section (skipped without a GPU), float32 at 4M, 16M, 64M and 128M elements.
+Times are the device's per call: :func:`device_seconds` queues calls back to back
+and blocks once, so the host's dispatch latency does not count.
 
-- ``sign_pack`` (Pallas, fused sign + scale + pack) and its XLA reference:
-  achieved GB/s (bytes read + written) against a device-to-device copy
-  (``x + 0`` read and written once) measured in the same run; target ≥ 70%.
-- ``select_top_k`` (Pallas radix select) at k = 0.1% and 1% against
-  ``lax.top_k`` and ``lax.approx_max_k`` on ``|x|``, and against the time of
-  two reads of the input (``sum(|x|)`` twice); targets ≥ 10× faster than
-  ``lax.top_k`` and within 3× of two reads.
+- Every Pallas kernel (``sign_pack`` per leaf and per block, ``pack_bits``,
+  ``unpack_bits``, ``quantize_pack``, ``first_true``) beside its XLA reference: bytes moved
+  (read + written), GB/s, the fraction of a device copy's bandwidth
+  (``x + 0``, 8 bytes per element, same run) and the speed-up over the
+  reference. Target: ``sign_pack`` ≥ 90% of the copy's bandwidth from 4M up.
+- ``select_top_k`` (the sampled two-pass select; the radix select it falls back
+  to) at k = 0.1% and 1% against ``lax.top_k`` and ``lax.approx_max_k`` on
+  ``|x|``, the XLA reference, and two reads of the input (twice one
+  ``sum(x)``). Targets: ≥ 5× faster than ``lax.top_k`` and within 2× of two
+  reads.
 
 CPU section: the XLA path of every op against numpy and (when importable)
 torch equivalents at 1M and 16M elements.
@@ -49,44 +54,99 @@ def median_seconds(fn, repeats: int) -> float:
   return sorted(times)[len(times) // 2]
 
 
+def device_seconds(fn, repeats: int, batch: int = 10) -> float:
+  """Median over ``repeats`` batches of the time per call of ``batch`` calls of ``fn()``
+  queued back to back and blocked once: the device's time per call, without the host's
+  dispatch latency (which would otherwise dominate sub-millisecond kernels)."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(batch):
+      out = fn()
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / batch)
+  return sorted(times)[len(times) // 2]
+
+
 def row(section, op, impl, n, seconds, nbytes=None, **extra):
   out = {"section": section, "op": op, "impl": impl, "n": n, "ms": seconds * 1e3}
   if nbytes is not None:
+    out["MB"] = nbytes / 1e6
     out["GB/s"] = nbytes / seconds / 1e9
   out.update(extra)
   return out
 
 
-def gpu_rows(sizes, repeats):
+def gpu_rows(sizes, repeats, interpret=False):
+  """Every kernel against its XLA reference (and a copy of the same bytes); the selection
+  against ``lax.top_k``, ``lax.approx_max_k`` and two reads of its input. ``interpret``
+  runs the kernels through the Pallas interpreter (a smoke test of this code off a GPU;
+  its times mean nothing)."""
+  from commopt.kernels.select import pallas as select_pallas
+
+  scope = kernels.implementation("auto", interpret=interpret)
+  scope.__enter__()
   rows = []
   for n in sizes:
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    bits = jax.random.bits(jax.random.key(1), (n,), jnp.uint32)
     copy = jax.jit(lambda v: v + 0.0)
-    t_copy = median_seconds(lambda: copy(x), repeats)
+    t_copy = device_seconds(lambda: copy(x), repeats)
     copy_gbs = 8 * n / t_copy / 1e9
-    rows.append(row("gpu", "copy", "xla", n, t_copy, 8 * n))
-    moved = 4 * n + 4 * -(-n // 32) + 4
-    for impl in ("pallas", "xla"):
-      f = jax.jit(lambda v, impl=impl: kernels.sign_pack(v, implementation=impl))
-      t = median_seconds(lambda: f(x), repeats)
-      rows.append(row("gpu", "sign_pack", impl, n, t, moved,
-                      vs_copy_bandwidth=moved / t / 1e9 / copy_gbs))
-    two_reads = jax.jit(lambda v: (jnp.sum(jnp.abs(v)), jnp.sum(v * v)))
-    t_reads = median_seconds(lambda: two_reads(x), repeats)
+    rows.append(row("gpu", "copy", "xla", n, t_copy, 8 * n, vs_copy_bandwidth=1.0))
+
+    def timed(op, moved, make, impls=("pallas", "xla")):
+      """One row per implementation; ``vs_reference`` = reference time / this time."""
+      times = {impl: device_seconds(lambda f=jax.jit(make(impl)): f(), repeats) for impl in impls}
+      for impl, t in times.items():
+        rows.append(row("gpu", op, impl, n, t, moved, vs_copy_bandwidth=moved / t / 1e9 / copy_gbs,
+                        vs_reference=times["xla"] / t))
+
+    words1 = 4 * -(-n // 32)
+    timed("sign_pack", 4 * n + words1 + 4,
+          lambda impl: lambda: kernels.sign_pack(x, implementation=impl))
+    timed("sign_pack(block_size=4096)", 4 * n + words1 + 4 * -(-n // 4096),
+          lambda impl: lambda: kernels.sign_pack(x, 4096, implementation=impl))
+    codes = (bits & 15).astype(jnp.uint8)
+    timed("pack_bits(4)", n + n // 2, lambda impl: lambda: kernels.pack_bits(codes, 4, implementation=impl))
+    words4 = kernels.pack_bits(codes, 4, implementation="xla")
+    timed("unpack_bits(4)", n // 2 + 4 * n,
+          lambda impl: lambda: kernels.unpack_bits(words4, 4, n, implementation=impl))
+    norms = jnp.linalg.norm(jnp.pad(x, (0, -n % 512)).reshape(-1, 512), axis=1)
+    timed("quantize_pack(qsgd, 7)", 8 * n + n // 2,
+          lambda impl: lambda: kernels.quantize_pack(x, bits, 7, norms, block_size=512,
+                                                     implementation=impl))
+
+    mask = x > 2.326                                   # about 1% true
+    capacity = max(1, n // 100)
+    timed("first_true(1%)", n + 4 * capacity,
+          lambda impl: lambda: kernels.first_true(mask, capacity, implementation=impl))
+
+    one_read = jax.jit(jnp.sum)
+    t_reads = 2 * device_seconds(lambda: one_read(x), repeats)
     rows.append(row("gpu", "two reads", "xla", n, t_reads, 8 * n))
     for frac in (0.001, 0.01):
       k = max(1, int(frac * n))
+      op = f"top-k {frac:.1%}"
       baselines = {
           "lax.top_k": jax.jit(lambda v: jax.lax.top_k(jnp.abs(v), k)),
           "lax.approx_max_k": jax.jit(lambda v: jax.lax.approx_max_k(jnp.abs(v), k)),
+          "select_top_k xla": jax.jit(lambda v: kernels.select_top_k(v, k, implementation="xla")),
+          "select_top_k pallas radix": jax.jit(
+              lambda v: select_pallas.select_top_k(v, k, 4, 1024, interpret)),
+          "select_top_k pallas": jax.jit(
+              lambda v: kernels.select_top_k(v, k, implementation="pallas")),
       }
-      times = {name: median_seconds(lambda f=f: f(x), repeats) for name, f in baselines.items()}
+      times = {name: device_seconds(lambda f=f: f(x), max(3, repeats // 2))
+               for name, f in baselines.items()}
+      bracketed = bool(select_pallas.sampled_bound(x, k, 1024, interpret)[3])
       for name, t in times.items():
-        rows.append(row("gpu", f"top-k {frac:.1%}", name, n, t, k=k))
-      f = jax.jit(lambda v: kernels.select_top_k(v, k, implementation="pallas"))
-      t = median_seconds(lambda: f(x), repeats)
-      rows.append(row("gpu", f"top-k {frac:.1%}", "select_top_k pallas", n, t, k=k,
-                      speedup_vs_top_k=times["lax.top_k"] / t, vs_two_reads=t / t_reads))
+        rows.append(row("gpu", op, name, n, t, k=k, speedup_vs_top_k=times["lax.top_k"] / t,
+                        vs_two_reads=t / t_reads,
+                        **({"bracketed": bracketed} if name == "select_top_k pallas" else {})))
+  scope.__exit__(None, None, None)
   return rows
 
 
@@ -163,8 +223,8 @@ def cpu_rows(sizes, repeats):
 
 
 def print_table(rows):
-  cols = ["section", "op", "impl", "n", "k", "ms", "GB/s", "vs_copy_bandwidth", "speedup_vs_top_k",
-          "vs_two_reads"]
+  cols = ["section", "op", "impl", "n", "k", "ms", "MB", "GB/s", "vs_copy_bandwidth",
+          "vs_reference", "speedup_vs_top_k", "vs_two_reads", "bracketed"]
   cols = [c for c in cols if any(c in r for r in rows)]
   print(" | ".join(f"{c:>20}" for c in cols))
   for r in rows:
@@ -186,7 +246,7 @@ def main():
   rows, notes = [], []
   if args.section in ("all", "gpu"):
     if jax.default_backend() == "gpu":
-      rows += gpu_rows(args.sizes or [16 * M, 128 * M], args.repeats)
+      rows += gpu_rows(args.sizes or [4 * M, 16 * M, 64 * M, 128 * M], args.repeats)
     else:
       notes.append(f"GPU section skipped: backend is {jax.default_backend()!r}.")
   if args.section in ("all", "cpu"):

@@ -229,6 +229,44 @@ def test_select_top_k_all_equal_and_bf16():
   assert values.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("n, k", [(131_072, 1), (131_075, 131), (200_003, 2_000), (300_007, 30_000)])
+def test_select_top_k_sampled_bracket_and_fallback(n, k):
+  """Large leaves: a sample bounds the k-th key, two passes count and write the candidates,
+  the k largest are found among them (indices ascending). A leaf the sample misjudges (all
+  ties) falls back to the radix select. Both give the reference's coordinates."""
+  from commopt.kernels.select import pallas as select_pallas
+  x = mixed(n, n + k)
+  assert select_pallas.suits_sampled(n, k)
+  low, counts, total, bracketed = select_pallas.sampled_bound(x, k, 1024, True)
+  assert bool(bracketed), (int(total), k, select_pallas.sampled_capacity(n, k))
+  np.testing.assert_array_equal(total, np.sum(np.asarray(kernels.magnitude_key(x)) >= int(low)))
+  values, indices = kernels.select_top_k(x, k, block=1024, **PALLAS)
+  want_values, want_indices = kernels.select_top_k(x, k, implementation="xla")
+  np.testing.assert_array_equal(indices, want_indices)
+  np.testing.assert_array_equal(values, want_values)
+  ties = jnp.ones(n).at[n // 3].set(2.0)
+  assert not bool(select_pallas.sampled_bound(ties, k, 1024, True)[3])
+  np.testing.assert_array_equal(kernels.select_top_k(ties, k, block=1024, **PALLAS)[1],
+                                brute_top_k(ties, k))
+
+
+@pytest.mark.parametrize("n, block", [(1, 32), (95, 32), (1000, 64), (70_001, 1024)])
+def test_first_true_matches_the_reference(n, block):
+  """The two-pass compaction gives the scan's indices; empty slots hold n."""
+  from commopt._src import base
+  rng = np.random.default_rng(n)
+  for density in (0.0, 0.05, 1.0):
+    mask = jnp.asarray(rng.random(n) < density)
+    for capacity in (0, 1, max(1, n // 10), n, n + 3):
+      got = kernels.first_true(mask, capacity, block=block, **PALLAS)
+      np.testing.assert_array_equal(got, base.first_true(mask, capacity))
+      assert got.dtype == jnp.int32 and got.shape == (capacity,)
+  with pytest.raises(ValueError, match="`mask` must be a boolean array, got float32"):
+    kernels.first_true(jnp.ones(3), 1)
+  with pytest.raises(ValueError, match="`capacity` must be a non-negative integer, got -1"):
+    kernels.first_true(jnp.ones(3, bool), -1)
+
+
 def test_select_top_k_nan_is_the_largest_magnitude():
   x = jnp.array([1.0, jnp.nan, -jnp.inf, 3.0, 0.0])
   for options in (PALLAS, {"implementation": "xla"}):
@@ -321,3 +359,52 @@ def test_explicit_arguments_win_over_the_scope():
   with kernels.implementation("xla"):
     jaxpr = str(jax.make_jaxpr(lambda: kernels.pack_bits(codes, 4, **PALLAS))())
     assert "pallas_call" in jaxpr
+
+
+# --- capability check --------------------------------------------------------------
+
+
+def test_info_says_what_auto_runs_and_why():
+  facts = kernels.info()
+  assert facts["backend"] == jax.default_backend()
+  assert (facts["native"] == "triton") == (facts["auto_runs"] == "pallas (triton)")
+  assert facts["reason"] and facts["mosaic_gpu"]["used"] is False
+  with kernels.implementation("xla"):
+    assert kernels.info()["scope"] == {"implementation": "xla", "interpret": False}
+
+
+def test_a_gpu_without_the_triton_lowering_runs_the_references(monkeypatch, caplog):
+  """One capability check decides: 'auto' falls back to the reference and logs why, once;
+  an explicit 'pallas' raises with the reason."""
+  from commopt.kernels import _dispatch
+  facts = dict(_dispatch.capabilities(), backend="gpu", native=None,
+               reason="this JAX has no Pallas Triton lowering")
+  monkeypatch.setattr(_dispatch, "capabilities", lambda backend=None: facts)
+  monkeypatch.setattr(_dispatch, "_WARNED", set())
+  x = jnp.array([1.0, -2.0, 3.0])
+  with caplog.at_level("WARNING", logger="commopt.kernels"):
+    for _ in range(2):
+      scale, words = kernels.sign_pack(x)
+  assert words.tolist() == [2] and scale == 2.0
+  logged = [r.getMessage() for r in caplog.records if "sign_pack" in r.getMessage()]
+  assert logged == ["commopt.kernels.sign_pack runs its reference: "
+                    "this JAX has no Pallas Triton lowering."]
+  assert kernels.info()["auto_runs"] == "xla reference"
+  with pytest.raises(ValueError, match="cannot run here: this JAX has no Pallas Triton"):
+    kernels.sign_pack(x, implementation="pallas")
+
+
+def test_the_gpu_benchmark_section_runs_through_the_interpreter():
+  """benchmarks/kernels.py's GPU rows, off a GPU: every row present, the sampled select's
+  bound held (its times mean nothing here)."""
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import kernels as bench
+  rows = bench.gpu_rows([140_000], 1, interpret=True)
+  ops = {(r["op"], r["impl"]) for r in rows}
+  assert {("sign_pack", "pallas"), ("sign_pack", "xla"), ("quantize_pack(qsgd, 7)", "pallas"),
+          ("first_true(1%)", "pallas"),
+          ("top-k 1.0%", "select_top_k pallas"), ("top-k 0.1%", "lax.top_k")} <= ops
+  assert all(r["bracketed"] for r in rows if r["impl"] == "select_top_k pallas")
+  assert all(r["ms"] > 0 for r in rows)

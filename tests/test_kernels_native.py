@@ -124,6 +124,28 @@ def test_select_top_k_property(seed, k, radix_bits):
   same(indices, brute_top_k(x, k))
 
 
+@pytest.mark.parametrize("n", SIZES + [4_000_037])
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.5, 1.0])
+def test_first_true(n, density):
+  from commopt._src import base
+  mask = jnp.asarray(np.random.default_rng(n).random(n) < density)
+  for capacity in (1, max(1, n // 100), n, n + 5):
+    got = jax.jit(lambda m: kernels.first_true(m, capacity, **NATIVE))(mask)
+    same(got, base.first_true(mask, capacity))
+
+
+def test_select_top_k_sampled_on_large_leaves():
+  """The sampled two-pass select (its bound held) against the reference at 16M elements."""
+  from commopt.kernels.select import pallas as select_pallas
+  x = jax.random.normal(jax.random.key(0), (16 * 2**20 + 3,))
+  for k in (1, 16_000, 170_000):
+    assert bool(select_pallas.sampled_bound(x, k, 1024, False)[3])
+    got = jax.jit(lambda v: kernels.select_top_k(v, k, **NATIVE))(x)
+    want = jax.jit(lambda v: kernels.select_top_k(v, k, **XLA))(x)
+    same(got[1], want[1])
+    same(got[0], want[0])
+
+
 def test_select_top_k_ties_and_bf16():
   same(kernels.select_top_k(-jnp.ones(50_000), 777, **NATIVE)[1], np.arange(777))
   xb = mixed(70_001, 2, dtype=jnp.bfloat16)
@@ -134,7 +156,7 @@ def test_select_top_k_ties_and_bf16():
 
 @pytest.mark.parametrize("name", ["sign", "scaled_sign", "onebit", "terngrad", "qsgd", "top_k",
                                   "gradient_dropping", "adacomp", "threshold",
-                                  "int_quant", "natural"])
+                                  "int_quant", "natural", "atomo", "variance_balanced"])
 def test_compressor_payloads_are_the_same_with_either_implementation(name):
   """``auto`` (the kernels on a GPU) and ``xla`` encode the same payload bit for bit."""
   c = commopt.compressors.make(name)

@@ -39,7 +39,9 @@ SHAPE = (37, 29)   # 1073 coordinates: not a multiple of a word, a block or a ch
 
 # Registered names whose encoder reaches a Pallas kernel at the DEFAULTS options.
 REACHES_PALLAS = {"scaled_sign", "sign", "onebit", "terngrad", "qsgd", "int_quant",
-                  "adaptive_levels", "top_k", "natural", "sketchml", "sketch_sgd"}
+                  "adaptive_levels", "top_k", "natural", "sketchml", "sketch_sgd",
+                  # the compaction of a mask (kernels.first_true)
+                  "atomo", "gradient_dropping", "threshold", "variance_balanced"}
 
 
 def _case(factory, dtype=jnp.float32, pallas=True):

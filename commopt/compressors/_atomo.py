@@ -9,6 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from commopt import kernels
 from commopt._src import base
 from commopt.compressors._lowrank import View, _check_view, _far_scales, _matrix_shape
 from commopt.compressors._qcommon import _uniform
@@ -72,7 +73,7 @@ def _systematic(p: jax.Array, key, slots: int) -> jax.Array:
   u = 1.0 - _uniform(key, 1, "atomo")[0]
   # Float rounding of the cumulative sum could add one draw past ⌈Σp⌉ with
   # probability ~1e-7; the slot count then truncates it.
-  return base.first_true(jnp.floor(c - u) > jnp.floor(prev - u), slots)
+  return kernels.first_true(jnp.floor(c - u) > jnp.floor(prev - u), slots)
 
 
 def _independent(p: jax.Array, key, slots: int) -> tuple[jax.Array, jax.Array]:

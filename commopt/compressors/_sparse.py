@@ -22,7 +22,7 @@ import numpy as np
 
 from commopt import kernels
 from commopt._src import base
-from commopt._src.base import first_true  # noqa: F401  (re-exported)
+from commopt.kernels import first_true  # noqa: F401  (re-exported: the compaction kernel)
 
 
 VALUE_DTYPES = ("float16", "bfloat16", "float32")

@@ -24,10 +24,14 @@ the public names are re-exported here:
   (``pack/``).
 - :func:`quantize_pack`: stochastic rounding + pack (QSGD, TernGrad) from
   random bits drawn outside (``pack/``).
-- :func:`select_top_k`: magnitude top-k by a radix select, in index order
+- :func:`select_top_k`: magnitude top-k, in index order: on a GPU a sampled
+  bound, one pass to count and one to compact, with a radix select behind it
   (``select/``).
+- :func:`first_true`: the first ``capacity`` true entries of a mask, the
+  compaction behind the threshold and random sparsifiers (``select/``).
 - :func:`implementation`: the scope that picks the implementation of the ops
   called without one (``_dispatch.py``, shared by all).
+- :func:`info`: which implementation ``"auto"`` runs on this machine, and why.
 """
 
 from commopt.kernels._dispatch import (
@@ -36,6 +40,7 @@ from commopt.kernels._dispatch import (
     Choice,
     current,
     implementation,
+    info,
     use_pallas,
 )
 from commopt.kernels.pack import (
@@ -48,14 +53,16 @@ from commopt.kernels.pack import (
     uniform_from_bits,
     unpack_bits,
 )
-from commopt.kernels.select import magnitude_key, select_top_k
+from commopt.kernels.select import first_true, magnitude_key, select_top_k
 
 __all__ = [
     "Choice",
     "IMPLEMENTATIONS",
     "PALLAS_BITS",
     "current",
+    "first_true",
     "implementation",
+    "info",
     "magnitude_key",
     "pack_bits",
     "pairwise_sum",

@@ -22,21 +22,35 @@ The kernels are written for the Triton lowering of ``pl.pallas_call``: the
 arrays stay in global memory (no ``BlockSpec``), each program loads a
 power-of-two chunk with a masked ``load`` and writes with a masked ``store``,
 so sizes that are not a multiple of the chunk need no padding pass.
+
+Whether a GPU can run them is decided in one place, :func:`capabilities`
+(shown by :func:`commopt.kernels.info`): a GPU backend whose JAX still ships
+the Pallas Triton lowering runs the kernels; otherwise ``"auto"`` runs the
+references and logs why, once. No kernel is written for Mosaic GPU yet;
+``info()`` says whether this machine could run one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import logging
 from typing import Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from commopt._src import compat, vma
+
+try:   # deprecated in JAX 0.11 and to be removed: the kernels need it on a GPU
+  from jax.experimental.pallas import triton as plt
+except ImportError:   # pragma: no cover - a JAX without the Triton lowering
+  plt = None
+
+_LOG = logging.getLogger("commopt.kernels")
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 PALLAS_BITS = (1, 2, 4, 8)
@@ -112,6 +126,79 @@ def implementation(name: str, *, interpret: bool = False) -> Iterator[Choice]:
     _CHOICE.reset(token)
 
 
+@functools.lru_cache(maxsize=None)
+def capabilities(backend: Optional[str] = None) -> dict:
+  """What the kernels can run on ``backend`` (the default backend if None), and why.
+
+  The one capability check of the package: ``"native"`` is ``"triton"`` when
+  the backend is a GPU and this JAX has the Pallas Triton lowering, else None,
+  with ``"reason"`` saying why; ``"interpret"`` whether the Pallas interpreter
+  can run the kernels (it needs the same Triton ``load``/``store`` ops);
+  ``"mosaic_gpu"`` whether this machine could run Mosaic GPU kernels (a GPU of
+  compute capability 9.0 or newer and the module present; none is written yet).
+  """
+  backend = backend or jax.default_backend()
+  devices = jax.devices(backend)
+  kind = devices[0].device_kind if devices else "none"
+  capability = getattr(devices[0], "compute_capability", None) if devices else None
+  try:
+    from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    has_mosaic = True
+  except ImportError:   # pragma: no cover
+    has_mosaic = False
+  if backend != "gpu":
+    native, reason = None, f"the {backend!r} backend has no Pallas GPU lowering: the references run"
+  elif plt is None:
+    native, reason = None, ("this JAX has no Pallas Triton lowering "
+                            "(jax.experimental.pallas.triton): the references run")
+  else:
+    native, reason = "triton", "GPU backend with the Pallas Triton lowering"
+  try:
+    mosaic_ready = has_mosaic and capability is not None and float(capability) >= 9.0
+  except (TypeError, ValueError):
+    mosaic_ready = False
+  return {
+      "backend": backend, "device": kind, "compute_capability": capability,
+      "native": native, "reason": reason, "interpret": plt is not None,
+      "mosaic_gpu": {"could_run": mosaic_ready, "used": False,
+                     "reason": "no commopt kernel is written for Mosaic GPU yet"},
+  }
+
+
+def info() -> dict:
+  """Which implementation the kernel ops run on this machine, and why.
+
+  Returns:
+    A dict: ``backend``, ``device``, ``compute_capability``; ``native``
+    (``"triton"`` where the Pallas kernels compile for the GPU, else None)
+    and ``reason``; ``auto_runs`` (what an op called with ``"auto"`` runs);
+    ``interpret`` (whether the Pallas interpreter can run the kernels);
+    ``mosaic_gpu`` (whether this machine could run Mosaic GPU kernels; none is
+    written yet, so they are never used); ``scope`` (the innermost
+    :func:`implementation` scope's choice).
+
+  Examples:
+    >>> from commopt import kernels
+    >>> facts = kernels.info()
+    >>> facts["auto_runs"] in ("pallas (triton)", "xla reference")
+    True
+  """
+  facts = dict(capabilities())
+  facts["mosaic_gpu"] = dict(facts["mosaic_gpu"])
+  facts["auto_runs"] = "pallas (triton)" if facts["native"] else "xla reference"
+  facts["scope"] = current()._asdict()
+  return facts
+
+
+_WARNED: set = set()
+
+
+def _warn_once(fn: str, reason: str) -> None:
+  if (fn, reason) not in _WARNED:
+    _WARNED.add((fn, reason))
+    _LOG.warning("commopt.kernels.%s runs its reference: %s.", fn, reason)
+
+
 def current() -> Choice:
   """The implementation (and interpret flag) of the innermost :func:`implementation` scope."""
   return _CHOICE.get()
@@ -135,13 +222,21 @@ def resolve(implementation: Optional[str], interpret: Optional[bool], fn: str,
   check_implementation(implementation, interpret, fn)
   if implementation == "xla":
     return False, interpret
-  on_gpu = jax.default_backend() == "gpu"
+  caps = capabilities()
+  runnable = caps["interpret"] if interpret else caps["native"] is not None
   if implementation == "auto" or (from_scope and unsupported):
-    return not unsupported and (on_gpu or interpret), interpret
+    if unsupported:
+      return False, interpret
+    if not runnable and caps["backend"] == "gpu":
+      _warn_once(fn, caps["reason"])
+    return runnable, interpret
   if unsupported:
     raise ValueError(
         f"{fn}: implementation='pallas' {unsupported}; use implementation='xla' or 'auto'.")
-  if not (on_gpu or interpret):
+  if not runnable:
+    if caps["backend"] == "gpu" or interpret:
+      raise ValueError(f"{fn}: implementation='pallas' cannot run here: {caps['reason']}; "
+                       f"use implementation='xla' or 'auto'.")
     raise ValueError(
         f"{fn}: implementation='pallas' needs a GPU backend, got "
         f"{jax.default_backend()!r}; pass interpret=True (or use "

@@ -16,7 +16,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from commopt._src import base
 from commopt.kernels import _dispatch as dispatch
 from commopt.kernels.select import histogram
 from commopt.kernels.select import pallas as kernel
@@ -98,7 +100,59 @@ def select_top_k(x: jax.Array, k: int, *, implementation: Optional[str] = None,
         f"select_top_k: `recall_target` must be a number in (0, 1], got {recall_target!r}.")
   pallas, interpret = dispatch.resolve(implementation, interpret, "select_top_k")
   if pallas:
+    if kernel.suits_sampled(n, k):
+      return kernel.select_top_k_sampled(flat, k, radix_bits, block, interpret)
     return kernel.select_top_k(flat, k, radix_bits, block, interpret)
   if histogram.suits(n, k):
     return histogram.select_top_k(flat, k)
   return reference.select_top_k(flat, k, approx, recall_target)
+
+
+def first_true(mask: jax.Array, capacity: int, *, implementation: Optional[str] = None,
+               interpret: Optional[bool] = None, block: int = BLOCK) -> jax.Array:
+  """The flat indices of the first ``capacity`` true entries of ``mask``, ascending.
+
+  The compaction behind every data-dependent sparsifier (``threshold``,
+  ``gradient_dropping``, the sampled ``top_k``, ``random_k``'s Bernoulli
+  draws, ATOMO): slots past the number of true entries hold ``mask.size``
+  (out of range, dropped by a scatter with ``mode="drop"``). The reference
+  is one inclusive scan and a binary search per slot; the Pallas kernel
+  counts each program's true entries in one pass and writes their indices
+  in a second. Both return the same indices.
+
+  Args:
+    mask: a boolean array; it is flattened.
+    capacity: how many slots, a non-negative integer.
+    implementation: ``"auto"``, ``"xla"``, ``"pallas"``, or ``None`` for the
+      innermost :func:`~commopt.kernels.implementation` scope's.
+    interpret: run the Pallas kernel through the Pallas interpreter.
+    block: mask entries per Pallas program, a power of two >= 32.
+
+  Returns:
+    ``[capacity]`` int32 indices.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from commopt.kernels import first_true
+    >>> mask = jnp.array([False, True, True, False, True])
+    >>> first_true(mask, 2).tolist(), first_true(mask, 4).tolist()
+    ([1, 2], [1, 2, 4, 5])
+    >>> first_true(mask, 4, implementation="pallas", interpret=True).tolist()
+    [1, 2, 4, 5]
+  """
+  if not hasattr(mask, "dtype") or mask.dtype != jnp.bool_:
+    raise ValueError(
+        f"first_true: `mask` must be a boolean array, got "
+        f"{getattr(mask, 'dtype', type(mask).__name__)}.")
+  flat = jnp.reshape(mask, (-1,))
+  n = flat.shape[0]
+  if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
+    raise ValueError(f"first_true: `capacity` must be a non-negative integer, got {capacity!r}.")
+  if n >= 2**31:
+    raise ValueError(f"first_true: `mask` must have fewer than 2**31 elements, got {n}.")
+  block = dispatch.check_block(block, "first_true")
+  capacity = int(capacity)
+  pallas, interpret = dispatch.resolve(implementation, interpret, "first_true")
+  if pallas and n and capacity:
+    return kernel.first_true(flat, capacity, block, interpret)
+  return base.first_true(flat, capacity)

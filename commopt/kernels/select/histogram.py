@@ -126,7 +126,7 @@ def _digit(hist: jax.Array, rank):
   return block * 256 + digit, rank - (at_least[digit] - inner[digit])
 
 
-def _threshold(key: jax.Array, k, valid=None):
+def kth_key(key: jax.Array, k, valid=None):
   """``(T, ties)``: the ``k``-th largest of ``key`` (uint32, 1-D; only where ``valid``)
   and how many of the keys equal to it are among the ``k`` largest."""
   high = (key >> LOW_BITS).astype(_I32)
@@ -190,7 +190,7 @@ def _slots(words: jax.Array, size: int):
 def _radix_words(flat: jax.Array, k: int) -> jax.Array:
   """The selection's words by the radix select over every key."""
   n, key = flat.shape[0], reference.magnitude_key(flat)
-  threshold, need = _threshold(key, jnp.asarray(k, _I32))
+  threshold, need = kth_key(key, jnp.asarray(k, _I32))
   above, tied = _words(key, n, lambda v: v > threshold, lambda v: v == threshold)
   tied_count = _count(tied)
   taken = jnp.clip(need - (jnp.cumsum(tied_count) - tied_count), 0, tied_count)
@@ -204,18 +204,30 @@ def _radix_words(flat: jax.Array, k: int) -> jax.Array:
   return above | kept
 
 
-def _band_edges(key: jax.Array, n: int, k: int):
-  """``(low, high)``: bin edges of the keys the sample ranks around the k-th largest."""
+def sample_keys(key: jax.Array, n: int) -> jax.Array:
+  """:data:`SAMPLE` of the ``n`` (at least :data:`SAMPLE_FROM`) keys: :data:`RUNS` runs of
+  16 consecutive keys, each in its own span of the leaf, at an offset scrambled by Knuth's
+  multiplicative hash (so no column of a matrix is favoured)."""
   blocks = n // 16
   span = blocks // RUNS
-  # Each run in its own span, at an offset scrambled by Knuth's multiplicative hash.
   scrambled = np.arange(RUNS, dtype=np.uint64) * 2654435761 % 2**32
   starts = np.arange(RUNS) * span + scrambled % span
-  sample = key[:blocks * 16].reshape(blocks, 16)[starts.astype(np.int32)].reshape(-1)
-  hist = _histogram((sample >> LOW_BITS).astype(_I32), 1 << HIGH_BITS)
+  return key[:blocks * 16].reshape(blocks, 16)[starts.astype(np.int32)].reshape(-1)
+
+
+def sample_rank_bounds(n: int, k: int) -> tuple[int, int]:
+  """``(low, high)``: the sample ranks (1-based, may fall outside ``[1, SAMPLE]``) that
+  bracket the k-th largest key of the leaf with the margin :data:`MARGIN`."""
   rank, margin = k * SAMPLE / n, _margin(n, k)
+  return math.floor(rank - margin), math.ceil(rank + margin)
+
+
+def _band_edges(key: jax.Array, n: int, k: int):
+  """``(low, high)``: bin edges of the keys the sample ranks around the k-th largest."""
+  sample = sample_keys(key, n)
+  hist = _histogram((sample >> LOW_BITS).astype(_I32), 1 << HIGH_BITS)
   edges = []
-  for r, past in ((math.floor(rank - margin), 1), (math.ceil(rank + margin), 0)):
+  for r, past in zip(sample_rank_bounds(n, k), (1, 0)):
     if r < 1:                     # above everything
       edges.append(jnp.asarray(1 << 31, _U32))
     elif r > SAMPLE:              # below everything
@@ -235,7 +247,7 @@ def _band_words(flat: jax.Array, k: int, above, band, capacity: int):
   index = word * WORD + bit
   band_key = reference.magnitude_key(flat.at[index].get(mode="fill", fill_value=0))
   need = k - jnp.sum(_count(above))
-  threshold, ties = _threshold(band_key, need, valid)
+  threshold, ties = kth_key(band_key, need, valid)
   tie = valid & (band_key == threshold)
   taken = valid & ((band_key > threshold) | (tie & (jnp.cumsum(tie.astype(_I32)) <= ties)))
   bits = jnp.where(taken, jnp.uint32(1) << bit.astype(_U32), np.uint32(0))

@@ -16,14 +16,16 @@ coordinate with key ``> T`` and the first (by index) coordinates with key
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 
 from commopt.kernels import _dispatch as dispatch
-from commopt.kernels.select import reference
+from commopt.kernels.select import histogram, reference
 
 _U32 = jnp.uint32
 _I32 = jnp.int32
@@ -64,7 +66,8 @@ def _histogram_pass(flat, prefix, low: int, width: int, radix_bits: int, block: 
 
 
 def _compact_pass(flat, threshold, offsets, ties, k: int, block: int, interpret: bool):
-  """Writes the selected coordinates (key > T, and the first ``ties`` per program at T)."""
+  """Writes the selected coordinates (key > T, and the first ``ties`` per program at T) to
+  ``k`` slots; a coordinate whose slot would fall past the end is dropped."""
   n = flat.shape[0]
 
   def kernel(x_ref, t_ref, off_ref, ties_ref, val_ref, idx_ref):
@@ -77,6 +80,7 @@ def _compact_pass(flat, threshold, offsets, ties, k: int, block: int, interpret:
     tie = valid & (key == t)
     take = (valid & (key > t)) | (tie & (jnp.cumsum(tie.astype(_I32)) <= ties_ref[pid]))
     slot = off_ref[pid] + jnp.cumsum(take.astype(_I32)) - 1
+    take = take & (slot < k)
     slot = jnp.where(take, slot, k)          # masked lanes point past the end
     dispatch.plt.store(val_ref.at[slot], values, mask=take)
     dispatch.plt.store(idx_ref.at[slot], idx, mask=take)
@@ -84,6 +88,133 @@ def _compact_pass(flat, threshold, offsets, ties, k: int, block: int, interpret:
   out = (jax.ShapeDtypeStruct((k,), flat.dtype), jax.ShapeDtypeStruct((k,), _I32))
   return dispatch.call(kernel, out, -(-n // block), interpret, "select_top_k_compact")(
       flat, threshold.reshape(1), offsets, ties)
+
+
+def _count_pass(flat, low, block: int, interpret: bool):
+  """Per program, how many of its keys are ``>= low``: ``[programs]`` int32."""
+  n = flat.shape[0]
+  programs = -(-n // block)
+
+  def kernel(x_ref, low_ref, out_ref):
+    pid = pl.program_id(0)
+    valid = dispatch.lanes(block, pid * block) < n
+    key = reference.magnitude_key(dispatch.chunk(x_ref, pid * block, block, valid))
+    hits = (valid & (key >= low_ref[0])).astype(_I32)
+    dispatch.put(out_ref, pid, 1, jnp.sum(hits.reshape(1, block), axis=1),
+                 dispatch.lanes(1) < 1)
+
+  return dispatch.call(kernel, jax.ShapeDtypeStruct((programs,), _I32), programs, interpret,
+                       "select_top_k_count")(flat, low.reshape(1))
+
+
+def _mask_passes(mask, capacity: int, block: int, interpret: bool):
+  """``[capacity]`` int32: the indices of the first ``capacity`` true entries of the uint8
+  ``mask``, in order; slots past the count hold ``mask.size``. One pass counts each
+  program's true entries, a second writes each one's index to its slot."""
+  n = mask.shape[0]
+  programs = -(-n // block)
+
+  def count_kernel(m_ref, out_ref):
+    pid = pl.program_id(0)
+    valid = dispatch.lanes(block, pid * block) < n
+    hits = (dispatch.chunk(m_ref, pid * block, block, valid) != 0).astype(_I32)
+    dispatch.put(out_ref, pid, 1, jnp.sum(hits.reshape(1, block), axis=1),
+                 dispatch.lanes(1) < 1)
+
+  counts = dispatch.call(count_kernel, jax.ShapeDtypeStruct((programs,), _I32), programs,
+                         interpret, "first_true_count")(mask)
+  offsets = _exclusive_cumsum(counts).astype(_I32)
+
+  def compact_kernel(m_ref, off_ref, idx_ref):
+    pid = pl.program_id(0)
+    idx = dispatch.lanes(block, pid * block)
+    valid = idx < n
+    take = valid & (dispatch.chunk(m_ref, pid * block, block, valid) != 0)
+    slot = off_ref[pid] + jnp.cumsum(take.astype(_I32)) - 1
+    take = take & (slot < capacity)
+    dispatch.plt.store(idx_ref.at[jnp.where(take, slot, capacity)], idx, mask=take)
+
+  indices = dispatch.call(compact_kernel, jax.ShapeDtypeStruct((capacity,), _I32), programs,
+                          interpret, "first_true_compact")(mask, offsets)
+  return jnp.where(jnp.arange(capacity, dtype=_I32) < jnp.sum(counts), indices, n)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def first_true(mask, capacity: int, block: int, interpret: bool):
+  """The indices of the first ``capacity`` true entries of the 1-D ``mask``, ascending;
+  slots past the count hold ``mask.size`` (as ``commopt._src.base.first_true``)."""
+  return _mask_passes(mask.astype(jnp.uint8), capacity, block, interpret)
+
+
+def sampled_capacity(n: int, k: int) -> int:
+  """The most candidates the sampled select ranks among themselves: a power of two at
+  least twice the expected count of keys at or above the sample's lower bound."""
+  high_rank = histogram.sample_rank_bounds(n, k)[1]
+  expected = max(high_rank, 1) * n / histogram.SAMPLE
+  return 1 << math.ceil(math.log2(2 * expected + 1024))
+
+
+def suits_sampled(n: int, k: int) -> bool:
+  """Whether :func:`select_top_k_sampled` applies: a leaf large enough to sample whose
+  candidates are fewer than its coordinates."""
+  return n >= histogram.SAMPLE_FROM and sampled_capacity(n, k) < n
+
+
+def _candidates_finish(values, indices, count, k: int):
+  """The ``k`` largest keys among the first ``count`` candidates (in index order), kept in
+  index order: the k-th key and its ties by two histograms, then one compaction."""
+  size = values.shape[0]
+  valid = jnp.arange(size, dtype=_I32) < count
+  key = reference.magnitude_key(values)
+  threshold, ties = histogram.kth_key(key, jnp.asarray(k, _I32), valid)
+  tie = valid & (key == threshold)
+  taken = valid & ((key > threshold) | (tie & (jnp.cumsum(tie.astype(_I32)) <= ties)))
+  slot = jnp.where(taken, jnp.cumsum(taken.astype(_I32)) - 1, k)
+  out_values = jnp.zeros((k,), values.dtype).at[slot].set(values, mode="drop")
+  out_indices = jnp.zeros((k,), _I32).at[slot].set(indices, mode="drop")
+  return out_values, out_indices
+
+
+def sampled_bound(flat, k: int, block: int, interpret: bool):
+  """``(L, counts, total, bracketed)``: the sample's lower bound ``L`` of the k-th key, the
+  per-program counts of keys ``>= L`` and their total, and whether the candidates hold the
+  k largest keys and fit :func:`sampled_capacity`."""
+  n = flat.shape[0]
+  key = reference.magnitude_key(flat)
+  sample = histogram.sample_keys(key, n)
+  rank = min(histogram.sample_rank_bounds(n, k)[1], histogram.SAMPLE)
+  if rank < 1:
+    low = jnp.asarray(1 << 31, _U32)
+  else:    # the rank-th largest sample key (sign-cleared keys order as float32 bit patterns)
+    kth = lax.top_k(lax.bitcast_convert_type(sample, jnp.float32), rank)[0][rank - 1]
+    low = lax.bitcast_convert_type(kth, _U32)
+  counts = _count_pass(flat, low, block, interpret)
+  total = jnp.sum(counts)
+  bracketed = (total >= k) & (total <= sampled_capacity(n, k)) & (low > 0)
+  return low, counts, total, bracketed
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def select_top_k_sampled(flat, k: int, radix_bits: int, block: int, interpret: bool):
+  """``(values, indices)`` of the ``k`` largest keys of ``flat`` (indices ascending) in
+  two reads of ``flat``: a sample's key of rank :func:`histogram.sample_rank_bounds`'s
+  upper bound is a lower bound ``L`` of the k-th key; one pass counts each program's keys
+  ``>= L``, a second writes them, in index order, to :func:`sampled_capacity` slots; the
+  k-th key and its ties are found among those candidates. When the counts refute the
+  bound (fewer than ``k`` keys ``>= L``, or more than the slots), the radix select runs
+  instead (:func:`select_top_k`). Same result as the reference either way."""
+  capacity = sampled_capacity(flat.shape[0], k)
+  low, counts, total, bracketed = sampled_bound(flat, k, block, interpret)
+  offsets = _exclusive_cumsum(counts).astype(_I32)
+
+  def from_candidates():
+    # keys > low - 1, i.e. >= low (low > 0 here); no ties taken at the threshold
+    values, indices = _compact_pass(flat, low - np.uint32(1), offsets,
+                                    jnp.zeros_like(counts), capacity, block, interpret)
+    return _candidates_finish(values, indices, total, k)
+
+  return lax.cond(bracketed, from_candidates,
+                  lambda: select_top_k(flat, k, radix_bits, block, interpret))
 
 
 def _exclusive_cumsum(v):
