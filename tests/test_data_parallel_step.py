@@ -432,3 +432,33 @@ def test_placement_checks_run_once_per_argument_signature(mesh, monkeypatch):
                        jax.device_get(state))
   with pytest.raises(ValueError, match="per-worker"):
     dp.step(params, wrong, batch)
+
+
+def test_an_unplaced_device_batch_is_placed_by_the_remembered_plan(mesh, monkeypatch):
+  """A batch handed over as one device's arrays every step (as a user's data loader does) is
+  checked once; later steps place it by the plan the first call made, without copying it (the
+  step does not donate the batch: the caller's arrays stay usable), and train exactly as the
+  same batch placed beforehand."""
+  from commopt.parallel import _placement as place
+  dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
+  params = make_params()
+  batches = [jax.tree.map(jnp.asarray, b) for b in make_batches(6)]   # on one device
+  calls = []
+  real = place.checked_layout
+  monkeypatch.setattr(place, "checked_layout", lambda *a: calls.append(1) or real(*a))
+  p, s = params, dp.init(params)
+  checked = []
+  for b in batches:
+    before = len(calls)
+    p, s, _ = dp.step(p, s, b)
+    checked.append(len(calls) - before)
+  # The first steps meet new signatures (the caller's parameters, then the step's own
+  # outputs); from then on every step is placed by the plan, unchecked.
+  assert checked[0] > 0 and checked[2:] == [0, 0, 0, 0], checked
+  assert all(not x.is_deleted() for b in batches for x in jax.tree.leaves(b))
+  monkeypatch.setattr(place, "checked_layout", real)
+  dp2 = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
+  q, t = make_params(), dp2.init(make_params())
+  for b in batches:
+    q, t, _ = dp2.step(q, t, dp2.place_batch(b))
+  jax.tree.map(lambda a, c: np.testing.assert_array_equal(np.asarray(a), np.asarray(c)), p, q)

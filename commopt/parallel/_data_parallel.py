@@ -111,7 +111,7 @@ class DataParallel:
     for name in ("has_aux", "has_state", "donate", "local_params"):
       object.__setattr__(self, name, base.check_bool(name, getattr(self, name), fn=fn))
     object.__setattr__(self, "_layouts", {})
-    object.__setattr__(self, "_placed_signatures", set())
+    object.__setattr__(self, "_placed_signatures", {})
     probe.check_tx_axes(self)
 
   # -- basic facts ---------------------------------------------------------------

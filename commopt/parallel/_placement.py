@@ -15,6 +15,7 @@ The functions that read the step's options take the
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import jax
@@ -73,37 +74,57 @@ def specs_of(dp, tree, what: str):
   return jax.tree_util.tree_unflatten(treedef, [spec_of(dp, x, what, p) for p, x in leaves])
 
 
-def put(mesh, tree, specs):
-  """``tree`` placed by ``specs``; arrays already placed so pass through untouched."""
-  def put_leaf(x, spec):
+def put(mesh, tree, specs, *, copy: bool = True, record: list | None = None):
+  """``tree`` placed by ``specs``; arrays already placed so pass through untouched.
+
+  ``copy``: an array that has to move is copied first, never aliased (see
+  :func:`put_leaf`); False for what the step does not donate (the batch, extra
+  arguments), which ``device_put`` may then alias. ``record``: a list that gets
+  each leaf's target ``NamedSharding``, in leaf order (:func:`placed`'s plan).
+  """
+  def put_one(x, spec):
     target = NamedSharding(mesh, spec)
-    if isinstance(x, jax.Array) and not compat.is_tracer(x):
-      if x.sharding == target:
-        return x
-      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        # device_put refuses typed keys on a mesh that spans processes: place
-        # their data (a trailing key axis, replicated) and wrap it again.
-        data = put_leaf(jax.random.key_data(x), P(*lay.full_spec(spec, x.ndim), None))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-      # A copy, never an alias: the step donates what it is given, and the
-      # caller's own arrays (e.g. one device's parameters) must survive that.
-      # (device_put(..., may_alias=False) still aliases onto a mesh in JAX 0.10.)
-      if x.is_fully_addressable:
-        x = jnp.copy(x)
-    return jax.device_put(x, target)
+    if record is not None:
+      record.append(target)
+    return put_leaf(x, target, copy)
 
-  return lay.map_specs(put_leaf, tree, specs)
+  return lay.map_specs(put_one, tree, specs)
 
 
-def put_replicated(mesh, tree):
+def put_leaf(x, target: NamedSharding, copy: bool = True):
+  """One leaf of :func:`put`: ``x`` placed with ``target``, passed through if it already is."""
+  if isinstance(x, jax.Array) and not compat.is_tracer(x):
+    if x.sharding == target:
+      return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      # device_put refuses typed keys on a mesh that spans processes: place
+      # their data (a trailing key axis, replicated) and wrap it again.
+      data = put_leaf(jax.random.key_data(x), NamedSharding(
+          target.mesh, P(*lay.full_spec(target.spec, x.ndim), None)), copy)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    # A copy, never an alias: the step donates what it is given, and the
+    # caller's own arrays (e.g. one device's parameters) must survive that.
+    # (device_put(..., may_alias=False) still aliases onto a mesh in JAX 0.10.)
+    if copy and x.is_fully_addressable:
+      x = jnp.copy(x)
+  return jax.device_put(x, target)
+
+
+def put_replicated(mesh, tree, *, copy: bool = True, record: list | None = None):
   """``tree`` (extra arguments for ``tx.update``) replicated over the whole mesh."""
-  return put(mesh, tree, jax.tree.map(lambda _: P(), tree))
+  return put(mesh, tree, jax.tree.map(lambda _: P(), tree), copy=copy, record=record)
 
 
-def put_batch(dp, batch):
-  """Every batch leaf sharded on its leading axis over the data axes (shapes unchecked)."""
+def put_batch(dp, batch, *, record: list | None = None):
+  """Every batch leaf sharded on its leading axis over the data axes (shapes unchecked).
+
+  Not copied: the step does not donate the batch, so a leaf that only changes
+  its sharding on the same devices (one device's array on a one-device mesh)
+  is aliased, not copied, every step.
+  """
   data = P(lay.data_spec(dp.axes))
-  return put(dp.mesh, batch, jax.tree.map(lambda x: lay.full_spec(data, jnp.ndim(x)), batch))
+  return put(dp.mesh, batch, jax.tree.map(lambda x: lay.full_spec(data, jnp.ndim(x)), batch),
+             copy=False, record=record)
 
 
 def check_batch(batch, fn: str, workers: int, where: str) -> None:
@@ -224,48 +245,136 @@ def placed(dp, params, opt_state, batch, model_state, key, extra_args=None):
   device's launch waits for that device's in-flight-computation semaphore,
   until the rendezvous times out and aborts the process ("only 7 of 8
   arrived"). Seen in 6 of 20 runs of 300 small steps under CPU contention. So on CPU meshes the step waits until its inputs (the
-  previous step's outputs, the batch's copies) are ready: 0 of 48 runs
-  failed after. On other platforms only arguments that had to be copied
-  are waited for. Arrays already placed pass through untouched (donation
-  still aliases them).
+  previous step's outputs, the batch as placed) are ready: 0 of 48 runs
+  failed after. On a one-device CPU mesh only arguments that had to be
+  moved are waited for; on other platforms (whose streams order a copy
+  before the step that reads it) nothing is. Arrays already placed pass
+  through untouched (donation still aliases them).
+
+  The checks run once per argument signature (:func:`_signature`): a call
+  whose arguments are typed and placed as in an earlier call whose checks
+  passed skips them, and moves the leaves that call moved the same way
+  (every step after the first: the previous step's outputs pass through, a
+  batch given unplaced is placed again).
   """
   extra_args = {} if extra_args is None else extra_args
-  before, treedef = jax.tree.flatten((params, opt_state, batch, model_state, key, extra_args))
+  args = (params, opt_state, batch, model_state, key, extra_args)
+  # Each argument flattened by itself, so that a call that moves only the batch rebuilds
+  # only the batch (unflattening parameters held in Python pytree nodes, such as flax
+  # nnx Variables, costs more than placing the batch).
+  flat = [jax.tree.flatten(a) for a in args]
+  before = [x for leaves, _ in flat for x in leaves]
   if any(compat.is_tracer(x) for x in before):
-    return params, opt_state, batch, model_state, key, extra_args
-  # Arguments typed and placed as in an earlier call whose checks passed and moved nothing
-  # (every step after the first, fed the previous step's outputs) skip the checks.
-  signature = _signature(treedef, before)
-  if signature is not None and signature in dp._placed_signatures:
-    args = (params, opt_state, batch, model_state, key, extra_args)
-    if on_cpu(dp.mesh):
-      jax.block_until_ready(args)
     return args
+  treedefs = tuple(t for _, t in flat)
+  signature = _signature(treedefs, before)
+  plan = None if signature is None else dp._placed_signatures.get(signature)
+  if plan is not None:
+    put_indices, put_targets, placers, rebuilt = plan
+    if not rebuilt:
+      _wait(dp.mesh, args, ())
+      return args
+    after = list(before)
+    if put_indices:   # one device_put for the leaves moved as they are
+      for i, y in zip(put_indices, jax.device_put([before[i] for i in put_indices],
+                                                   list(put_targets))):
+        after[i] = y
+    for i, place_leaf in placers:
+      after[i] = place_leaf(before[i])
+    args = list(args)
+    for k, lo, hi in rebuilt:
+      args[k] = jax.tree.unflatten(treedefs[k], after[lo:hi])
+    args = tuple(args)
+    _wait(dp.mesh, args, [after[i] for i in put_indices + tuple(i for i, _ in placers)])
+    return args
+  records = [[] for _ in range(6)]   # one list per argument, in the order of `args`
   layout = checked_layout(dp, params, opt_state)
-  params = put(dp.mesh, params, param_specs(dp, layout))
-  opt_state = put(dp.mesh, opt_state, layout.state_specs)
+  params = put(dp.mesh, params, param_specs(dp, layout), record=records[0])
+  opt_state = put(dp.mesh, opt_state, layout.state_specs, record=records[1])
   if model_state is not None:
-    model_state = dp.place_model_state(model_state)
+    # dp.place_model_state, recorded.
+    model_state = put(dp.mesh, model_state, specs_of(dp, model_state, "model state leaf"),
+                      record=records[3])
   if key is not None:
-    key = jax.device_put(key, NamedSharding(dp.mesh, P()))
-  extra_args = put_replicated(dp.mesh, extra_args)
+    key_sharding = NamedSharding(dp.mesh, P())
+    key = jax.device_put(key, key_sharding)
+    records[4] = [functools.partial(jax.device_put, device=key_sharding)] * len(
+        jax.tree.leaves(key))
+  extra_args = put_replicated(dp.mesh, extra_args, copy=False, record=records[5])
   try:
     # Not checked here, per call: the step checks the batch's shapes when it is traced.
-    batch_placed = put_batch(dp, batch)
+    batch_placed = put_batch(dp, batch, record=records[2])
   except (TypeError, ValueError):
     dp._check_batch(batch)   # a placement that fails on shapes, with the shapes named
     raise
   args = (params, opt_state, batch_placed, model_state, key, extra_args)
-  copied = [y for x, y in zip(before, jax.tree.leaves(args)) if y is not x]
-  if on_cpu(dp.mesh):
-    jax.block_until_ready(args)
-  elif copied:
-    jax.block_until_ready(copied)
-  if signature is not None and not copied:
-    if len(dp._placed_signatures) >= _SIGNATURES_KEPT:
-      dp._placed_signatures.clear()
-    dp._placed_signatures.add(signature)
+  after = jax.tree.leaves(args)
+  moved = [i for i, (x, y) in enumerate(zip(before, after)) if y is not x]
+  _wait(dp.mesh, args, [after[i] for i in moved])
+  if signature is not None:
+    _remember(dp, signature, before, records, moved, [len(leaves) for leaves, _ in flat])
   return args
+
+
+def _remember(dp, signature, before, records, moved, sizes) -> None:
+  """Keeps :func:`placed`'s plan for ``signature``: how each leaf it moved is placed again.
+
+  The plan is ``(indices, targets, placers, rebuilt)``: the leaves ``put_leaf`` moves with
+  one ``device_put`` (not copied, not typed keys) and their targets, then
+  ``(index, placer)`` for the others (copies of donated arguments, typed keys,
+  and one device's arrays that only change their sharding's type on that
+  device, e.g. a batch on a one-device mesh, which :func:`_rewrap` gives the
+  target sharding in a fraction of a ``device_put``'s time, aliased as
+  ``device_put`` would); ``rebuilt`` is ``(argument, first leaf, end)`` of the
+  arguments holding a moved leaf, the only ones unflattened again.
+  """
+  flat = []   # (target or placer, copy) per leaf, in the order of `before`
+  for k, record in enumerate(records):
+    copy = k not in (2, 5)   # the batch and extra arguments are not donated
+    flat += [(r, copy) for r in record]
+  if len(flat) != len(before):
+    return
+  indices, targets, placers = [], [], []
+  for i in moved:
+    r, copy = flat[i]
+    x = before[i]
+    if callable(r):
+      placers.append((i, r))
+    elif (copy and x.is_fully_addressable) or jax.dtypes.issubdtype(x.dtype,
+                                                                   jax.dtypes.prng_key):
+      placers.append((i, functools.partial(put_leaf, target=r, copy=copy)))
+    elif _same_device(x.sharding, r):
+      placers.append((i, functools.partial(_rewrap, target=r)))
+    else:
+      indices.append(i)
+      targets.append(r)
+  bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+  rebuilt = tuple((k, lo, hi) for k, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
+                  if any(lo <= i < hi for i in moved))
+  if len(dp._placed_signatures) >= _SIGNATURES_KEPT:
+    dp._placed_signatures.clear()
+  dp._placed_signatures[signature] = (tuple(indices), tuple(targets), tuple(placers), rebuilt)
+
+
+def _same_device(sharding, target) -> bool:
+  """Whether ``sharding`` and ``target`` both put the whole array on one and the same device."""
+  return (len(target.device_set) == 1 and sharding.device_set == target.device_set
+          and sharding.memory_kind == target.memory_kind)
+
+
+def _rewrap(x, target):
+  """``jax.device_put(x, target)`` where both put the whole of ``x`` on one same device:
+  the same buffer, with ``target``'s sharding (committed)."""
+  return jax.make_array_from_single_device_arrays(x.shape, target, [x])
+
+
+def _wait(mesh, args, moved) -> None:
+  """:func:`placed`'s wait: on a multi-device CPU mesh for every argument, on a one-device
+  CPU mesh for the arguments that were moved, elsewhere for none."""
+  if on_cpu(mesh):
+    jax.block_until_ready(args)
+  elif moved and mesh.devices.flat[0].platform == "cpu":
+    jax.block_until_ready(moved)
 
 
 _SIGNATURES_KEPT = 64
@@ -273,7 +382,8 @@ _SIGNATURES_KEPT = 64
 
 
 def _signature(treedef, leaves):
-  """What :func:`placed`'s checks depend on: the tree, each leaf's type, shape, dtype and
+  """What :func:`placed`'s checks depend on: the tree (here the arguments' trees), each
+  leaf's type, shape, dtype and
   sharding (None if a leaf is not a ``jax.Array``, which is then placed every call)."""
   parts = []
   for x in leaves:
