@@ -141,7 +141,7 @@ def gpu_rows(sizes, repeats, interpret=False):
       }
       times = {name: device_seconds(lambda f=f: f(x), max(3, repeats // 2))
                for name, f in baselines.items()}
-      bracketed = bool(select_pallas.sampled_bound(x, k, 1024, interpret)[3])
+      bracketed = bool(select_pallas.sampled_bound(x, k, 1024)[3])
       for name, t in times.items():
         rows.append(row("gpu", op, name, n, t, k=k, speedup_vs_top_k=times["lax.top_k"] / t,
                         vs_two_reads=t / t_reads,

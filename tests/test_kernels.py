@@ -237,7 +237,7 @@ def test_select_top_k_sampled_bracket_and_fallback(n, k):
   from commopt.kernels.select import pallas as select_pallas
   x = mixed(n, n + k)
   assert select_pallas.suits_sampled(n, k)
-  low, counts, total, bracketed = select_pallas.sampled_bound(x, k, 1024, True)
+  low, counts, total, bracketed = select_pallas.sampled_bound(x, k, 1024)
   assert bool(bracketed), (int(total), k, select_pallas.sampled_capacity(n, k))
   np.testing.assert_array_equal(total, np.sum(np.asarray(kernels.magnitude_key(x)) >= int(low)))
   values, indices = kernels.select_top_k(x, k, block=1024, **PALLAS)
@@ -245,7 +245,7 @@ def test_select_top_k_sampled_bracket_and_fallback(n, k):
   np.testing.assert_array_equal(indices, want_indices)
   np.testing.assert_array_equal(values, want_values)
   ties = jnp.ones(n).at[n // 3].set(2.0)
-  assert not bool(select_pallas.sampled_bound(ties, k, 1024, True)[3])
+  assert not bool(select_pallas.sampled_bound(ties, k, 1024)[3])
   np.testing.assert_array_equal(kernels.select_top_k(ties, k, block=1024, **PALLAS)[1],
                                 brute_top_k(ties, k))
 

@@ -139,7 +139,7 @@ def test_select_top_k_sampled_on_large_leaves():
   from commopt.kernels.select import pallas as select_pallas
   x = jax.random.normal(jax.random.key(0), (16 * 2**20 + 3,))
   for k in (1, 16_000, 170_000):
-    assert bool(select_pallas.sampled_bound(x, k, 1024, False)[3])
+    assert bool(select_pallas.sampled_bound(x, k, 1024)[3])
     got = jax.jit(lambda v: kernels.select_top_k(v, k, **NATIVE))(x)
     want = jax.jit(lambda v: kernels.select_top_k(v, k, **XLA))(x)
     same(got[1], want[1])

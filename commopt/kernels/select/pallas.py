@@ -1,16 +1,29 @@
-"""Magnitude top-k by a radix select over the key's bits, then compaction, in Pallas.
+"""Magnitude top-k and mask compaction in Pallas, without sorting.
 
 The ranking is :mod:`commopt.kernels.select.reference`'s (the key of
 :func:`~commopt.kernels.magnitude_key`, ties to the lower index), and so is
-the order of the result: ascending indices. The kernel never sorts. Pass ``p``
-of the select reads the input once and builds, per program, a histogram of
-one ``radix_bits``-wide digit of the key over the coordinates whose higher
-digits equal the prefix found so far; the per-program histograms are added
-up to pick the digit that holds the k-th key and the count above it. After
-``⌈31/radix_bits⌉`` passes the k-th key ``T`` is known, and so is how many
-coordinates above ``T`` each program holds; a last pass writes every
-coordinate with key ``> T`` and the first (by index) coordinates with key
-``== T`` to their slots, found by prefix sums. Arguments are checked by the api.
+the order of the result: ascending indices.
+
+- :func:`select_top_k_sampled` (leaves of at least
+  :data:`~commopt.kernels.select.histogram.SAMPLE_FROM` coordinates, when
+  :func:`suits_sampled`): a sample of the keys gives a lower bound ``L`` of the
+  k-th key; one pass (XLA) counts each program's keys ``>= L``, the compaction
+  kernel writes them, in index order, to a few times ``k`` slots; the k-th
+  key and its ties are found among those candidates by two histograms. When
+  the counts refute the bound, the radix select runs instead.
+- :func:`select_top_k` (the radix select): pass ``p`` reads the input once
+  and builds, per program, a histogram of one ``radix_bits``-wide digit of the
+  key over the coordinates whose higher digits equal the prefix found so far;
+  the per-program histograms are added up to pick the digit that holds the
+  k-th key and the count above it. After ``⌈31/radix_bits⌉`` passes the k-th
+  key ``T`` is known, and so is how many coordinates above ``T`` each program
+  holds; a last pass writes every coordinate with key ``> T`` and the first
+  (by index) coordinates with key ``== T`` to their slots, found by prefix
+  sums.
+- :func:`first_true`: the same compaction for a boolean mask (one counting
+  pass, one writing pass).
+
+Arguments are checked by the api.
 """
 
 from __future__ import annotations
@@ -90,39 +103,25 @@ def _compact_pass(flat, threshold, offsets, ties, k: int, block: int, interpret:
       flat, threshold.reshape(1), offsets, ties)
 
 
-def _count_pass(flat, low, block: int, interpret: bool):
-  """Per program, how many of its keys are ``>= low``: ``[programs]`` int32."""
-  n = flat.shape[0]
+def _block_counts(hits, block: int):
+  """``[programs]`` int32: how many of each program's ``block`` entries of ``hits`` are true.
+
+  In XLA, one read fused with whatever computes ``hits`` (the counts are the offsets of
+  the compaction kernel's programs)."""
+  n = hits.shape[0]
   programs = -(-n // block)
-
-  def kernel(x_ref, low_ref, out_ref):
-    pid = pl.program_id(0)
-    valid = dispatch.lanes(block, pid * block) < n
-    key = reference.magnitude_key(dispatch.chunk(x_ref, pid * block, block, valid))
-    hits = (valid & (key >= low_ref[0])).astype(_I32)
-    dispatch.put(out_ref, pid, 1, jnp.sum(hits.reshape(1, block), axis=1),
-                 dispatch.lanes(1) < 1)
-
-  return dispatch.call(kernel, jax.ShapeDtypeStruct((programs,), _I32), programs, interpret,
-                       "select_top_k_count")(flat, low.reshape(1))
+  padded = jnp.pad(hits, (0, programs * block - n)).reshape(programs, block)
+  return jnp.sum(padded, axis=1, dtype=_I32)
 
 
 def _mask_passes(mask, capacity: int, block: int, interpret: bool):
   """``[capacity]`` int32: the indices of the first ``capacity`` true entries of the uint8
   ``mask``, in order; slots past the count hold ``mask.size``. One pass counts each
-  program's true entries, a second writes each one's index to its slot."""
+  program's true entries (:func:`_block_counts`), the kernel writes each one's index to
+  its slot."""
   n = mask.shape[0]
   programs = -(-n // block)
-
-  def count_kernel(m_ref, out_ref):
-    pid = pl.program_id(0)
-    valid = dispatch.lanes(block, pid * block) < n
-    hits = (dispatch.chunk(m_ref, pid * block, block, valid) != 0).astype(_I32)
-    dispatch.put(out_ref, pid, 1, jnp.sum(hits.reshape(1, block), axis=1),
-                 dispatch.lanes(1) < 1)
-
-  counts = dispatch.call(count_kernel, jax.ShapeDtypeStruct((programs,), _I32), programs,
-                         interpret, "first_true_count")(mask)
+  counts = _block_counts(mask != 0, block)
   offsets = _exclusive_cumsum(counts).astype(_I32)
 
   def compact_kernel(m_ref, off_ref, idx_ref):
@@ -175,7 +174,7 @@ def _candidates_finish(values, indices, count, k: int):
   return out_values, out_indices
 
 
-def sampled_bound(flat, k: int, block: int, interpret: bool):
+def sampled_bound(flat, k: int, block: int):
   """``(L, counts, total, bracketed)``: the sample's lower bound ``L`` of the k-th key, the
   per-program counts of keys ``>= L`` and their total, and whether the candidates hold the
   k largest keys and fit :func:`sampled_capacity`."""
@@ -188,7 +187,7 @@ def sampled_bound(flat, k: int, block: int, interpret: bool):
   else:    # the rank-th largest sample key (sign-cleared keys order as float32 bit patterns)
     kth = lax.top_k(lax.bitcast_convert_type(sample, jnp.float32), rank)[0][rank - 1]
     low = lax.bitcast_convert_type(kth, _U32)
-  counts = _count_pass(flat, low, block, interpret)
+  counts = _block_counts(key >= low, block)
   total = jnp.sum(counts)
   bracketed = (total >= k) & (total <= sampled_capacity(n, k)) & (low > 0)
   return low, counts, total, bracketed
@@ -204,7 +203,7 @@ def select_top_k_sampled(flat, k: int, radix_bits: int, block: int, interpret: b
   bound (fewer than ``k`` keys ``>= L``, or more than the slots), the radix select runs
   instead (:func:`select_top_k`). Same result as the reference either way."""
   capacity = sampled_capacity(flat.shape[0], k)
-  low, counts, total, bracketed = sampled_bound(flat, k, block, interpret)
+  low, counts, total, bracketed = sampled_bound(flat, k, block)
   offsets = _exclusive_cumsum(counts).astype(_I32)
 
   def from_candidates():
