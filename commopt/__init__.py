@@ -71,8 +71,10 @@ from commopt.compressors import (
 )
 from commopt.parallel import (
     DataParallel,
+    ZeroDataParallel,
     data_parallel,
     local_value_and_grad,
+    zero_data_parallel,
 )
 from commopt.transforms import (
     DEFAULT_MIN_SIZE,
@@ -194,6 +196,8 @@ __all__ = [
     "transforms",
     "trimmed_mean",
     "variance_balanced",
+    "zero_data_parallel",
+    "ZeroDataParallel",
     "wire",
 ]
 

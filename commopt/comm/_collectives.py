@@ -454,6 +454,20 @@ def all_gather(tree: Any, axis_name) -> Any:
   return jax.tree.map(gather, tree)
 
 
+def all_gather_varying(x: jax.Array, axis_name) -> jax.Array:
+  """Every worker's ``x`` stacked on a new leading axis, typed varying (as ``x``).
+
+  What a ZeRO-3 weight gather needs: the gathered weights feed each worker's
+  own loss, so their cotangent differs between workers and is reduce-scattered
+  by the gather's own backward pass; an invariant result would make autodiff
+  all-reduce it densely first. Locally the leading axis has size 1.
+  """
+  if axis_name is None:
+    return x[None]
+  _record("all-gather", x, axis_name)
+  return jax.lax.all_gather(x, axis_name)
+
+
 def all_gather_tiled(x, axis_name, axis: int):
   """Concatenates every worker's ``x`` along ``axis``; typed invariant when ``x`` varies.
 

@@ -4,6 +4,9 @@
   the pure ``step_fn`` and the state's ``state_specs`` for a ``loss_fn`` and an
   optax transform.
 - :func:`nnx_data_parallel`: the same for a Flax nnx model with mutable state.
+- :func:`zero_data_parallel` / :class:`ZeroDataParallel`: parameters and optimizer
+  state sharded over the data axis (ZeRO-3), weights and gradients optionally
+  compressed on their way (qwZ, qgZ).
 - For a hand-written ``shard_map`` step: :func:`local_value_and_grad` (gradients
   that stay on the worker), :meth:`DataParallel.state_specs` (which state
   leaves are per-worker), :func:`stack_workers` / :func:`unstack_workers`.
@@ -11,6 +14,7 @@
 
 from commopt.parallel._data_parallel import DataParallel, Layout, data_parallel
 from commopt.parallel._layout import local_value_and_grad, stack_workers, unstack_workers
+from commopt.parallel._zero import ShardedLeaf, ZeroDataParallel, zero_data_parallel
 
 _NNX = ("NnxDataParallel", "NnxTrainState", "nnx_data_parallel")
 _SFB_NNX = ("SFBKernel", "SFBLinear", "sfb_mask")
@@ -29,5 +33,6 @@ def __getattr__(name):
   raise AttributeError(f"module 'commopt.parallel' has no attribute {name!r}")
 
 __all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "SFBKernel", "SFBLinear",
-           "data_parallel", "local_value_and_grad", "nnx_data_parallel", "sfb_mask",
-           "stack_workers", "unstack_workers"]
+           "ShardedLeaf", "ZeroDataParallel", "data_parallel", "local_value_and_grad",
+           "nnx_data_parallel", "sfb_mask", "stack_workers", "unstack_workers",
+           "zero_data_parallel"]

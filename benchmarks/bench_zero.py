@@ -1,0 +1,182 @@
+"""ZeRO-3 data parallelism: bytes on the wire, memory and convergence, dense against
+quantized weights (qwZ) and gradients (qgZ), side by side in one run.
+
+An MLP regression (``--width`` hidden units, three layers, a fixed teacher) is trained by
+``commopt.zero_data_parallel(loss_fn, optax.adam(lr), mesh, weights=..., grads=...)`` on
+``--workers`` simulated CPU devices, in four setups:
+
+- ``dense``: float32 all-gather of the weights, float32 reduce-scatter of the gradients;
+- ``qwZ``: the weights gathered as ``int_quant(bits=8, block_size=2048, nearest)``
+  payloads (uint32 words), the gradients dense;
+- ``qgZ``: the gradients as ``int_quant(bits=4, block_size=2048, nearest)`` chunks in one
+  all-to-all, summed in float32 by their owner; the weights dense;
+- ``qwZ+qgZ``: both.
+
+Each row reads the compiled step: the bytes one device sends per step in each kind of
+collective (``commopt.wire.parse_hlo``'s ``sent_bytes``, a ring / pairwise model: an
+all-gather or reduce-scatter sends ``(N-1)/N`` of the whole leaf, an all-to-all ``(N-1)/N``
+of its input), their total and the reduction against dense; ``memory_analysis()``'s argument and temporary bytes per device, against the
+replicated ``data_parallel`` step (identity ``compressed_mean`` + the same adam) of the same
+model; the median step time (CPU, informative only); and the mean loss of the last 20 of
+``--steps`` steps, against dense's. DeepSpeed's ZeRO++ states 4x less cross-node traffic
+(3M to 0.75M in fp16 with hpZ); here the weights are float32 and gathered once per step
+(autodiff keeps them for the backward pass; no second gather), so dense moves 2M.
+
+``--check`` exits 1 when ``qwZ+qgZ`` moves less than 4x fewer bytes than dense, its loss
+ends above 1.2x dense's, or the sharded arguments exceed 1.1x one worker's share.
+
+    python benchmarks/bench_zero.py                  # ~1 min on 2 cores
+    python benchmarks/bench_zero.py --width 256 --steps 100 --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workers", type=int, default=8)
+  p.add_argument("--width", type=int, default=512)
+  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--check", action="store_true")
+  p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "zero.json"))
+  return p.parse_args(argv)
+
+
+def problem(width, seed=0):
+  import jax.numpy as jnp
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  dims = [64, width, width, 8]
+  params = {}
+  for i, (a, b) in enumerate(zip(dims, dims[1:])):
+    params[f"w{i}"] = jnp.asarray(rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32)
+    params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
+  teacher = rng.normal(size=(64, 8)).astype(np.float32) / 8
+
+  def loss_fn(p, b):
+    h = b["x"]
+    for i in range(len(dims) - 1):
+      h = h @ p[f"w{i}"] + p[f"b{i}"]
+      h = jnp.tanh(h) if i < len(dims) - 2 else h
+    return jnp.mean((h - b["y"]) ** 2)
+
+  def batch(step, size=256):
+    r = np.random.default_rng(1000 + step)
+    x = r.normal(size=(size, 64)).astype(np.float32)
+    return {"x": x, "y": np.tanh(x @ teacher).astype(np.float32)}
+
+  return params, loss_fn, batch
+
+
+def run(args):
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.workers)
+  import numpy as np
+  import optax
+  import commopt
+
+  mesh = jax.make_mesh((args.workers,), ("data",))
+  params, loss_fn, batch = problem(args.width)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  q8 = commopt.int_quant(bits=8, block_size=2048, rounding="nearest")
+  q4 = commopt.int_quant(bits=4, block_size=2048, rounding="nearest")
+  setups = {"dense": (None, None), "qwZ": (q8, None), "qgZ": (None, q4), "qwZ+qgZ": (q8, q4)}
+
+  dp = commopt.data_parallel(loss_fn, optax.chain(commopt.compressed_mean(
+      commopt.compressors.make("identity"), axis_name="data"), optax.adam(args.lr)), mesh)
+  rep = dp.lower(params, dp.init(params), dp.place_batch(batch(0))).compile().memory_analysis()
+  batch_bytes = sum(v.nbytes for v in batch(0).values()) // args.workers
+  rep_args = rep.argument_size_in_bytes - batch_bytes
+  rep_temp = rep.temp_size_in_bytes
+
+  rows = []
+  for name, (w, g) in setups.items():
+    zp = commopt.zero_data_parallel(loss_fn, optax.adam(args.lr), mesh, weights=w, grads=g)
+    sharded = zp.shard(params)
+    state = zp.init(sharded)
+    lowered = zp.lower(sharded, state, batch(0))
+    by_kind = {}
+    for c in commopt.wire.parse_hlo(lowered.compile().as_text()):
+      by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes
+    memory = lowered.compile().memory_analysis()
+    losses, times = [], []
+    for step in range(args.steps):
+      b = batch(step)
+      t0 = time.perf_counter()
+      sharded, state, l = zp.step(sharded, state, b)
+      l = jax.block_until_ready(l)
+      times.append(time.perf_counter() - t0)
+      losses.append(float(np.mean(l)))
+    rows.append({
+        "setup": name, "params": n, "bytes": by_kind, "total_bytes": sum(by_kind.values()),
+        "args_bytes": memory.argument_size_in_bytes - batch_bytes,
+        "temp_bytes": memory.temp_size_in_bytes, "replicated_args_bytes": rep_args,
+        "replicated_temp_bytes": rep_temp,
+        "ms_per_step": 1e3 * statistics.median(times[2:]),
+        "first_loss": losses[0], "tail_loss": float(np.mean(losses[-20:]))})
+  dense = rows[0]
+  for r in rows:
+    r["reduction"] = dense["total_bytes"] / r["total_bytes"]
+    r["loss_vs_dense"] = r["tail_loss"] / dense["tail_loss"]
+    r["args_vs_share"] = r["args_bytes"] / (rep_args / args.workers)
+  return rows
+
+
+def table(rows, workers):
+  kinds = sorted({k for r in rows for k in r["bytes"]})
+  head = (["setup"] + [f"{k} B" for k in kinds] +
+          ["total B", "vs dense", "args B (÷ repl/N)", "temp B", "ms/step", "tail loss",
+           "loss ÷ dense"])
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    cells = ([r["setup"]] + [f"{r['bytes'].get(k, 0):,}" for k in kinds] +
+             [f"{r['total_bytes']:,}", f"{r['reduction']:.2f}x",
+              f"{r['args_bytes']:,} ({r['args_vs_share']:.2f})", f"{r['temp_bytes']:,}",
+              f"{r['ms_per_step']:.1f}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"])
+    out.append("| " + " | ".join(cells) + " |")
+  rep = rows[0]["replicated_args_bytes"]
+  out.append(f"\n{rows[0]['params']:,} parameters, {workers} workers; the replicated "
+             f"data_parallel step (identity compressed_mean + adam): arguments {rep:,} B, "
+             f"temporaries {rows[0]['replicated_temp_bytes']:,} B per device.")
+  return "\n".join(out)
+
+
+def misses(rows):
+  both = next(r for r in rows if r["setup"] == "qwZ+qgZ")
+  out = []
+  if both["reduction"] < 4.0:
+    out.append(f"qwZ+qgZ moves {both['reduction']:.2f}x fewer bytes than dense (target >= 4x)")
+  if both["loss_vs_dense"] > 1.2:
+    out.append(f"qwZ+qgZ ends at {both['loss_vs_dense']:.3f}x dense's loss (target <= 1.2x)")
+  for r in rows:
+    if r["args_vs_share"] > 1.1:
+      out.append(f"{r['setup']}: arguments {r['args_vs_share']:.2f}x one worker's share "
+                 "(target <= 1.1x)")
+  return out
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  rows = run(args)
+  print(table(rows, args.workers))
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+  print(f"wrote {out}")
+  missed = misses(rows)
+  for m in missed:
+    print("MISSED:", m)
+  return 1 if (args.check and missed) else 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

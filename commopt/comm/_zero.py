@@ -1,0 +1,160 @@
+"""ZeRO-3's collectives: a parameter's shard gathered for the forward pass and its gradient
+reduce-scattered back by the gather's own backward pass, either one compressed.
+
+A leaf of ``n`` coordinates is kept flat, zero-padded to ``N·c`` (``c = ⌈n/N⌉``), and
+worker ``j`` owns coordinates ``j·c`` to ``(j+1)·c`` (:func:`shard_flat`). Inside
+``jax.shard_map`` over the data axis, :func:`gather` gives every worker the whole leaf:
+
+- forward: an all-gather of the owners' shards, dense, or each shard encoded by the
+  ``weights`` compressor (qwZ: block-quantized int8/int4) and the packed payloads
+  gathered as uint32 words, then decoded;
+- backward: the cotangent (each worker's own gradient of the whole leaf) split into
+  ``N`` chunks, one per owner: a reduce-scatter when dense, or each chunk encoded by
+  the ``grads`` compressor (qgZ), an all-to-all of the packed payloads, and the owner
+  decoding the ``N`` payloads of its chunk and summing them in float32; then divided by
+  ``N`` (the mean).
+
+No error feedback: the compressors should be unbiased or deterministic block
+quantizers (``int_quant(rounding="nearest")`` as ZeRO++ uses). A compressor that draws
+random bits takes the ``key`` given to :func:`gather` (per worker and leaf).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from commopt._src import base
+from commopt.comm import _collectives as coll
+from commopt.comm._channel import sum_decoded
+from commopt.comm._strategies import to_words
+
+
+def shard_len(n: int, workers: int) -> int:
+  """Coordinates each of ``workers`` owns of a leaf of ``n``: ``⌈n/workers⌉`` (at least 1)."""
+  return max(1, -(-n // workers))
+
+
+def shard_flat(x: jax.Array, workers: int) -> jax.Array:
+  """``x`` flattened, zero-padded to ``workers·c`` and shaped ``[workers, c]`` (row j: owner j)."""
+  flat = jnp.reshape(x, (-1,))
+  c = shard_len(flat.shape[0], workers)
+  return jnp.pad(flat, (0, workers * c - flat.shape[0])).reshape(workers, c)
+
+
+def unshard_flat(rows: jax.Array, shape, dtype=None) -> jax.Array:
+  """The leaf of ``shape`` from its ``[workers, c]`` rows (the padding dropped)."""
+  n = int(np.prod(shape, dtype=np.int64))
+  out = jnp.reshape(rows, (-1,))[:n].reshape(shape)
+  return out if dtype is None else out.astype(dtype)
+
+
+def check_compressor(compressor, what: str, fn: str) -> None:
+  """A ZeRO compressor must encode a flat shard by itself: stateless, per leaf, flat chunks."""
+  if compressor is None:
+    return
+  if not isinstance(compressor, base.Compressor):
+    raise ValueError(f"{fn}: `{what}` must be None (dense) or a commopt Compressor, "
+                     f"got {type(compressor).__name__}.")
+  if not base.is_stateless_per_leaf(compressor) or "flat_chunks" not in compressor.capabilities:
+    raise ValueError(
+        f"{fn}: `{what}`={compressor.name} cannot encode a flat shard by itself: it keeps "
+        "per-leaf state, runs its own protocol, selects over the whole tree or compresses "
+        "by a matrix shape. Use a stateless elementwise or blockwise compressor, e.g. "
+        "commopt.int_quant(bits=8, rounding='nearest').")
+
+
+def needs_key(compressor) -> bool:
+  """Whether ``compressor`` draws random bits (its encode refuses ``key=None``)."""
+  if compressor is None:
+    return False
+  like = jax.ShapeDtypeStruct((64,), jnp.float32)
+  try:
+    jax.eval_shape(lambda x: compressor.encode(x, compressor.init(like), None), like)
+  except ValueError as e:
+    if "needs a PRNG key" in str(e):
+      return True
+    raise
+  return False
+
+
+def _encode_rows(compressor, rows: jax.Array, key):
+  """Each row of ``rows`` ``[m, c]`` encoded by itself (row ``j`` with ``fold_in(key, j)``)."""
+  like = jax.ShapeDtypeStruct(rows.shape[1:], rows.dtype)
+  empty = compressor.init(like)
+  if key is None:
+    payloads = jax.vmap(lambda r: compressor.encode(r, empty, None)[0])(rows)
+  else:
+    keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(rows.shape[0]))
+    payloads = jax.vmap(lambda r, k: compressor.encode(r, empty, k)[0])(rows, keys)
+  return payloads, empty, like
+
+
+def gather_shard(shard: jax.Array, axis_name, compressor=None, key=None) -> jax.Array:
+  """``[N, c]``: every owner's shard (``[c]``), dense or through ``compressor``; varying."""
+  if compressor is None:
+    return coll.all_gather_varying(shard, axis_name)
+  payloads, empty, like = _encode_rows(compressor, shard[None], key)
+  words, unpack = to_words(payloads, batch_dims=1)
+  gathered = coll.all_gather_varying(words[0], axis_name)
+  return jax.vmap(lambda pl: compressor.decode(pl, empty, like))(unpack(gathered))
+
+
+def scatter_mean(rows: jax.Array, axis_name, compressor=None, key=None) -> jax.Array:
+  """``[c]``: the mean over the workers of their row ``j`` of ``rows`` ``[N, c]``, on owner ``j``."""
+  workers = coll.axis_size(axis_name)
+  if compressor is None:
+    total = coll.psum_scatter(rows.reshape(-1).astype(jnp.float32), axis_name)
+    return (total / workers).astype(rows.dtype)
+  payloads, empty, like = _encode_rows(compressor, rows, key)
+  words, unpack = to_words(payloads, batch_dims=1)
+  received = coll.all_to_all(words, axis_name)
+  total = sum_decoded(unpack(received),
+                      lambda acc, pl: compressor.add_decoded(acc, pl, empty, like),
+                      jnp.zeros(rows.shape[1:], jnp.float32))
+  return (total / workers).astype(rows.dtype)
+
+
+def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
+           key: Optional[jax.Array] = None) -> jax.Array:
+  """The whole leaf of ``shape`` from this worker's ``shard`` (``[c]``), differentiable.
+
+  The forward pass all-gathers the shards (through ``weights`` when given); the
+  backward pass turns each worker's cotangent of the whole leaf into the mean
+  over the workers of the owner's chunk (through ``grads`` when given). Call it
+  inside ``jax.shard_map`` over ``axis_name``, with ``shard`` varying over it.
+
+  Args:
+    shard: this worker's ``[c]`` coordinates (see :func:`shard_flat`).
+    shape: the leaf's shape.
+    axis_name: the data axis the leaf is sharded over.
+    weights: None (dense) or a stateless compressor for the weight gather.
+    grads: None (dense reduce-scatter) or a stateless compressor for the gradient.
+    key: a key for compressors that draw random bits (folded per direction and row).
+
+  Returns:
+    The leaf, ``shape`` in ``shard``'s dtype, varying over ``axis_name``.
+  """
+  shape = tuple(shape)
+  workers = coll.axis_size(axis_name)
+  c = shard.shape[0]
+  keys = (None, None) if key is None else (jax.random.fold_in(key, 0),
+                                          jax.random.fold_in(key, 1))
+
+  @jax.custom_vjp
+  def run(s):
+    return unshard_flat(gather_shard(s, axis_name, weights, keys[0]), shape, s.dtype)
+
+  def fwd(s):
+    return run(s), None
+
+  def bwd(_, ct):
+    flat = jnp.reshape(ct, (-1,))
+    rows = jnp.pad(flat, (0, workers * c - flat.shape[0])).reshape(workers, c)
+    return (scatter_mean(rows, axis_name, grads, keys[1]).astype(shard.dtype),)
+
+  run.defvjp(fwd, bwd)
+  return run(shard)
