@@ -170,6 +170,63 @@ def test_bad_arguments_name_themselves(mesh):
                                grads=commopt.compressors.make("power_sgd"))
   with pytest.raises(ValueError, match="`weights` must be None \\(dense\\) or a commopt"):
     commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh, weights="int8")
+  with pytest.raises(ValueError, match="`gather` must be one of"):
+    commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh, gather="layers")
   zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh)
   with pytest.raises(ValueError, match="must come from .shard\\(params\\)"):
     zp.init(make_params())
+  with pytest.raises(ValueError, match="`stacked` must hold True or False, got 'yes'"):
+    zp.shard(make_params(), stacked={"w1": "yes", "b1": False, "w2": False})
+  with pytest.raises(ValueError, match="`stacked` must be a prefix"):
+    zp.shard(make_params(), stacked={"w1": True})
+
+
+def _stack_params(seed=0, layers=6, width=96):
+  rng = np.random.default_rng(seed)
+  return {"embed": jnp.asarray(rng.normal(size=(13, width)) / 4, jnp.float32),
+          "layers": {"w": jnp.asarray(rng.normal(size=(layers, width, width)) / width ** 0.5 / 2,
+                                      jnp.float32),
+                     "b": jnp.zeros((layers, width), jnp.float32)},
+          "head": jnp.asarray(rng.normal(size=(width, 5)) / width ** 0.5, jnp.float32)}
+
+
+def _layer(h, layer):
+  return jnp.tanh(h @ layer["w"] + layer["b"]) + h, None
+
+
+def whole_loss(p, b):
+  h = jnp.tanh(b["x"] @ p["embed"])
+  h, _ = jax.lax.scan(_layer, h, p["layers"])
+  return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+
+def layer_by_layer_loss(p, b, gather):
+  h = jnp.tanh(b["x"] @ gather(p["embed"]))
+  body = jax.checkpoint(lambda h, layer: _layer(h, gather(layer)))
+  h, _ = jax.lax.scan(body, h, p["layers"])
+  return jnp.mean((h @ gather(p["head"]) - b["y"]) ** 2)
+
+
+def test_layer_by_layer_gathers_under_a_scan(mesh):
+  """gather='manual' on a stack sharded layer by layer: the scan gathers one layer at a
+  time (rematerialised, so the backward gathers it again), trains as gathering everything
+  first does, and its step holds far less temporary memory."""
+  params = _stack_params()
+  steps = {}
+  for mode, loss in (("step", whole_loss), ("manual", layer_by_layer_loss)):
+    zp = commopt.zero_data_parallel(loss, optax.adam(1e-2), mesh, gather=mode)
+    sharded = zp.shard(params, stacked={"embed": False, "layers": True, "head": False})
+    assert sharded["layers"]["w"].rows.shape == (6, 8, 1152)
+    state = zp.init(sharded)
+    temp = zp.lower(sharded, state, make_batch(0)).compile().memory_analysis().temp_size_in_bytes
+    for i in range(5):
+      sharded, state, losses = zp.step(sharded, state, make_batch(i))
+    steps[mode] = (zp.unshard(sharded), temp)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
+                                                       atol=2e-6),
+               steps["manual"][0], steps["step"][0])
+  assert steps["manual"][0]["layers"]["w"].shape == (6, 96, 96)
+  layer_bytes = 96 * 96 * 4
+  assert steps["step"][1] > 6 * layer_bytes             # every layer whole at once
+  assert steps["manual"][1] < steps["step"][1] - 3 * layer_bytes, (steps["manual"][1],
+                                                                  steps["step"][1])

@@ -33,24 +33,31 @@ from commopt.comm import _zero as zero_comm
 
 @jax.tree_util.register_pytree_node_class
 class ShardedLeaf:
-  """One parameter sharded over the data axis: ``rows`` ``[N, c]``, and its ``shape`` and
+  """One parameter sharded over the data axis: ``rows`` ``[N, c]`` (``[L, N, c]`` for a
+  stack of ``L`` layers, each layer sharded by itself), and one layer's ``shape`` and the
   ``dtype`` (static)."""
 
-  def __init__(self, rows, shape, dtype):
+  def __init__(self, rows, shape, dtype, layers=None):
     self.rows = rows
     self.shape = tuple(shape)
     self.dtype = np.dtype(dtype)
+    self.layers = layers
 
   def tree_flatten(self):
-    return (self.rows,), (self.shape, self.dtype.name)
+    return (self.rows,), (self.shape, self.dtype.name, self.layers)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(children[0], aux[0], aux[1])
+    return cls(children[0], *aux)
+
+  @property
+  def full_shape(self) -> tuple:
+    """The parameter's shape (with its layer axis first for a stack)."""
+    return self.shape if self.layers is None else (self.layers,) + self.shape
 
   def __repr__(self) -> str:
     rows = getattr(self.rows, "shape", self.rows)
-    return f"ShardedLeaf(shape={self.shape}, dtype={self.dtype.name}, rows={rows})"
+    return (f"ShardedLeaf(shape={self.full_shape}, dtype={self.dtype.name}, rows={rows})")
 
 
 def _is_sharded(x) -> bool:
@@ -71,6 +78,7 @@ class ZeroDataParallel:
   weights: Optional[base.Compressor] = None
   grads: Optional[base.Compressor] = None
   donate: bool = True
+  gather: str = "step"
 
   def __post_init__(self):
     fn = "zero_data_parallel"
@@ -85,6 +93,7 @@ class ZeroDataParallel:
     if self.axis_name not in self.mesh.axis_names:
       raise ValueError(f"{fn}: `axis_name`={self.axis_name!r} is not an axis of the mesh; "
                        f"its axes are {tuple(self.mesh.axis_names)}.")
+    base.check_choice("gather", self.gather, ("step", "manual"), fn)
     zero_comm.check_compressor(self.weights, "weights", fn)
     zero_comm.check_compressor(self.grads, "grads", fn)
     object.__setattr__(self, "_keyed", tuple(
@@ -101,21 +110,51 @@ class ZeroDataParallel:
     """Devices on the data axis (the ``N`` of every leaf's ``[N, c]`` rows)."""
     return self.mesh.shape[self.axis_name]
 
-  def _rows_sharding(self) -> NamedSharding:
-    return NamedSharding(self.mesh, P(self.axis_name))
+  def _spec(self, leaf) -> P:
+    return P(self.axis_name) if leaf.layers is None else P(None, self.axis_name)
 
-  def shard(self, params):
+  def shard(self, params, stacked=None):
     """``params`` as a tree of :class:`ShardedLeaf`, each ``[N, c]`` sharded over the axis.
 
-    Every process must pass the same values (the owners' rows are cut from them)."""
-    def one(x):
+    Args:
+      params: the whole parameters. Every process must pass the same values (the
+        owners' rows are cut from them).
+      stacked: a prefix of ``params``' tree of booleans (e.g. ``{"layers": True}``):
+        the leaves under True have a leading layer axis ``L`` and are sharded layer by
+        layer, as ``[L, N, c]``, so that a ``lax.scan`` over the layers can gather
+        one layer at a time (``gather="manual"``).
+    """
+    stacked = False if stacked is None else stacked
+
+    def one(flag, x):
       value = np.asarray(jax.device_get(x))
       if not np.issubdtype(value.dtype, np.floating):
         raise ValueError(f"zero_data_parallel.shard: every parameter must be floating point, "
                          f"got a {value.dtype} leaf of shape {value.shape}.")
-      rows = np.asarray(zero_comm.shard_flat(jnp.asarray(value), self.workers))
-      return ShardedLeaf(jax.device_put(rows, self._rows_sharding()), value.shape, value.dtype)
-    return jax.tree.map(one, params)
+      if not isinstance(flag, bool):
+        raise ValueError(f"zero_data_parallel.shard: `stacked` must hold True or False, "
+                         f"got {flag!r}.")
+      if flag and value.ndim == 0:
+        raise ValueError("zero_data_parallel.shard: a leaf under stacked=True needs a "
+                         "leading layer axis, got a scalar.")
+      if flag:
+        rows = np.stack([np.asarray(zero_comm.shard_flat(jnp.asarray(v), self.workers))
+                         for v in value])
+        leaf = ShardedLeaf(None, value.shape[1:], value.dtype, value.shape[0])
+      else:
+        rows = np.asarray(zero_comm.shard_flat(jnp.asarray(value), self.workers))
+        leaf = ShardedLeaf(None, value.shape, value.dtype)
+      leaf.rows = jax.device_put(rows, NamedSharding(self.mesh, self._spec(leaf)))
+      return leaf
+
+    try:
+      return jax.tree.map(lambda flag, sub: jax.tree.map(lambda x: one(flag, x), sub),
+                          stacked, params)
+    except ValueError as e:
+      if "zero_data_parallel" in str(e):
+        raise
+      raise ValueError(f"zero_data_parallel.shard: `stacked` must be a prefix of the "
+                       f"parameters' tree of True/False, got {stacked!r}: {e}") from e
 
   def unshard(self, sharded):
     """The whole parameters (replicated over the mesh) from a tree of :class:`ShardedLeaf`."""
@@ -123,8 +162,10 @@ class ZeroDataParallel:
 
     def one(leaf):
       rows = jax.device_put(leaf.rows, replicated)
-      return jax.jit(lambda r: zero_comm.unshard_flat(r, leaf.shape, leaf.dtype),
-                     out_shardings=replicated)(rows)
+      whole = lambda r: zero_comm.unshard_flat(r, leaf.shape, leaf.dtype)
+      if leaf.layers is not None:
+        whole = jax.vmap(whole)
+      return jax.jit(whole, out_shardings=replicated)(rows)
     with jax.set_mesh(self.mesh):
       return jax.tree.map(one, sharded, is_leaf=_is_sharded)
 
@@ -143,18 +184,39 @@ class ZeroDataParallel:
 
   # -- the step ----------------------------------------------------------------------
 
+  def _gather_fn(self, worker_key):
+    """``gather(tree, key=None)``: every :class:`ShardedLeaf` of ``tree`` (this worker's
+    rows, ``[1, c]``, or ``[L, 1, c]`` for a whole stack) made whole; other leaves kept."""
+    def gather(tree, key=None):
+      key = worker_key if key is None else key
+      leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
+      out = []
+      for i, leaf in enumerate(leaves):
+        if not _is_sharded(leaf):
+          out.append(leaf)
+          continue
+        k = None if key is None else jax.random.fold_in(key, i)
+        one = lambda rows, k: zero_comm.gather(
+            rows[0], leaf.shape, self.axis_name, weights=self.weights, grads=self.grads, key=k)
+        if leaf.rows.ndim == 3:      # a whole stack: each layer by itself
+          keys = None if k is None else jax.random.split(k, leaf.rows.shape[0])
+          out.append(jax.vmap(one)(leaf.rows, keys) if k is not None else
+                     jax.vmap(lambda r: one(r, None))(leaf.rows))
+        else:
+          out.append(one(leaf.rows, k))
+      return jax.tree.unflatten(treedef, out)
+    return gather
+
   def _local_grads(self, sharded, batch, key):
-    """Inside the map: ``(gradient rows [1, c] per leaf, this worker's loss [1])``."""
+    """Inside the map: ``(gradient rows per leaf, this worker's loss [1])``."""
     worker_key = None if key is None else jax.random.fold_in(
         key, coll.axis_index(self.axis_name))
+    gather = self._gather_fn(worker_key)
 
     def loss_of(tree):
-      leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
-      full = [zero_comm.gather(
-          leaf.rows[0], leaf.shape, self.axis_name, weights=self.weights, grads=self.grads,
-          key=None if worker_key is None else jax.random.fold_in(worker_key, i))
-          for i, leaf in enumerate(leaves)]
-      return self.loss_fn(jax.tree.unflatten(treedef, full), batch)
+      if self.gather == "manual":
+        return self.loss_fn(tree, batch, gather)
+      return self.loss_fn(gather(tree), batch)
 
     loss, grads = jax.value_and_grad(loss_of)(sharded)
     return grads, jnp.reshape(loss, (1,))
@@ -164,12 +226,12 @@ class ZeroDataParallel:
 
     ``batch`` leaves are split over the data axis on their leading dimension; ``key`` (a
     PRNG key, replicated) is needed only by compressors that draw random bits."""
+    specs = jax.tree.map(self._spec, sharded, is_leaf=_is_sharded)
     rows = P(self.axis_name)
     local = jax.shard_map(
         self._local_grads, mesh=self.mesh,
-        in_specs=(jax.tree.map(lambda _: rows, sharded),
-                  jax.tree.map(lambda _: rows, batch), P()),
-        out_specs=(jax.tree.map(lambda _: rows, sharded), rows))
+        in_specs=(specs, jax.tree.map(lambda _: rows, batch), P()),
+        out_specs=(specs, rows))
     grads, losses = local(sharded, batch, key)
     updates, opt_state = self.tx.update(grads, opt_state, sharded)
     return optax.apply_updates(sharded, updates), opt_state, losses
@@ -177,7 +239,7 @@ class ZeroDataParallel:
   def lower(self, sharded, opt_state, batch, key=None):
     """The jitted step lowered for these arguments (for :func:`commopt.wire.hlo_collectives`
     and ``.compile().memory_analysis()``)."""
-    batch = jax.device_put(batch, self._rows_sharding())
+    batch = jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
     with jax.set_mesh(self.mesh):
       return self._jitted.lower(sharded, opt_state, batch, key)
 
@@ -189,7 +251,7 @@ class ZeroDataParallel:
           f"zero_data_parallel.step: {' and '.join(self._keyed)} draws random bits: pass "
           "key=jax.random.key(seed + step), a new key every step (the same on every "
           "process), or use rounding='nearest'.")
-    batch = jax.device_put(batch, self._rows_sharding())
+    batch = jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
     with jax.set_mesh(self.mesh):
       return self._jitted(sharded, opt_state, batch, key)
 
@@ -197,7 +259,7 @@ class ZeroDataParallel:
 def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
                        weights: Optional[base.Compressor] = None,
                        grads: Optional[base.Compressor] = None,
-                       donate: bool = True) -> ZeroDataParallel:
+                       gather: str = "step", donate: bool = True) -> ZeroDataParallel:
   """Fully sharded data parallelism (ZeRO-3) with commopt's own gathers and scatters.
 
   Parameters and optimizer state are sharded over ``axis_name``: each device keeps
@@ -211,14 +273,24 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
   would cost a full gradient per device, which sharding exists to avoid): use
   deterministic or unbiased block quantizers.
 
+  With ``gather="manual"`` the loss gathers what it needs when it needs it:
+  ``loss_fn(params, batch, gather)`` receives the :class:`ShardedLeaf` tree (this
+  worker's rows) and ``gather(subtree, key=None)`` makes a subtree whole. Shard a stack
+  of layers layer by layer (``shard(params, stacked={"layers": True})``), ``lax.scan``
+  over its rows, gather one layer inside the body, and wrap the body in
+  ``jax.checkpoint``: then only one layer's weights are whole at a time, and the
+  backward pass gathers each layer again (ZeRO-3's second all-gather).
+
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar``, on one worker's part of the batch.
+    loss_fn: ``loss_fn(params, batch) -> scalar``, on one worker's part of the batch
+      (``loss_fn(params, batch, gather)`` with ``gather="manual"``).
     tx: any optax transform; it runs on the sharded rows under ``jit``, whole-tree
       quantities (global norms) computed across the devices by the compiler.
     mesh: the device mesh.
     axis_name: the data axis parameters are sharded over and the batch split over.
     weights: None (dense all-gather) or a stateless compressor for the weight gather.
     grads: None (dense reduce-scatter) or a stateless compressor for the gradients.
+    gather: ``"step"`` (every leaf gathered before ``loss_fn``) or ``"manual"``.
     donate: donate the parameters and optimizer state to the step.
 
   Returns:
@@ -250,4 +322,4 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
     Model Training, arXiv 2306.10209, 2023.
   """
   return ZeroDataParallel(loss_fn, tx, mesh, axis_name=axis_name, weights=weights,
-                          grads=grads, donate=donate)
+                          grads=grads, donate=donate, gather=gather)
