@@ -8,7 +8,8 @@ state gathered to the host. The test runs the same cases in one process
 
 import sys
 
-CASES = ("identity", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical")
+CASES = ("identity", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical", "zero",
+         "zero_quantized")
 STEPS = 3
 
 
@@ -23,6 +24,8 @@ def run_case(case: str, local_rows):
 
   import commopt
 
+  if case.startswith("zero"):
+    return run_zero(case, local_rows)
   if case == "hierarchical":
     mesh = jax.make_mesh((2, 4), ("node", "local"))
     axis = ("node", "local")
@@ -51,6 +54,34 @@ def run_case(case: str, local_rows):
     batch = dp.local_batch({"x": local_rows(x), "y": local_rows(y)})
     p, state, _ = dp.step(p, state, batch)
   return multihost_utils.process_allgather((p, state), tiled=True)
+
+
+def run_zero(case: str, local_rows):
+  """zero_data_parallel (dense, or int8 weights and int4 gradients) for STEPS adam steps:
+  the whole parameters and the sharded state on the host."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.experimental import multihost_utils
+
+  import commopt
+
+  mesh = jax.make_mesh((8,), ("data",))
+  q = case == "zero_quantized"
+  zp = commopt.zero_data_parallel(
+      lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w"]) - b["y"]) ** 2), optax.adam(1e-2), mesh,
+      weights=commopt.int_quant(bits=8, rounding="nearest") if q else None,
+      grads=commopt.int_quant(bits=4, rounding="nearest") if q else None)
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(32, 64)).astype(np.float32)
+  y = np.tanh(x[:, :20]).astype(np.float32)
+  sharded = zp.shard({"w": jnp.asarray(rng.normal(size=(64, 20)) * 0.1, jnp.float32)})
+  state = zp.init(sharded)
+  for _ in range(STEPS):
+    sharded, state, _ = zp.step(sharded, state, zp.local_batch({"x": local_rows(x),
+                                                                 "y": local_rows(y)}))
+  return multihost_utils.process_allgather((zp.unshard(sharded), state), tiled=True)
 
 
 def flat(tree):

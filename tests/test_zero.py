@@ -230,3 +230,33 @@ def test_layer_by_layer_gathers_under_a_scan(mesh):
   assert steps["step"][1] > 6 * layer_bytes             # every layer whole at once
   assert steps["manual"][1] < steps["step"][1] - 3 * layer_bytes, (steps["manual"][1],
                                                                   steps["step"][1])
+
+
+def test_a_checkpoint_restores_onto_another_number_of_devices(mesh, tmp_path):
+  """Parameters and adam's state unsharded, saved with orbax, restored and resharded over 4
+  devices: training goes on as it would have on 8 (to the rounding of the summation; dense
+  gathers: a quantized gather's blocks follow the shards, so they change with N)."""
+  import orbax.checkpoint as ocp
+  zp8 = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), mesh)
+  sharded, state, _ = train(zp8, 3)
+  whole = {"params": zp8.unshard(sharded), "opt_state": zp8.unshard(state)}
+  assert whole["opt_state"][0].mu["w1"].shape == (13, 37)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "ckpt", jax.device_get(whole))
+  ckpt.wait_until_finished()
+  restored = ckpt.restore(tmp_path / "ckpt")
+
+  mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  zp4 = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), mesh4)
+  sharded4 = zp4.shard(restored["params"])
+  state4 = zp4.reshard_state(restored["opt_state"], sharded4)
+  assert state4[0].mu["w1"].rows.shape == (4, 121)
+  assert int(state4[0].count) == 3
+  for i in range(3, 6):
+    sharded, state, _ = zp8.step(sharded, state, make_batch(i))
+    sharded4, state4, _ = zp4.step(sharded4, state4, make_batch(i))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                                                       atol=1e-5),
+               zp4.unshard(sharded4), zp8.unshard(sharded))
+  with pytest.raises(ValueError, match="the state has 1 leaves"):
+    zp4.reshard_state({"x": jnp.zeros(3)}, sharded4)

@@ -113,6 +113,18 @@ class ZeroDataParallel:
   def _spec(self, leaf) -> P:
     return P(self.axis_name) if leaf.layers is None else P(None, self.axis_name)
 
+  def _shard_value(self, value: np.ndarray, stacked: bool) -> ShardedLeaf:
+    """One host value as a :class:`ShardedLeaf` on the mesh (by layer when ``stacked``)."""
+    if stacked:
+      rows = np.stack([np.asarray(zero_comm.shard_flat(jnp.asarray(v), self.workers))
+                       for v in value])
+      leaf = ShardedLeaf(None, value.shape[1:], value.dtype, value.shape[0])
+    else:
+      rows = np.asarray(zero_comm.shard_flat(jnp.asarray(value), self.workers))
+      leaf = ShardedLeaf(None, value.shape, value.dtype)
+    leaf.rows = jax.device_put(rows, NamedSharding(self.mesh, self._spec(leaf)))
+    return leaf
+
   def shard(self, params, stacked=None):
     """``params`` as a tree of :class:`ShardedLeaf`, each ``[N, c]`` sharded over the axis.
 
@@ -137,15 +149,7 @@ class ZeroDataParallel:
       if flag and value.ndim == 0:
         raise ValueError("zero_data_parallel.shard: a leaf under stacked=True needs a "
                          "leading layer axis, got a scalar.")
-      if flag:
-        rows = np.stack([np.asarray(zero_comm.shard_flat(jnp.asarray(v), self.workers))
-                         for v in value])
-        leaf = ShardedLeaf(None, value.shape[1:], value.dtype, value.shape[0])
-      else:
-        rows = np.asarray(zero_comm.shard_flat(jnp.asarray(value), self.workers))
-        leaf = ShardedLeaf(None, value.shape, value.dtype)
-      leaf.rows = jax.device_put(rows, NamedSharding(self.mesh, self._spec(leaf)))
-      return leaf
+      return self._shard_value(value, flag)
 
     try:
       return jax.tree.map(lambda flag, sub: jax.tree.map(lambda x: one(flag, x), sub),
@@ -156,18 +160,50 @@ class ZeroDataParallel:
       raise ValueError(f"zero_data_parallel.shard: `stacked` must be a prefix of the "
                        f"parameters' tree of True/False, got {stacked!r}: {e}") from e
 
-  def unshard(self, sharded):
-    """The whole parameters (replicated over the mesh) from a tree of :class:`ShardedLeaf`."""
+  def unshard(self, tree):
+    """Every :class:`ShardedLeaf` of ``tree`` (the parameters, or the optimizer state, whose
+    per-parameter leaves are sharded the same way) made whole and replicated over the mesh;
+    other leaves as they are. For evaluation, export and checkpoints that a run on another
+    number of devices restores (:meth:`reshard_state`)."""
     replicated = NamedSharding(self.mesh, P())
 
     def one(leaf):
+      if not _is_sharded(leaf):
+        return leaf
       rows = jax.device_put(leaf.rows, replicated)
       whole = lambda r: zero_comm.unshard_flat(r, leaf.shape, leaf.dtype)
       if leaf.layers is not None:
         whole = jax.vmap(whole)
       return jax.jit(whole, out_shardings=replicated)(rows)
     with jax.set_mesh(self.mesh):
-      return jax.tree.map(one, sharded, is_leaf=_is_sharded)
+      return jax.tree.map(one, tree, is_leaf=_is_sharded)
+
+  def reshard_state(self, whole_state, sharded):
+    """The optimizer state of ``sharded`` (this instance's parameters) from its whole form
+    (:meth:`unshard` of a state, perhaps saved by a run on another number of devices):
+    every per-parameter leaf sharded as the parameters are, the rest (step counts)
+    replicated."""
+    self._check_sharded(sharded, "reshard_state")
+    template = jax.eval_shape(self.tx.init, sharded)
+    slots, treedef = jax.tree.flatten(template, is_leaf=_is_sharded)
+    values = jax.tree.leaves(whole_state)
+    if len(values) != len(slots):
+      raise ValueError(
+          f"zero_data_parallel.reshard_state: the state has {len(values)} leaves, and "
+          f"tx.init of these parameters {len(slots)}; it was made for another optimizer "
+          "or other parameters.")
+    out = []
+    for slot, value in zip(slots, values):
+      if _is_sharded(slot):
+        if tuple(np.shape(value)) != slot.full_shape:
+          raise ValueError(
+              f"zero_data_parallel.reshard_state: a per-parameter leaf of shape "
+              f"{tuple(np.shape(value))} where the parameter has shape {slot.full_shape}.")
+        leaf = self._shard_value(np.asarray(jax.device_get(value)), slot.layers is not None)
+        out.append(leaf)
+      else:
+        out.append(jax.device_put(value, NamedSharding(self.mesh, P())))
+    return jax.tree.unflatten(treedef, out)
 
   def init(self, sharded):
     """The optimizer state of the sharded parameters, sharded as they are."""
@@ -236,22 +272,37 @@ class ZeroDataParallel:
     updates, opt_state = self.tx.update(grads, opt_state, sharded)
     return optax.apply_updates(sharded, updates), opt_state, losses
 
+  def local_batch(self, batch):
+    """The global batch from this process's rows of it (multi-process runs): one array
+    per leaf, sharded over the data axis on its leading dimension, process ``p``'s rows
+    on the devices it hosts (``jax.make_array_from_process_local_data``). Every process
+    calls it with the same leaf shapes."""
+    def make(x):
+      x = np.asarray(x)
+      spec = P(self.axis_name, *([None] * (x.ndim - 1)))
+      return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), x)
+    return jax.tree.map(make, batch)
+
+  def _place_batch(self, batch):
+    return jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
+
   def lower(self, sharded, opt_state, batch, key=None):
     """The jitted step lowered for these arguments (for :func:`commopt.wire.hlo_collectives`
     and ``.compile().memory_analysis()``)."""
-    batch = jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
+    batch = self._place_batch(batch)
     with jax.set_mesh(self.mesh):
       return self._jitted.lower(sharded, opt_state, batch, key)
 
   def step(self, sharded, opt_state, batch, key=None):
-    """One jitted step (see :meth:`step_fn`); the batch is placed over the data axis."""
+    """One jitted step (see :meth:`step_fn`); the batch is placed over the data axis (in a
+    multi-process run pass :meth:`local_batch`'s global arrays)."""
     self._check_sharded(sharded, "step")
     if key is None and self._keyed:
       raise ValueError(
           f"zero_data_parallel.step: {' and '.join(self._keyed)} draws random bits: pass "
           "key=jax.random.key(seed + step), a new key every step (the same on every "
           "process), or use rounding='nearest'.")
-    batch = jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
+    batch = self._place_batch(batch)
     with jax.set_mesh(self.mesh):
       return self._jitted(sharded, opt_state, batch, key)
 
