@@ -240,7 +240,7 @@ def test_a_checkpoint_restores_onto_another_number_of_devices(mesh, tmp_path):
   zp8 = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), mesh)
   sharded, state, _ = train(zp8, 3)
   whole = {"params": zp8.unshard(sharded), "opt_state": zp8.unshard(state)}
-  assert whole["opt_state"][0].mu["w1"].shape == (13, 37)
+  assert whole["opt_state"].inner_state[0].mu["w1"].shape == (13, 37)
   ckpt = ocp.StandardCheckpointer()
   ckpt.save(tmp_path / "ckpt", jax.device_get(whole))
   ckpt.wait_until_finished()
@@ -250,13 +250,34 @@ def test_a_checkpoint_restores_onto_another_number_of_devices(mesh, tmp_path):
   zp4 = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), mesh4)
   sharded4 = zp4.shard(restored["params"])
   state4 = zp4.reshard_state(restored["opt_state"], sharded4)
-  assert state4[0].mu["w1"].rows.shape == (4, 121)
-  assert int(state4[0].count) == 3
+  assert state4.inner_state[0].mu["w1"].rows.shape == (4, 121)
+  assert int(state4.inner_state[0].count) == 3
   for i in range(3, 6):
     sharded, state, _ = zp8.step(sharded, state, make_batch(i))
     sharded4, state4, _ = zp4.step(sharded4, state4, make_batch(i))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
                                                        atol=1e-5),
                zp4.unshard(sharded4), zp8.unshard(sharded))
-  with pytest.raises(ValueError, match="the state has 1 leaves"):
+  with pytest.raises(ValueError, match="the state has no leaf 'notfinite_count'"):
     zp4.reshard_state({"x": jnp.zeros(3)}, sharded4)
+
+
+@pytest.mark.parametrize("grads", [None, Q4], ids=["dense", "qgZ"])
+def test_a_nonfinite_gradient_skips_the_step_on_every_device(mesh, grads):
+  """One worker's rows of the batch hold a NaN: every owner's part of the update is skipped
+  together (parameters and adam's state kept, the skip counted), and training goes on."""
+  zp = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), mesh, grads=grads)
+  sharded = zp.shard(make_params())
+  state = zp.init(sharded)
+  sharded, state, _ = zp.step(sharded, state, make_batch(0))
+  before = zp.unshard((sharded, state))
+  bad = make_batch(1)
+  bad["x"][3, 0] = np.nan                     # worker 0's rows only
+  sharded, state, _ = zp.step(sharded, state, bad)
+  after = zp.unshard((sharded, state))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               after[0], before[0])
+  assert int(state.total_notfinite) == 1
+  sharded, state, losses = zp.step(sharded, state, make_batch(2))
+  assert np.all(np.isfinite(np.asarray(zp.unshard(sharded)["w1"])))
+  assert int(state.notfinite_count) == 0

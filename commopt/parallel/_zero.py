@@ -60,6 +60,23 @@ class ShardedLeaf:
     return (f"ShardedLeaf(shape={self.full_shape}, dtype={self.dtype.name}, rows={rows})")
 
 
+_NEVER = 2**31 - 1
+"""``optax.apply_if_finite``'s ``max_consecutive_errors``: never apply a non-finite update."""
+
+
+def _path_name(path) -> str:
+  """A tree path as ``a/b/0``, whatever node types spell it (attribute, key or index)."""
+  parts = []
+  for key in path:
+    for attr in ("name", "key", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
 def _is_sharded(x) -> bool:
   return isinstance(x, ShardedLeaf)
 
@@ -79,6 +96,7 @@ class ZeroDataParallel:
   grads: Optional[base.Compressor] = None
   donate: bool = True
   gather: str = "step"
+  skip_nonfinite: bool = True
 
   def __post_init__(self):
     fn = "zero_data_parallel"
@@ -100,6 +118,10 @@ class ZeroDataParallel:
         f"`{what}`={c.name}" for what, c in (("weights", self.weights), ("grads", self.grads))
         if zero_comm.needs_key(c)))
     object.__setattr__(self, "donate", base.check_bool("donate", self.donate, fn=fn))
+    skip = base.check_bool("skip_nonfinite", self.skip_nonfinite, fn=fn)
+    # Outside the map, on the sharded rows: the finiteness of every device's rows is one
+    # decision of the whole program (the compiler reduces it), so all devices skip together.
+    object.__setattr__(self, "_tx", optax.apply_if_finite(self.tx, _NEVER) if skip else self.tx)
     object.__setattr__(self, "_jitted", jax.jit(self.step_fn,
                                                 donate_argnums=(0, 1) if self.donate else ()))
 
@@ -184,32 +206,39 @@ class ZeroDataParallel:
     every per-parameter leaf sharded as the parameters are, the rest (step counts)
     replicated."""
     self._check_sharded(sharded, "reshard_state")
-    template = jax.eval_shape(self.tx.init, sharded)
-    slots, treedef = jax.tree.flatten(template, is_leaf=_is_sharded)
-    values = jax.tree.leaves(whole_state)
-    if len(values) != len(slots):
-      raise ValueError(
-          f"zero_data_parallel.reshard_state: the state has {len(values)} leaves, and "
-          f"tx.init of these parameters {len(slots)}; it was made for another optimizer "
-          "or other parameters.")
+    template = jax.eval_shape(self._tx.init, sharded)
+    slots, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_sharded)
+    treedef = jax.tree.structure(template, is_leaf=_is_sharded)
+    # By path, not by position: a checkpoint restored without a target turns named tuples
+    # into dicts (their keys sorted) and tuples into lists.
+    values = {_path_name(path): value
+              for path, value in jax.tree_util.tree_flatten_with_path(whole_state)[0]}
     out = []
-    for slot, value in zip(slots, values):
+    for path, slot in slots:
+      name = _path_name(path)
+      if name not in values:
+        raise ValueError(
+            f"zero_data_parallel.reshard_state: the state has no leaf {name!r}, which "
+            f"tx.init of these parameters has (it has {sorted(values)[:6]}...); it was made "
+            "for another optimizer or other parameters.")
+      value = values[name]
       if _is_sharded(slot):
         if tuple(np.shape(value)) != slot.full_shape:
           raise ValueError(
-              f"zero_data_parallel.reshard_state: a per-parameter leaf of shape "
-              f"{tuple(np.shape(value))} where the parameter has shape {slot.full_shape}.")
-        leaf = self._shard_value(np.asarray(jax.device_get(value)), slot.layers is not None)
-        out.append(leaf)
+              f"zero_data_parallel.reshard_state: the leaf {name!r} has shape "
+              f"{tuple(np.shape(value))} where its parameter has shape {slot.full_shape}.")
+        out.append(self._shard_value(np.asarray(jax.device_get(value)),
+                                     slot.layers is not None))
       else:
-        out.append(jax.device_put(value, NamedSharding(self.mesh, P())))
+        out.append(jax.device_put(jnp.asarray(value, slot.dtype),
+                                  NamedSharding(self.mesh, P())))
     return jax.tree.unflatten(treedef, out)
 
   def init(self, sharded):
     """The optimizer state of the sharded parameters, sharded as they are."""
     self._check_sharded(sharded, "init")
     with jax.set_mesh(self.mesh):   # around the call, never inside traced code
-      return jax.jit(self.tx.init)(sharded)
+      return jax.jit(self._tx.init)(sharded)
 
   def _check_sharded(self, sharded, fn: str) -> None:
     leaves = jax.tree.leaves(sharded, is_leaf=_is_sharded)
@@ -269,7 +298,7 @@ class ZeroDataParallel:
         in_specs=(specs, jax.tree.map(lambda _: rows, batch), P()),
         out_specs=(specs, rows))
     grads, losses = local(sharded, batch, key)
-    updates, opt_state = self.tx.update(grads, opt_state, sharded)
+    updates, opt_state = self._tx.update(grads, opt_state, sharded)
     return optax.apply_updates(sharded, updates), opt_state, losses
 
   def local_batch(self, batch):
@@ -310,7 +339,8 @@ class ZeroDataParallel:
 def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
                        weights: Optional[base.Compressor] = None,
                        grads: Optional[base.Compressor] = None,
-                       gather: str = "step", donate: bool = True) -> ZeroDataParallel:
+                       gather: str = "step", skip_nonfinite: bool = True,
+                       donate: bool = True) -> ZeroDataParallel:
   """Fully sharded data parallelism (ZeRO-3) with commopt's own gathers and scatters.
 
   Parameters and optimizer state are sharded over ``axis_name``: each device keeps
@@ -342,6 +372,9 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
     weights: None (dense all-gather) or a stateless compressor for the weight gather.
     grads: None (dense reduce-scatter) or a stateless compressor for the gradients.
     gather: ``"step"`` (every leaf gathered before ``loss_fn``) or ``"manual"``.
+    skip_nonfinite: skip the update (parameters and optimizer state kept) when any
+      gradient is not finite, on every device together (``optax.apply_if_finite``
+      around ``tx``, on the sharded rows; its state counts the skips).
     donate: donate the parameters and optimizer state to the step.
 
   Returns:
@@ -373,4 +406,5 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
     Model Training, arXiv 2306.10209, 2023.
   """
   return ZeroDataParallel(loss_fn, tx, mesh, axis_name=axis_name, weights=weights,
-                          grads=grads, donate=donate, gather=gather)
+                          grads=grads, donate=donate, gather=gather,
+                          skip_nonfinite=skip_nonfinite)
