@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.comm import _zero as zero_comm
+from commopt.parallel._resize import path_key
 
 
 @jax.tree_util.register_pytree_node_class
@@ -65,16 +66,8 @@ _NEVER = 2**31 - 1
 
 
 def _path_name(path) -> str:
-  """A tree path as ``a/b/0``, whatever node types spell it (attribute, key or index)."""
-  parts = []
-  for key in path:
-    for attr in ("name", "key", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
+  """A tree path as ``a/b/0``, whatever node types spell it (see :func:`_resize.path_key`)."""
+  return "/".join(path_key(path))
 
 
 def _is_sharded(x) -> bool:
