@@ -106,7 +106,7 @@ def run(args):
     lowered = zp.lower(sharded, state, batch(0))
     by_kind = {}
     for c in commopt.wire.parse_hlo(lowered.compile().as_text()):
-      by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes
+      by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes * c.trips
     memory = lowered.compile().memory_analysis()
     losses, times = [], []
     for step in range(args.steps):

@@ -344,6 +344,9 @@ class Collective(NamedTuple):
     contributed_bytes: bytes one worker puts into the collective.
     sent_bytes: bytes one worker sends under a ring model.
     line: the HLO instruction.
+    trips: how many times one run of the program runs it: the product of the known
+      trip counts of the ``while`` loops whose bodies hold it (1 outside loops, and
+      for a loop whose trip count the compiler does not state).
   """
   kind: str
   dtypes: tuple
@@ -353,6 +356,7 @@ class Collective(NamedTuple):
   contributed_bytes: int
   sent_bytes: int
   line: str
+  trips: int = 1
 
 
 _KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
@@ -422,13 +426,54 @@ def _replica_groups(line: str, num_devices: int) -> tuple:
   return (tuple(range(num_devices)),)
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*\bbody=(%?[\w.\-]+)")
+_TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def _loop_trips(text: str) -> dict:
+  """``{computation: runs per run of the program}`` for the bodies of ``while`` loops with a
+  known trip count (nested loops multiply); computations absent run once."""
+  parent, loops, current = {}, {}, None
+  for line in text.splitlines():
+    if line and not line[0].isspace():
+      m = _COMPUTATION.match(line)
+      current = m.group(1).lstrip("%") if m else current
+      continue
+    w = _WHILE.search(line)
+    if w:
+      t = _TRIPS.search(line)
+      body = w.group(1).lstrip("%")
+      loops[body] = int(t.group(1)) if t else 1
+      parent[body] = current
+  trips = {}
+
+  def runs(name, depth=0):
+    if name not in loops or depth > 64:
+      return 1
+    if name not in trips:
+      trips[name] = loops[name] * runs(parent[name], depth + 1)
+    return trips[name]
+
+  for body in loops:
+    runs(body)
+  return trips
+
+
 def parse_hlo(text: str, num_devices: Optional[int] = None) -> list[Collective]:
-  """Every collective in HLO ``text`` (the ``-done`` halves of async pairs are skipped)."""
+  """Every collective in HLO ``text`` (the ``-done`` halves of async pairs are skipped),
+  with how many times a run of the program runs it (``trips``: inside ``while`` loops of
+  known trip count)."""
   if num_devices is None:
     m = re.search(r"num_partitions=(\d+)", text)
     num_devices = int(m.group(1)) if m else jax.device_count()
+  loop_trips = _loop_trips(text)
   out = []
+  current = None
   for line in text.splitlines():
+    if line and not line[0].isspace():
+      c = _COMPUTATION.match(line)
+      current = c.group(1).lstrip("%") if c else current
     m = _INSTR.search(line)
     if not m:
       continue
@@ -451,7 +496,8 @@ def parse_hlo(text: str, num_devices: Optional[int] = None) -> list[Collective]:
     sent = ring_sent_bytes(kind, contributed, n)
     out.append(Collective(kind=kind, dtypes=dtypes, shapes=shapes, group_size=n,
                           replica_groups=groups, contributed_bytes=int(contributed),
-                          sent_bytes=int(round(sent)), line=line.strip()))
+                          sent_bytes=int(round(sent)), line=line.strip(),
+                          trips=loop_trips.get(current, 1)))
   return out
 
 
@@ -474,9 +520,10 @@ def hlo_collectives(fn, *args, stage: str = "auto", **kwargs) -> list[Collective
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
-    A list of :class:`Collective`, in program order. Each instruction counts
-    once as written: a collective inside a loop body is not multiplied by its
-    trip count.
+    A list of :class:`Collective`, in program order, each instruction once as
+    written; its ``trips`` say how many times a run of the program runs it (a
+    scan's body once per iteration), which
+    ``total_bytes(..., per_run=True)`` counts.
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt
@@ -501,6 +548,8 @@ def hlo_collectives(fn, *args, stage: str = "auto", **kwargs) -> list[Collective
   return parse_hlo(lowered.compile().as_text())
 
 
-def total_bytes(collectives, field: str = "contributed_bytes") -> int:
-  """Sum of ``field`` (``contributed_bytes`` or ``sent_bytes``) over collectives."""
-  return int(sum(getattr(c, field) for c in collectives))
+def total_bytes(collectives, field: str = "contributed_bytes", *, per_run: bool = False) -> int:
+  """Sum of ``field`` (``contributed_bytes`` or ``sent_bytes``) over collectives: each
+  instruction once, or with ``per_run`` as many times as a run of the program runs it
+  (its ``trips``: a scan's body runs once per iteration)."""
+  return int(sum(getattr(c, field) * (c.trips if per_run else 1) for c in collectives))

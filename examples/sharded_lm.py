@@ -408,26 +408,34 @@ def train(method: str, args, data, mesh, model, say=print) -> dict:
               num_params=int(sum(x.size for x in jax.tree.leaves(params))))
 
 
-def plot(results: dict, args) -> None:
-  """The training losses (moving means over a sixtieth of the run) to ``args.plot``."""
+def plot_losses(results: dict, steps: int, path: str, title: str, label, reference: str) -> None:
+  """Each run's training loss (moving means over a sixtieth of the run) to ``path``;
+  ``label(method, history)`` names a curve, ``reference`` is drawn dashed on top."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  width = max(1, args.steps // 60)
+  width = max(1, steps // 60)
   for m, h in results.items():
     smooth = np.convolve(h["loss"], np.ones(width) / width, mode="valid")
-    label = f"{m} ({h['replica_bytes_per_step'] / 1e3:,.1f} kB/step per device)"
-    ax.plot(np.arange(width, len(h["loss"]) + 1), smooth, label=label,
-            ls="--" if m == "unsharded" else "-", zorder=3 if m == "unsharded" else 2)
+    ax.plot(np.arange(width, len(h["loss"]) + 1), smooth, label=label(m, h),
+            ls="--" if m == reference else "-", zorder=3 if m == reference else 2)
   ax.set_xlabel("step")
   ax.set_ylabel(f"training loss (nats/char, mean of {width} steps)")
-  ax.set_title("character LM, HSDP mesh (replica=2, fsdp=2, tensor=2)")
+  ax.set_title(title)
   ax.grid(True, alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(args.plot, dpi=110)
-  print(f"wrote {args.plot}")
+  fig.savefig(path, dpi=110)
+  print(f"wrote {path}")
+
+
+def plot(results: dict, args) -> None:
+  """The training losses to ``args.plot``."""
+  plot_losses(results, args.steps, args.plot,
+              "character LM, HSDP mesh (replica=2, fsdp=2, tensor=2)",
+              lambda m, h: f"{m} ({h['replica_bytes_per_step'] / 1e3:,.1f} kB/step per device)",
+              "unsharded")
 
 
 def parse_args(argv=None):
