@@ -45,6 +45,10 @@ Methods (``--methods``):
   are one exchange's over ``H``. Between exchanges each worker trains a
   model of its own and the global model (the anchor) moves only at an
   exchange, so they reach the target at an exchange.
+- commopt ZeRO-3 (``ZERO``): ``zero_data_parallel`` with the same momentum SGD,
+  parameters and state sharded over the workers, dense gathers and reduce-scatters,
+  int8 weight gathers (qwZ), int4 gradient chunks (qgZ), or both (int_quant, nearest,
+  blocks of 2048); bytes from the compiled step.
 - PyTorch (``TORCH_METHODS``, ``benchmarks/_torch_peer.py``, optional: the
   ``peers`` extra; without torch they are skipped, saying why): DDP over
   gloo on CPU, the same MLP from the same initial weights, the same batches,
@@ -88,6 +92,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -118,9 +123,18 @@ COMBINED = {
     "diloco(8)+scaled_sign": (8, "scaled_sign", {}, "two_phase", None),
 }
 """commopt's combined methods: DiLoCo (``period`` local steps) with compressed outer gradients."""
+ZERO = {
+    # label: (weights, grads): zero_data_parallel's gathers, int_quant nearest, blocks of 2048
+    "zero": (None, None),
+    "zero+qwZ": (8, None),
+    "zero+qgZ": (None, 4),
+    "zero+qwZ+qgZ": (8, 4),
+}
+"""commopt's ZeRO-3 (parameters and state sharded over the workers): dense, int8 weights
+(qwZ), int4 gradients (qgZ), both; the same momentum SGD."""
 TORCH_METHODS = ("torch:dense", "torch:fp16", "torch:power_sgd(2)")
 """The PyTorch peer (``benchmarks/_torch_peer.py``): DDP over gloo, plain and with its hooks."""
-ALL_METHODS = [*METHODS, *COMBINED, *TORCH_METHODS]
+ALL_METHODS = [*METHODS, *COMBINED, *ZERO, *TORCH_METHODS]
 BURST = {"1gbit": "128kb", "10gbit": "1280kb"}
 """tbf bucket per rate: at least rate / HZ (one timer tick of data)."""
 
@@ -207,6 +221,42 @@ def make_tx(label: str, lr: float):
   return optax.chain(reducer, inner), 1, False
 
 
+class ZeroTrainer:
+  """A ``zero_data_parallel`` run behind the few calls the worker makes of ``data_parallel``
+  (``place_params``, ``init``, ``local_batch``, ``step``), and ``whole`` for its model."""
+
+  def __init__(self, label: str, loss_fn, lr: float, mesh):
+    import optax
+
+    import commopt
+    quant = lambda bits: None if bits is None else commopt.int_quant(
+        bits=bits, block_size=2048, rounding="nearest")
+    weights, grads = ZERO[label]
+    self.zp = commopt.zero_data_parallel(loss_fn, optax.sgd(lr, momentum=0.9), mesh,
+                                         weights=quant(weights), grads=quant(grads))
+
+  def place_params(self, params):
+    return self.zp.shard(params)
+
+  def init(self, params):
+    return self.zp.init(self.zp.shard(params))
+
+  def local_batch(self, rows):
+    return self.zp.local_batch(rows)
+
+  def step(self, params, state, batch):
+    return self.zp.step(params, state, batch)
+
+  def whole(self, params):
+    return self.zp.unshard(params)
+
+  def sent_bytes(self, params, state, batch) -> int:
+    """What one worker sends per step (ring model), from the compiled step."""
+    from commopt import wire
+    text = self.zp.lower(params, state, batch).compile().as_text()
+    return wire.total_bytes(wire.parse_hlo(text), "sent_bytes", per_run=True)
+
+
 def worker(config_path: str, result_path: str) -> None:
   from commopt import launch
   ctx = launch.initialize()
@@ -246,11 +296,22 @@ def worker(config_path: str, result_path: str) -> None:
 
   results = {}
   for label in cfg["methods"]:
-    tx, period, local_params = make_tx(label, cfg["lr"])
-    # What one synchronisation sends; a periodic method's per-step share is 1/period of it.
-    plan = wire.comm_plan(tx, params0, workers)
-    dp = commopt.data_parallel(loss_fn, tx, global_mesh, local_params=local_params)
+    zero = label in ZERO
+    if zero:
+      dp, period, local_params = ZeroTrainer(label, loss_fn, cfg["lr"], global_mesh), 1, False
+      whole = dp.whole
+    else:
+      tx, period, local_params = make_tx(label, cfg["lr"])
+      dp = commopt.data_parallel(loss_fn, tx, global_mesh, local_params=local_params)
+      whole = lambda p: p
     params, state = dp.place_params(params0), dp.init(params0)
+    # What one synchronisation sends; a periodic method's per-step share is 1/period of it.
+    if zero:
+      dense = wire.comm_plan(make_tx("dense", cfg["lr"])[0], params0, workers)
+      sent = dp.sent_bytes(params, state, dp.local_batch(my_rows(0)))
+      plan = types.SimpleNamespace(sent_bytes=sent, dense_sent=dense.dense_sent)
+    else:
+      plan = wire.comm_plan(tx, params0, workers)
     times, losses, global_losses = [], [], []
     for step in range(cfg["steps"]):
       batch = dp.local_batch(my_rows(step))
@@ -262,14 +323,15 @@ def worker(config_path: str, result_path: str) -> None:
       # The global model after this step, scored untimed: the parameters, or a periodic
       # method's anchor, which only a synchronisation moves.
       if not local_params:
-        global_losses.append([step + 1, global_loss(params, scored)])
+        global_losses.append([step + 1, global_loss(whole(params), scored)])
       elif commopt.transforms.is_sync_step(step, period, 0):
         global_losses.append([step + 1, global_loss(commopt.global_params(state), scored)])
     losses = [float(np.mean(v)) for v in multihost_utils.process_allgather(losses, tiled=True)]
-    eval_loss = global_loss(commopt.global_params(state) if local_params else params)
+    eval_loss = global_loss(commopt.global_params(state) if local_params else whole(params))
     # Compute alone: the same step on this process's device, every process at once (whole
     # periods of a periodic method, each with its one exchange, encoding and decoding).
-    local = commopt.data_parallel(loss_fn, tx, local_mesh, local_params=local_params)
+    local = (ZeroTrainer(label, loss_fn, cfg["lr"], local_mesh) if zero else
+             commopt.data_parallel(loss_fn, tx, local_mesh, local_params=local_params))
     lp, ls = local.place_params(params0), local.init(params0)
     batch = my_rows(0)
     multihost_utils.sync_global_devices(f"compute {label}")
