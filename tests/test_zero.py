@@ -323,3 +323,14 @@ def test_the_zero_language_model_example():
   assert zpp["sent_bytes_per_step"] < zero["sent_bytes_per_step"] / 4
   assert zpp["final_loss"] < 1.05 * zero["final_loss"]
   assert zpp["final_loss"] < 0.9 * zpp["loss"][0]
+
+
+def test_aux_comes_back_per_worker(mesh):
+  def with_aux(p, b):
+    loss = loss_fn(p, b)
+    return loss, {"loss": loss, "rows": jnp.shape(b["x"])[0]}
+  zp = commopt.zero_data_parallel(with_aux, optax.sgd(0.1), mesh, has_aux=True)
+  sharded = zp.shard(make_params())
+  sharded, state, (losses, aux) = zp.step(sharded, zp.init(sharded), make_batch(0))
+  assert losses.shape == (8,) and aux["rows"].tolist() == [8] * 8
+  np.testing.assert_array_equal(np.asarray(aux["loss"]), np.asarray(losses))

@@ -90,6 +90,7 @@ class ZeroDataParallel:
   donate: bool = True
   gather: str = "step"
   skip_nonfinite: bool = True
+  has_aux: bool = False
 
   def __post_init__(self):
     fn = "zero_data_parallel"
@@ -111,6 +112,7 @@ class ZeroDataParallel:
         f"`{what}`={c.name}" for what, c in (("weights", self.weights), ("grads", self.grads))
         if zero_comm.needs_key(c)))
     object.__setattr__(self, "donate", base.check_bool("donate", self.donate, fn=fn))
+    object.__setattr__(self, "has_aux", base.check_bool("has_aux", self.has_aux, fn=fn))
     skip = base.check_bool("skip_nonfinite", self.skip_nonfinite, fn=fn)
     # Outside the map, on the sharded rows: the finiteness of every device's rows is one
     # decision of the whole program (the compiler reduces it), so all devices skip together.
@@ -266,7 +268,8 @@ class ZeroDataParallel:
     return gather
 
   def _local_grads(self, sharded, batch, key):
-    """Inside the map: ``(gradient rows per leaf, this worker's loss [1])``."""
+    """Inside the map: ``(gradient rows per leaf, this worker's loss [1])``, and its aux
+    (each leaf with a leading axis of 1) with ``has_aux``."""
     worker_key = None if key is None else jax.random.fold_in(
         key, coll.axis_index(self.axis_name))
     gather = self._gather_fn(worker_key)
@@ -276,11 +279,15 @@ class ZeroDataParallel:
         return self.loss_fn(tree, batch, gather)
       return self.loss_fn(gather(tree), batch)
 
-    loss, grads = jax.value_and_grad(loss_of)(sharded)
-    return grads, jnp.reshape(loss, (1,))
+    out, grads = jax.value_and_grad(loss_of, has_aux=self.has_aux)(sharded)
+    if not self.has_aux:
+      return grads, jnp.reshape(out, (1,))
+    loss, aux = out
+    return grads, (jnp.reshape(loss, (1,)), jax.tree.map(lambda a: jnp.asarray(a)[None], aux))
 
   def step_fn(self, sharded, opt_state, batch, key=None):
-    """The pure step: ``(sharded params, opt_state, per-worker losses [N])`` after one update.
+    """The pure step: ``(sharded params, opt_state, per-worker losses [N])`` after one update
+    (``(losses, aux)`` with ``has_aux``, every aux leaf with a leading worker axis).
 
     ``batch`` leaves are split over the data axis on their leading dimension; ``key`` (a
     PRNG key, replicated) is needed only by compressors that draw random bits."""
@@ -289,7 +296,7 @@ class ZeroDataParallel:
     local = jax.shard_map(
         self._local_grads, mesh=self.mesh,
         in_specs=(specs, jax.tree.map(lambda _: rows, batch), P()),
-        out_specs=(specs, rows))
+        out_specs=(specs, rows))     # a prefix: the losses and every aux leaf per worker
     grads, losses = local(sharded, batch, key)
     updates, opt_state = self._tx.update(grads, opt_state, sharded)
     return optax.apply_updates(sharded, updates), opt_state, losses
@@ -333,7 +340,7 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
                        weights: Optional[base.Compressor] = None,
                        grads: Optional[base.Compressor] = None,
                        gather: str = "step", skip_nonfinite: bool = True,
-                       donate: bool = True) -> ZeroDataParallel:
+                       has_aux: bool = False, donate: bool = True) -> ZeroDataParallel:
   """Fully sharded data parallelism (ZeRO-3) with commopt's own gathers and scatters.
 
   Parameters and optimizer state are sharded over ``axis_name``: each device keeps
@@ -368,6 +375,8 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
     skip_nonfinite: skip the update (parameters and optimizer state kept) when any
       gradient is not finite, on every device together (``optax.apply_if_finite``
       around ``tx``, on the sharded rows; its state counts the skips).
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(losses, aux)``
+      in place of the losses, every aux leaf stacked over the workers.
     donate: donate the parameters and optimizer state to the step.
 
   Returns:
@@ -400,4 +409,4 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
   """
   return ZeroDataParallel(loss_fn, tx, mesh, axis_name=axis_name, weights=weights,
                           grads=grads, donate=donate, gather=gather,
-                          skip_nonfinite=skip_nonfinite)
+                          skip_nonfinite=skip_nonfinite, has_aux=has_aux)
