@@ -334,3 +334,21 @@ def test_aux_comes_back_per_worker(mesh):
   sharded, state, (losses, aux) = zp.step(sharded, zp.init(sharded), make_batch(0))
   assert losses.shape == (8,) and aux["rows"].tolist() == [8] * 8
   np.testing.assert_array_equal(np.asarray(aux["loss"]), np.asarray(losses))
+
+
+def test_sharded_over_two_mesh_axes(mesh2d, mesh):
+  """axis_name=("node", "local"): every leaf sharded over all 8 devices of the 2-D mesh, the
+  gathers and scatters over both axes; the same training as on the 1-D mesh."""
+  runs = {}
+  for name, m, axes in (("2d", mesh2d, ("node", "local")), ("1d", mesh, "data")):
+    zp = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), m, axis_name=axes,
+                                    weights=Q8, grads=Q4)
+    assert zp.workers == 8
+    sharded, _, losses = train(zp, 4)
+    assert sharded["w1"].rows.shape == (8, 61)
+    runs[name] = (zp.unshard(sharded), losses)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                                       atol=1e-6), runs["2d"][0], runs["1d"][0])
+  np.testing.assert_allclose(runs["2d"][1], runs["1d"][1], rtol=1e-5)
+  with pytest.raises(ValueError, match="is not an axis of the mesh \\(or a tuple"):
+    commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh2d, axis_name=("node", "x"))

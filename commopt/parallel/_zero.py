@@ -84,7 +84,7 @@ class ZeroDataParallel:
   loss_fn: Callable[[Any, Any], jax.Array]
   tx: optax.GradientTransformation
   mesh: jax.sharding.Mesh
-  axis_name: str = "data"
+  axis_name: Any = "data"
   weights: Optional[base.Compressor] = None
   grads: Optional[base.Compressor] = None
   donate: bool = True
@@ -102,9 +102,13 @@ class ZeroDataParallel:
     if not isinstance(self.mesh, jax.sharding.Mesh):
       raise ValueError(f"{fn}: `mesh` must be a jax.sharding.Mesh, got "
                        f"{type(self.mesh).__name__}.")
-    if self.axis_name not in self.mesh.axis_names:
-      raise ValueError(f"{fn}: `axis_name`={self.axis_name!r} is not an axis of the mesh; "
-                       f"its axes are {tuple(self.mesh.axis_names)}.")
+    axes = (self.axis_name,) if isinstance(self.axis_name, str) else self.axis_name
+    if (not isinstance(axes, (tuple, list)) or not axes
+        or any(a not in self.mesh.axis_names for a in axes)):
+      raise ValueError(f"{fn}: `axis_name`={self.axis_name!r} is not an axis of the mesh (or "
+                       f"a tuple of its axes); its axes are {tuple(self.mesh.axis_names)}.")
+    if not isinstance(self.axis_name, str):   # several axes: sharded over all their devices
+      object.__setattr__(self, "axis_name", tuple(axes))
     base.check_choice("gather", self.gather, ("step", "manual"), fn)
     zero_comm.check_compressor(self.weights, "weights", fn)
     zero_comm.check_compressor(self.grads, "grads", fn)
@@ -124,8 +128,9 @@ class ZeroDataParallel:
 
   @property
   def workers(self) -> int:
-    """Devices on the data axis (the ``N`` of every leaf's ``[N, c]`` rows)."""
-    return self.mesh.shape[self.axis_name]
+    """Devices on the data axis or axes (the ``N`` of every leaf's ``[N, c]`` rows)."""
+    axes = (self.axis_name,) if isinstance(self.axis_name, str) else self.axis_name
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
 
   def _spec(self, leaf) -> P:
     return P(self.axis_name) if leaf.layers is None else P(None, self.axis_name)
@@ -336,7 +341,7 @@ class ZeroDataParallel:
       return self._jitted(sharded, opt_state, batch, key)
 
 
-def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
+def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
                        weights: Optional[base.Compressor] = None,
                        grads: Optional[base.Compressor] = None,
                        gather: str = "step", skip_nonfinite: bool = True,
@@ -368,7 +373,9 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name: str = "data",
     tx: any optax transform; it runs on the sharded rows under ``jit``, whole-tree
       quantities (global norms) computed across the devices by the compiler.
     mesh: the device mesh.
-    axis_name: the data axis parameters are sharded over and the batch split over.
+    axis_name: the data axis parameters are sharded over and the batch split over, or a
+      tuple of axes (e.g. ``("node", "local")``): sharded over all their devices, row
+      ``j`` on the device whose index over the tuple is ``j``.
     weights: None (dense all-gather) or a stateless compressor for the weight gather.
     grads: None (dense reduce-scatter) or a stateless compressor for the gradients.
     gather: ``"step"`` (every leaf gathered before ``loss_fn``) or ``"manual"``.
