@@ -118,8 +118,40 @@ def scatter_mean(rows: jax.Array, axis_name, compressor=None, key=None) -> jax.A
   return (total / workers).astype(rows.dtype)
 
 
+def _exchange_rows(rows: jax.Array, axis, compressor, key) -> jax.Array:
+  """``[M, r, c]``: row block ``m`` of ``rows`` ``[M, r, c]`` sent to worker ``m`` of ``axis``
+  (``M`` workers), each block's ``r`` rows encoded by ``compressor``; the result's block
+  ``m`` came from worker ``m``, decoded to float32."""
+  m, r, c = rows.shape
+  payloads, empty, like = _encode_rows(compressor, rows.reshape(m * r, c), key)
+  words, unpack = to_words(payloads, batch_dims=1)
+  received = coll.all_to_all(words.reshape(m, r, -1), axis).reshape(m * r, -1)
+  decoded = jax.vmap(lambda pl: compressor.decode(pl, empty, like))(unpack(received))
+  return decoded.astype(jnp.float32).reshape(m, r, c)
+
+
+def scatter_mean_hierarchical(rows: jax.Array, axes, compressor, key=None) -> jax.Array:
+  """:func:`scatter_mean` over ``axes = (slow, fast)`` in two stages, as ZeRO++'s
+  hierarchical qgZ: inside each ``fast`` group (a node) each local rank receives, encoded,
+  its peers' rows for the owners that share its local index, and sums them in float32;
+  then across ``slow`` each node's partial sums go, encoded again, to the owner's node,
+  which sums them. Owner ``j = node·L + local`` (the tuple's index). Each coordinate is
+  encoded twice; across the slow axis each worker sends ``L`` times fewer chunks than a
+  flat all-to-all."""
+  slow, fast = axes
+  nodes, local = coll.axis_size(slow), coll.axis_size(fast)
+  workers, c = rows.shape
+  by_local = rows.reshape(nodes, local, c).transpose(1, 0, 2)       # [L, nodes, c]
+  k1, k2 = (None, None) if key is None else (jax.random.fold_in(key, 2),
+                                             jax.random.fold_in(key, 3))
+  partial = jnp.sum(_exchange_rows(by_local, fast, compressor, k1), axis=0)   # [nodes, c]
+  own = jnp.sum(_exchange_rows(partial[:, None, :].astype(rows.dtype), slow, compressor, k2),
+                axis=(0, 1))
+  return (own / workers).astype(rows.dtype)
+
+
 def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
-           key: Optional[jax.Array] = None) -> jax.Array:
+           key: Optional[jax.Array] = None, hierarchical: bool = False) -> jax.Array:
   """The whole leaf of ``shape`` from this worker's ``shard`` (``[c]``), differentiable.
 
   The forward pass all-gathers the shards (through ``weights`` when given); the
@@ -134,6 +166,8 @@ def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
     weights: None (dense) or a stateless compressor for the weight gather.
     grads: None (dense reduce-scatter) or a stateless compressor for the gradient.
     key: a key for compressors that draw random bits (folded per direction and row).
+    hierarchical: with ``grads`` and ``axis_name = (slow, fast)``, the gradient goes in
+      two encoded stages (:func:`scatter_mean_hierarchical`).
 
   Returns:
     The leaf, ``shape`` in ``shard``'s dtype, varying over ``axis_name``.
@@ -154,6 +188,8 @@ def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
   def bwd(_, ct):
     flat = jnp.reshape(ct, (-1,))
     rows = jnp.pad(flat, (0, workers * c - flat.shape[0])).reshape(workers, c)
+    if hierarchical and grads is not None:
+      return (scatter_mean_hierarchical(rows, axis_name, grads, keys[1]).astype(shard.dtype),)
     return (scatter_mean(rows, axis_name, grads, keys[1]).astype(shard.dtype),)
 
   run.defvjp(fwd, bwd)

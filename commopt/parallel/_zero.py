@@ -91,6 +91,7 @@ class ZeroDataParallel:
   gather: str = "step"
   skip_nonfinite: bool = True
   has_aux: bool = False
+  hierarchical: bool = False
 
   def __post_init__(self):
     fn = "zero_data_parallel"
@@ -117,6 +118,13 @@ class ZeroDataParallel:
         if zero_comm.needs_key(c)))
     object.__setattr__(self, "donate", base.check_bool("donate", self.donate, fn=fn))
     object.__setattr__(self, "has_aux", base.check_bool("has_aux", self.has_aux, fn=fn))
+    if base.check_bool("hierarchical", self.hierarchical, fn=fn) and (
+        self.grads is None or isinstance(self.axis_name, str) or len(self.axis_name) != 2):
+      raise ValueError(
+          f"{fn}: hierarchical=True reduce-scatters the compressed gradient inside each node "
+          "and then across nodes: it needs `grads` (a compressor) and axis_name=(slow, fast), "
+          f"two mesh axes; got grads={getattr(self.grads, 'name', None)!r}, "
+          f"axis_name={self.axis_name!r}.")
     skip = base.check_bool("skip_nonfinite", self.skip_nonfinite, fn=fn)
     # Outside the map, on the sharded rows: the finiteness of every device's rows is one
     # decision of the whole program (the compiler reduces it), so all devices skip together.
@@ -262,7 +270,8 @@ class ZeroDataParallel:
           continue
         k = None if key is None else jax.random.fold_in(key, i)
         one = lambda rows, k: zero_comm.gather(
-            rows[0], leaf.shape, self.axis_name, weights=self.weights, grads=self.grads, key=k)
+            rows[0], leaf.shape, self.axis_name, weights=self.weights, grads=self.grads, key=k,
+            hierarchical=self.hierarchical)
         if leaf.rows.ndim == 3:      # a whole stack: each layer by itself
           keys = None if k is None else jax.random.split(k, leaf.rows.shape[0])
           out.append(jax.vmap(one)(leaf.rows, keys) if k is not None else
@@ -345,7 +354,8 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
                        weights: Optional[base.Compressor] = None,
                        grads: Optional[base.Compressor] = None,
                        gather: str = "step", skip_nonfinite: bool = True,
-                       has_aux: bool = False, donate: bool = True) -> ZeroDataParallel:
+                       has_aux: bool = False, hierarchical: bool = False,
+                       donate: bool = True) -> ZeroDataParallel:
   """Fully sharded data parallelism (ZeRO-3) with commopt's own gathers and scatters.
 
   Parameters and optimizer state are sharded over ``axis_name``: each device keeps
@@ -384,6 +394,10 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
       around ``tx``, on the sharded rows; its state counts the skips).
     has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(losses, aux)``
       in place of the losses, every aux leaf stacked over the workers.
+    hierarchical: with ``grads`` and ``axis_name=(slow, fast)`` (nodes, devices in a
+      node), the gradient is reduce-scattered in two encoded stages, inside each node and
+      then across nodes (ZeRO++'s hierarchical qgZ): each coordinate is encoded twice, and
+      across nodes each device sends ``L`` times fewer chunks.
     donate: donate the parameters and optimizer state to the step.
 
   Returns:
@@ -416,4 +430,5 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
   """
   return ZeroDataParallel(loss_fn, tx, mesh, axis_name=axis_name, weights=weights,
                           grads=grads, donate=donate, gather=gather,
-                          skip_nonfinite=skip_nonfinite, has_aux=has_aux)
+                          skip_nonfinite=skip_nonfinite, has_aux=has_aux,
+                          hierarchical=hierarchical)
