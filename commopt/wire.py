@@ -431,15 +431,23 @@ _WHILE = re.compile(r"\swhile\(.*\bbody=(%?[\w.\-]+)")
 _TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
-def _loop_trips(text: str) -> dict:
-  """``{computation: runs per run of the program}`` for the bodies of ``while`` loops with a
-  known trip count (nested loops multiply); computations absent run once."""
-  parent, loops, current = {}, {}, None
+def _lines_in_computations(text: str):
+  """``(computation, line)`` for every line of HLO ``text``: the name of the computation
+  whose body holds it (a header line names the computation that follows it; lines before
+  any header, e.g. a lone instruction, get None)."""
+  current = None
   for line in text.splitlines():
     if line and not line[0].isspace():
       m = _COMPUTATION.match(line)
       current = m.group(1).lstrip("%") if m else current
-      continue
+    yield current, line
+
+
+def _loop_trips(text: str) -> dict:
+  """``{computation: runs per run of the program}`` for the bodies of ``while`` loops with a
+  known trip count (nested loops multiply); computations absent run once."""
+  parent, loops = {}, {}
+  for current, line in _lines_in_computations(text):
     w = _WHILE.search(line)
     if w:
       t = _TRIPS.search(line)
@@ -469,11 +477,7 @@ def parse_hlo(text: str, num_devices: Optional[int] = None) -> list[Collective]:
     num_devices = int(m.group(1)) if m else jax.device_count()
   loop_trips = _loop_trips(text)
   out = []
-  current = None
-  for line in text.splitlines():
-    if line and not line[0].isspace():
-      c = _COMPUTATION.match(line)
-      current = c.group(1).lstrip("%") if c else current
+  for current, line in _lines_in_computations(text):
     m = _INSTR.search(line)
     if not m:
       continue

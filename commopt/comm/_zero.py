@@ -38,11 +38,15 @@ def shard_len(n: int, workers: int) -> int:
   return max(1, -(-n // workers))
 
 
-def shard_flat(x: jax.Array, workers: int) -> jax.Array:
-  """``x`` flattened, zero-padded to ``workers·c`` and shaped ``[workers, c]`` (row j: owner j)."""
-  flat = jnp.reshape(x, (-1,))
+def shard_flat(x, workers: int):
+  """``x`` flattened, zero-padded to ``workers·c`` and shaped ``[workers, c]`` (row j: owner j).
+
+  A numpy array stays on the host (the parameters are cut there before they are placed);
+  a jax array (a cotangent inside the step) stays a jax array."""
+  xp = np if isinstance(x, np.ndarray) else jnp
+  flat = xp.reshape(x, (-1,))
   c = shard_len(flat.shape[0], workers)
-  return jnp.pad(flat, (0, workers * c - flat.shape[0])).reshape(workers, c)
+  return xp.pad(flat, (0, workers * c - flat.shape[0])).reshape(workers, c)
 
 
 def unshard_flat(rows: jax.Array, shape, dtype=None) -> jax.Array:
@@ -109,25 +113,28 @@ def scatter_mean(rows: jax.Array, axis_name, compressor=None, key=None) -> jax.A
   if compressor is None:
     total = coll.psum_scatter(rows.reshape(-1).astype(jnp.float32), axis_name)
     return (total / workers).astype(rows.dtype)
-  payloads, empty, like = _encode_rows(compressor, rows, key)
-  words, unpack = to_words(payloads, batch_dims=1)
-  received = coll.all_to_all(words, axis_name)
-  total = sum_decoded(unpack(received),
-                      lambda acc, pl: compressor.add_decoded(acc, pl, empty, like),
+  received, empty, like = _all_to_all_encoded(rows[:, None, :], axis_name, compressor, key)
+  total = sum_decoded(received, lambda acc, pl: compressor.add_decoded(acc, pl, empty, like),
                       jnp.zeros(rows.shape[1:], jnp.float32))
   return (total / workers).astype(rows.dtype)
 
 
-def _exchange_rows(rows: jax.Array, axis, compressor, key) -> jax.Array:
-  """``[M, r, c]``: row block ``m`` of ``rows`` ``[M, r, c]`` sent to worker ``m`` of ``axis``
-  (``M`` workers), each block's ``r`` rows encoded by ``compressor``; the result's block
-  ``m`` came from worker ``m``, decoded to float32."""
+def _all_to_all_encoded(rows: jax.Array, axis, compressor, key):
+  """Row block ``m`` of ``rows`` ``[M, r, c]`` sent to worker ``m`` of ``axis`` (``M``
+  workers), each of its ``r`` rows encoded by ``compressor``, in one all-to-all of packed
+  words: ``(payloads [M·r, ...] received, block m from worker m; empty state; like)``."""
   m, r, c = rows.shape
   payloads, empty, like = _encode_rows(compressor, rows.reshape(m * r, c), key)
   words, unpack = to_words(payloads, batch_dims=1)
   received = coll.all_to_all(words.reshape(m, r, -1), axis).reshape(m * r, -1)
-  decoded = jax.vmap(lambda pl: compressor.decode(pl, empty, like))(unpack(received))
-  return decoded.astype(jnp.float32).reshape(m, r, c)
+  return unpack(received), empty, like
+
+
+def _exchange_rows(rows: jax.Array, axis, compressor, key) -> jax.Array:
+  """``[M, r, c]`` float32: what :func:`_all_to_all_encoded` received, decoded."""
+  received, empty, like = _all_to_all_encoded(rows, axis, compressor, key)
+  decoded = jax.vmap(lambda pl: compressor.decode(pl, empty, like))(received)
+  return decoded.astype(jnp.float32).reshape(rows.shape)
 
 
 def scatter_mean_hierarchical(rows: jax.Array, axes, compressor, key=None) -> jax.Array:
@@ -174,7 +181,6 @@ def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
   """
   shape = tuple(shape)
   workers = coll.axis_size(axis_name)
-  c = shard.shape[0]
   keys = (None, None) if key is None else (jax.random.fold_in(key, 0),
                                           jax.random.fold_in(key, 1))
 
@@ -186,8 +192,7 @@ def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
     return run(s), None
 
   def bwd(_, ct):
-    flat = jnp.reshape(ct, (-1,))
-    rows = jnp.pad(flat, (0, workers * c - flat.shape[0])).reshape(workers, c)
+    rows = shard_flat(ct, workers)      # [workers, c]: the chunk each owner gets
     if hierarchical and grads is not None:
       return (scatter_mean_hierarchical(rows, axis_name, grads, keys[1]).astype(shard.dtype),)
     return (scatter_mean(rows, axis_name, grads, keys[1]).astype(shard.dtype),)

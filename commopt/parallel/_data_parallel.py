@@ -239,7 +239,7 @@ class DataParallel:
 
   def place_model_state(self, model_state):
     """Places model state (batch statistics, RNG state) replicated over the data axes."""
-    return place.put(self.mesh, model_state, place.specs_of(self, model_state, "model state leaf"))
+    return place.put_model_state(self, model_state)
 
   def place_batch(self, batch):
     """Shards every batch leaf on its leading axis over the data axes.

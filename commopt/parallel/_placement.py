@@ -115,6 +115,13 @@ def put_replicated(mesh, tree, *, copy: bool = True, record: list | None = None)
   return put(mesh, tree, jax.tree.map(lambda _: P(), tree), copy=copy, record=record)
 
 
+def put_model_state(dp, model_state, *, record: list | None = None):
+  """Model state (batch statistics, RNG state) replicated over the data axes, each leaf
+  keeping its sharding over the model axes."""
+  return put(dp.mesh, model_state, specs_of(dp, model_state, "model state leaf"),
+             record=record)
+
+
 def put_batch(dp, batch, *, record: list | None = None):
   """Every batch leaf sharded on its leading axis over the data axes (shapes unchecked).
 
@@ -292,9 +299,7 @@ def placed(dp, params, opt_state, batch, model_state, key, extra_args=None):
   params = put(dp.mesh, params, param_specs(dp, layout), record=records[0])
   opt_state = put(dp.mesh, opt_state, layout.state_specs, record=records[1])
   if model_state is not None:
-    # dp.place_model_state, recorded.
-    model_state = put(dp.mesh, model_state, specs_of(dp, model_state, "model state leaf"),
-                      record=records[3])
+    model_state = put_model_state(dp, model_state, record=records[3])
   if key is not None:
     key_sharding = NamedSharding(dp.mesh, P())
     key = jax.device_put(key, key_sharding)

@@ -146,11 +146,10 @@ class ZeroDataParallel:
   def _shard_value(self, value: np.ndarray, stacked: bool) -> ShardedLeaf:
     """One host value as a :class:`ShardedLeaf` on the mesh (by layer when ``stacked``)."""
     if stacked:
-      rows = np.stack([np.asarray(zero_comm.shard_flat(jnp.asarray(v), self.workers))
-                       for v in value])
+      rows = np.stack([zero_comm.shard_flat(v, self.workers) for v in value])
       leaf = ShardedLeaf(None, value.shape[1:], value.dtype, value.shape[0])
     else:
-      rows = np.asarray(zero_comm.shard_flat(jnp.asarray(value), self.workers))
+      rows = zero_comm.shard_flat(value, self.workers)
       leaf = ShardedLeaf(None, value.shape, value.dtype)
     leaf.rows = jax.device_put(rows, NamedSharding(self.mesh, self._spec(leaf)))
     return leaf
@@ -216,7 +215,6 @@ class ZeroDataParallel:
     self._check_sharded(sharded, "reshard_state")
     template = jax.eval_shape(self._tx.init, sharded)
     slots, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_sharded)
-    treedef = jax.tree.structure(template, is_leaf=_is_sharded)
     # By path, not by position: a checkpoint restored without a target turns named tuples
     # into dicts (their keys sorted) and tuples into lists.
     values = {_path_name(path): value
@@ -274,8 +272,7 @@ class ZeroDataParallel:
             hierarchical=self.hierarchical)
         if leaf.rows.ndim == 3:      # a whole stack: each layer by itself
           keys = None if k is None else jax.random.split(k, leaf.rows.shape[0])
-          out.append(jax.vmap(one)(leaf.rows, keys) if k is not None else
-                     jax.vmap(lambda r: one(r, None))(leaf.rows))
+          out.append(jax.vmap(one)(leaf.rows, keys))
         else:
           out.append(one(leaf.rows, k))
       return jax.tree.unflatten(treedef, out)
