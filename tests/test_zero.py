@@ -396,3 +396,31 @@ def test_hierarchical_gradients_cross_the_slow_axis_less(mesh2d):
   with pytest.raises(ValueError, match="hierarchical=True .* needs `grads`"):
     commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh2d, axis_name=("node", "local"),
                                hierarchical=True)
+
+
+def test_the_pure_step_runs_inside_a_users_jit_and_scan(mesh):
+  """step_fn under the user's own jax.jit and lax.scan over steps gives the jitted steps'
+  parameters."""
+  zp = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), mesh, weights=Q8, grads=Q4,
+                                  donate=False)
+  sharded = zp.shard(make_params())
+  state = zp.init(sharded)
+  batches = [make_batch(i) for i in range(3)]
+  p, s = sharded, state
+  for b in batches:
+    p, s, _ = zp.step(p, s, b)
+  stacked = {k: jax.device_put(np.stack([b[k] for b in batches]), jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, "data"))) for k in batches[0]}
+
+  @jax.jit
+  def run(params, opt_state, data):
+    def body(carry, batch):
+      params, opt_state, losses = zp.step_fn(*carry, batch)
+      return (params, opt_state), losses
+    return jax.lax.scan(body, (params, opt_state), data)
+
+  with jax.set_mesh(mesh):
+    (q, _), losses = run(sharded, state, stacked)
+  assert losses.shape == (3, 8)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                                       atol=1e-6), zp.unshard(q), zp.unshard(p))

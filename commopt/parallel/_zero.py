@@ -301,7 +301,9 @@ class ZeroDataParallel:
     (``(losses, aux)`` with ``has_aux``, every aux leaf with a leading worker axis).
 
     ``batch`` leaves are split over the data axis on their leading dimension; ``key`` (a
-    PRNG key, replicated) is needed only by compressors that draw random bits."""
+    PRNG key, replicated) is needed only by compressors that draw random bits. It runs
+    inside the caller's own ``jax.jit`` or ``lax.scan`` (the tests scan it over steps);
+    on a mesh with explicit axes, call that function inside ``jax.set_mesh(mesh)``."""
     specs = jax.tree.map(self._spec, sharded, is_leaf=_is_sharded)
     rows = P(self.axis_name)
     local = jax.shard_map(
