@@ -51,6 +51,7 @@ from commopt.compressors import (
     adaptive_levels,
     atomo,
     cast,
+    chunk_top_k,
     count_sketch,
     CountSketchState,
     gradient_dropping,
@@ -85,6 +86,7 @@ from commopt.transforms import (
     multi_steps,
     DGCState,
     compressed_mean,
+    demo,
     dgc,
     diloco,
     easgd,
@@ -108,6 +110,7 @@ from commopt.transforms import (
     StreamingDiLoCoState,
     scheduled_top_k,
     sfb_mean,
+    sparseloco,
 )
 
 __version__ = "0.1.0"
@@ -122,6 +125,7 @@ __all__ = [
     "AxisNameError",
     "aggregators",
     "cast",
+    "chunk_top_k",
     "centered_clip",
     "CenteredClipState",
     "compressed_mean",
@@ -134,6 +138,7 @@ __all__ = [
     "data_parallel",
     "DataParallel",
     "DEFAULT_MIN_SIZE",
+    "demo",
     "dgc",
     "DGCState",
     "diloco",
@@ -172,6 +177,7 @@ __all__ = [
     "RobustState",
     "scaled_sign",
     "sfb_mean",
+    "sparseloco",
     "SFBLinear",
     "sfb_mask",
     "scheduled_top_k",

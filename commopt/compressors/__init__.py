@@ -4,7 +4,7 @@ One small module per family, each registering its factories beside them
 (:func:`register`): ``_basic`` (identity, casts), ``_sign`` (sign, scaled
 sign, 1-bit), ``_levels`` (TernGrad, QSGD, natural, int8/int4, adaptive
 levels), ``_coding`` (QSGD's Elias coding cost), ``_sparse`` (sparse payload
-primitives), ``_topk``, ``_random`` (random-k, variance-balanced),
+primitives), ``_topk``, ``_chunked`` (chunked top-k, DeMo's DCT), ``_random`` (random-k, variance-balanced),
 ``_threshold`` (threshold, gradient dropping, AdaComp), ``_lowrank``
 (PowerSGD), ``_atomo`` (ATOMO), ``_sketch`` (count sketch, SketchSGD) and
 ``_sketchml`` (SketchML).
@@ -13,6 +13,7 @@ primitives), ``_topk``, ``_random`` (random-k, variance-balanced),
 from commopt._src.base import CAPABILITIES, EmptyState
 from commopt.compressors._atomo import atomo
 from commopt.compressors._basic import cast, identity
+from commopt.compressors._chunked import chunk_top_k
 from commopt.compressors._coding import qsgd_coded_bits, qsgd_elias_bits
 from commopt.compressors._levels import adaptive_levels, int_quant, natural, qsgd, terngrad
 from commopt.compressors._lowrank import PowerSGDLeafState, power_sgd
@@ -35,7 +36,7 @@ from commopt.compressors._topk import top_k
 __all__ = [
     "AdaCompState", "CAPABILITIES", "DEFAULTS", "EmptyState", "PowerSGDLeafState", "REGISTRY",
     "RandomKState", "VARIANTS", "adacomp", "adaptive_levels", "atomo", "cast", "gradient_dropping",
-    "identity", "int_quant", "make", "natural", "onebit", "options", "power_sgd", "qsgd",
+    "chunk_top_k", "identity", "int_quant", "make", "natural", "onebit", "options", "power_sgd", "qsgd",
     "qsgd_coded_bits", "qsgd_elias_bits", "random_k", "register", "scaled_sign", "sign",
     "CountSketchState", "count_sketch", "sketch_sgd", "sketchml",
     "terngrad", "threshold", "top_k", "unregister", "variance_balanced",

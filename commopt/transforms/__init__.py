@@ -13,6 +13,7 @@ from commopt.transforms._control import (
     multi_steps,
 )
 from commopt.transforms._delayed import PipelinedState, pipelined
+from commopt.transforms._demo import demo
 from commopt.transforms._dgc import (
     DGC_WARMUP_DENSITIES,
     DGCLeafState,
@@ -38,6 +39,7 @@ from commopt.transforms._sync import (
     global_params,
     is_sync_step,
     local_sgd,
+    sparseloco,
     stale,
     streaming_diloco,
     sync_levels,
@@ -47,10 +49,10 @@ from commopt.transforms._zero_one_adam import ZeroOneAdamState, zero_one_adam
 __all__ = ["ApplyIfFiniteState", "DEFAULT_MIN_SIZE", "CompressedMeanState",
            "DGC_WARMUP_DENSITIES", "EASGDState", "DGCLeafState", "DGCState",
            "HierarchicalLocalSGDState", "MultiStepsState", "OneBitAdamState", "PeriodicState",
-           "apply_if_finite", "budget_top_k", "compressed_mean", "compresses", "dgc", "diloco",
+           "apply_if_finite", "budget_top_k", "compressed_mean", "compresses", "demo", "dgc", "diloco",
            "fetch_sgd", "FetchSGDState",
            "easgd", "fragment_of", "global_params", "is_sync_step", "sync_levels",
-           "local_sgd", "multi_steps", "onebit_adam", "onebit_lamb", "OneBitLambState",
+           "local_sgd", "multi_steps", "sparseloco", "onebit_adam", "onebit_lamb", "OneBitLambState",
            "zero_one_adam", "ZeroOneAdamState", "stale", "StaleState", "streaming_diloco",
            "StreamingDiLoCoState",
            "scheduled_top_k", "sfb_dense", "sfb_mean", "sfb_pays", "warmup_density",

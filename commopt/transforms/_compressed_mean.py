@@ -96,6 +96,7 @@ class _Config(NamedTuple):
   min_size: int
   seed: int
   bucket_bytes: Any = "auto"
+  residual_decay: float = 1.0
 
   def sends_dense(self) -> bool:
     """Whether the compressor's mean is the dense mean: a lossless, linear, stateless
@@ -157,7 +158,7 @@ def _check_residual_dtype(residual_dtype) -> None:
 
 
 def _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, strategy,
-               inner_strategy, seed, bucket_bytes="auto") -> _Config:
+               inner_strategy, seed, bucket_bytes="auto", residual_decay=1.0) -> _Config:
   """Validates every option and decides the strategy and the error-feedback policy, once."""
   if not isinstance(compressor, base.Compressor):
     raise base.OptionTypeError(
@@ -173,12 +174,19 @@ def _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, 
   seed = base.check_int("seed", seed, fn=FN)
   _check_residual_dtype(residual_dtype)
   bucket_bytes = _buckets.check_bucket_bytes(bucket_bytes, FN)
+  residual_decay = base.check_number("residual_decay", residual_decay, fn=FN, low=0.0, high=1.0,
+                                     low_open=False, high_open=False, what="a number in [0, 1]")
+  if residual_decay != 1.0 and not error_feedback:
+    raise ValueError(
+        f"{FN}: residual_decay={residual_decay} decays the error-feedback residual, but "
+        f"{compressor.name} keeps none here (error_feedback resolved to False); pass "
+        "error_feedback=True or leave residual_decay at 1.0.")
   return _Config(compressor=compressor, axis_name=axis_name, reduction=reduction,
                  error_feedback=error_feedback,
                  # Two-phase reductions keep a second error memory.
                  server_memory=error_feedback and reduction.keeps_server_memory,
                  residual_dtype=residual_dtype, min_size=min_size, seed=seed,
-                 bucket_bytes=bucket_bytes)
+                 bucket_bytes=bucket_bytes, residual_decay=residual_decay)
 
 
 def _init(cfg: _Config, params) -> CompressedMeanState:
@@ -332,8 +340,12 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
     _check_leaf(path, u, "an update")
   coll.check_input(FN, updates, cfg.axis_name)
   _check_state(cfg, state, flat, treedef)
+  residuals = treedef.flatten_up_to(state.residual)
+  if cfg.residual_decay != 1.0:
+    residuals = [r if tree.is_node(r) else r * jnp.asarray(cfg.residual_decay, r.dtype)
+                 for r in residuals]
   leaves = _Leaves(updates=[u for _, u in flat],
-                   residuals=treedef.flatten_up_to(state.residual),
+                   residuals=residuals,
                    cstates=treedef.flatten_up_to(state.compressor_state),
                    memories=_server_memories(state, treedef),
                    specs=_shards.specs_for(updates, cfg.axis_name),
@@ -382,6 +394,7 @@ def compressed_mean(
     inner_strategy: str = "auto",
     seed: int = 0,
     bucket_bytes: int | str | None = "auto",
+    residual_decay: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
   """The mean over ``axis_name`` of every worker's compressed updates.
 
@@ -478,6 +491,10 @@ def compressed_mean(
       collective in one process; ``"auto"`` (the default) builds 25 MB
       buffers only where a tuple would cost one collective per leaf, on
       XLA:CPU across processes (:mod:`commopt.comm._buckets`).
+    residual_decay: β in ``p = u + β·e``, in [0, 1]: 1 (the default) keeps
+      every unsent part until it is sent; below 1 the residual is a decaying
+      accumulator, as DeMo's momentum (0.999) and SparseLoCo's error
+      feedback (0.95) are. Needs a kept residual.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -501,7 +518,7 @@ def compressed_mean(
     Beznosikov et al., On Biased Compression for Distributed Learning, 2020.
   """
   cfg = _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, strategy,
-                   inner_strategy, seed, bucket_bytes)
+                   inner_strategy, seed, bucket_bytes, residual_decay)
 
   def planner(params, workers, step=None):
     return _strategies.plan_reduction(cfg.compressor, cfg.reduction, params,

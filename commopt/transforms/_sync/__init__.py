@@ -23,7 +23,8 @@ workers, or in your own ``shard_map`` with per-worker parameters.
 
 One module a mode: ``_diloco`` (with :class:`PeriodicState`, which
 :func:`local_sgd` shares), ``_local_sgd`` (with its hierarchical form),
-``_streaming_diloco``, ``_easgd`` and ``_stale``; ``_common`` holds what they
+``_streaming_diloco``, ``_sparseloco`` (DiLoCo with SparseLoCo's exchange), ``_easgd`` and
+``_stale``; ``_common`` holds what they
 share (the schedule, the exchange, the outer optimizer and the steps every
 mode takes), ``_global_params`` reads the global model out of their states.
 """
@@ -35,6 +36,7 @@ from commopt.transforms._sync._diloco import PeriodicState, diloco
 from commopt.transforms._sync._easgd import EASGDState, easgd
 from commopt.transforms._sync._global_params import global_params
 from commopt.transforms._sync._local_sgd import HierarchicalLocalSGDState, local_sgd, sync_levels
+from commopt.transforms._sync._sparseloco import sparseloco
 from commopt.transforms._sync._stale import (
     BUDGET_BYTES_PER_VALUE,
     STALENESS,
@@ -50,5 +52,5 @@ from commopt.transforms._sync._streaming_diloco import (
 
 __all__ = ["BUDGET_BYTES_PER_VALUE", "EASGDState", "HierarchicalLocalSGDState", "PeriodicState",
            "STALENESS", "StaleState", "StreamingDiLoCoState", "budget_top_k", "diloco", "easgd",
-           "fragment_of", "global_params", "is_sync_step", "local_sgd", "stale",
+           "fragment_of", "global_params", "is_sync_step", "local_sgd", "sparseloco", "stale",
            "streaming_diloco", "sync_levels"]

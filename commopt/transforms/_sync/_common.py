@@ -56,7 +56,8 @@ def _exchange_options(fn: str, error_feedback, min_size, seed) -> tuple[bool | s
           base.check_int("seed", seed, fn=fn))
 
 
-def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size, seed):
+def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size, seed,
+             residual_decay=1.0):
   """The compressed_mean that averages what the workers exchange (dense without a compressor)."""
   _check_axes(axis_name, fn)
   error_feedback, min_size, seed = _exchange_options(fn, error_feedback, min_size, seed)
@@ -77,7 +78,7 @@ def _reducer(fn: str, axis_name, compressor, error_feedback, strategy, min_size,
   return compressed_mean(make("identity") if compressor is None else compressor, axis_name=axis_name,
                          error_feedback=error_feedback if compressor is not None else False,
                          strategy=strategy, inner_strategy=inner_strategy, min_size=min_size,
-                         seed=seed)
+                         seed=seed, residual_decay=residual_decay)
 
 
 def _keeps_residual(compressor, error_feedback, fn: str) -> bool:

@@ -42,7 +42,8 @@ class PeriodicState(NamedTuple):
 def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTransformation] = None,
            *, axis_name, period: int, compressor: Optional[base.Compressor] = None,
            error_feedback: bool | str = "auto", strategy: str = "auto", warmup_steps: int = 0,
-           min_size: int = DEFAULT_MIN_SIZE, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+           min_size: int = DEFAULT_MIN_SIZE, seed: int = 0,
+           residual_decay: float = 1.0) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: ``period`` inner steps per worker, then an outer step on the mean pseudo-gradient.
 
   Per worker, with local parameters ``θᵢ`` and the anchor ``θ`` (the
@@ -106,6 +107,9 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
     warmup_steps: steps at the start that synchronise every step.
     min_size: leaves with fewer elements are exchanged dense.
     seed: the compressor's base key.
+    residual_decay: β of the error-feedback residual, ``e ← β·e + Δ`` before
+      each exchange (:func:`~commopt.compressed_mean`'s option); SparseLoCo
+      uses 0.95 (see :func:`~commopt.sparseloco`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
@@ -119,7 +123,7 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
   mode = _DiLoCo(fn=fn, axis_name=axis_name, inner=_check_inner(inner, fn),
                  outer=_outer(outer, fn, compressor, error_feedback),
                  reducer=_reducer(fn, axis_name, compressor, error_feedback, strategy, min_size,
-                                  seed),
+                                  seed, residual_decay),
                  period=base.check_positive_int("period", period, fn=fn),
                  warmup_steps=base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0))
   return _planned(mode.init, mode.update, mode.reducer, lambda step: bool(mode.synced(step)))

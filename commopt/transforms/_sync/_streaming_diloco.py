@@ -47,8 +47,8 @@ def streaming_diloco(inner: optax.GradientTransformation,
                      outer: Optional[optax.GradientTransformation] = None, *, axis_name,
                      period: int, fragments: int = 2, delay: int = 0, mixing: float = 0.5,
                      compressor: Optional[base.Compressor] = None, error_feedback: bool | str = "auto",
-                     strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0
-                     ) -> optax.GradientTransformationExtraArgs:
+                     strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE, seed: int = 0,
+                     residual_decay: float = 1.0) -> optax.GradientTransformationExtraArgs:
   """Streaming DiLoCo: fragments synchronised on a staggered schedule, applied ``delay`` steps late.
 
   The parameter leaves are split into ``fragments`` consecutive blocks
@@ -83,6 +83,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
     strategy: as in :func:`diloco`.
     min_size: as in :func:`diloco`.
     seed: as in :func:`diloco`.
+    residual_decay: as in :func:`diloco`.
     fragments: number of fragments (P), from 1 to the number of leaves.
     delay: inner steps between a fragment's exchange and its merge (τ),
       ``0 <= delay < period``.
@@ -98,7 +99,8 @@ def streaming_diloco(inner: optax.GradientTransformation,
   """
   fn = "streaming_diloco"
   inner, outer = _check_inner(inner, fn), _outer(outer, fn, compressor, error_feedback)
-  reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed)
+  reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed,
+                     residual_decay)
   period = base.check_positive_int("period", period, fn=fn)
   fragments = base.check_positive_int("fragments", fragments, fn=fn)
   delay = base.check_int("delay", delay, fn=fn, minimum=0)
