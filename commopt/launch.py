@@ -85,6 +85,9 @@ ENV_LOCAL_DEVICES = "COMMOPT_LOCAL_DEVICES"
 ENV_HEARTBEAT = "COMMOPT_HEARTBEAT_TIMEOUT"
 ENV_LAUNCHER_PID = "COMMOPT_LAUNCHER_PID"
 ENV_LAUNCHER_FD = "COMMOPT_LAUNCHER_FD"
+ENV_ATTEMPT = "COMMOPT_ATTEMPT"
+"""Set by :func:`supervise`: which start of the job this is (0 the first, then one more per
+restart); read it with :func:`attempt`."""
 
 TAIL_LINES = 30
 """Lines of a failed process's output that :class:`LaunchError`'s message ends with."""
@@ -93,19 +96,25 @@ _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
 
 class LaunchError(RuntimeError):
-  """A launched process failed or the run timed out; ``results`` holds every process's outcome."""
+  """A launched process failed or the run timed out; ``results`` holds every process's outcome
+  and ``first_failed`` the id of the process that failed first (None after a timeout)."""
 
-  def __init__(self, message: str, results: list):
+  def __init__(self, message: str, results: list, first_failed: Optional[int] = None):
     super().__init__(message)
     self.results = results
+    self.first_failed = first_failed
 
 
 @dataclasses.dataclass
 class ProcessResult:
-  """One launched process: its id, exit code (negative: ended by that signal) and output."""
+  """One launched process: its id, exit code (negative: ended by that signal) and output;
+  whether the launcher ended it (after another's failure, or past the timeout) and
+  whether it was asked to stop (``stop_after``)."""
   process_id: int
   returncode: Optional[int]
   output: str
+  ended_by_launch: bool = False
+  asked_to_stop: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +142,7 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
            timeout: float = 600.0, grace: float = 1.0, stop_grace: float = 10.0,
            heartbeat_timeout: int = 20, coordinator: Optional[str] = None,
            env: Optional[dict] = None, python: str = sys.executable,
-           echo: bool = False) -> list[ProcessResult]:
+           echo: bool = False, stop_after: Optional[float] = None) -> list[ProcessResult]:
   """Runs ``python argv...`` as ``processes`` processes of one ``jax.distributed`` job.
 
   Each process runs in a session of its own (so a terminal's Ctrl-C reaches
@@ -159,6 +168,11 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
     env: extra environment variables for every process.
     python: the interpreter.
     echo: print each process's output as it ends.
+    stop_after: seconds after which every process still running is asked to
+      stop (``SIGTERM``, which a process that polls :func:`should_stop`
+      receives as a request; ``SIGKILL`` after ``stop_grace``); those that
+      then exit 0 end the run normally, marked ``asked_to_stop``. None (the
+      default) never asks.
 
   Returns:
     One :class:`ProcessResult` per process, in process order, all exit code 0.
@@ -175,6 +189,9 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
   if devices_per_process is not None:
     base.check_positive_int("devices_per_process", devices_per_process, fn="launch")
   base.check_number("timeout", timeout, fn="launch", low=0, what="a positive number of seconds")
+  if stop_after is not None:
+    base.check_number("stop_after", stop_after, fn="launch", low=0, low_open=False,
+                      what="None or a number of seconds >= 0")
   for name, value in (("grace", grace), ("stop_grace", stop_grace)):
     base.check_number(name, value, fn="launch", low=0, low_open=False,
                       what="a number of seconds >= 0")
@@ -183,7 +200,7 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
   with run.catching_signals():
     try:
       run.start(argv, python, env, coordinator, devices_per_process, heartbeat_timeout)
-      reason = run.watch(timeout, grace, stop_grace)
+      reason = run.watch(timeout, grace, stop_grace, stop_after)
     finally:
       run.close()   # every process ended and reaped; the launcher's pipe end closed
   results = run.results()
@@ -191,8 +208,158 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
     for r in results:
       print(f"--- process {r.process_id} (exit {r.returncode}) ---\n{r.output}", flush=True)
   if reason is not None:
-    raise LaunchError(f"launch: {reason}", results)
+    raise LaunchError(f"launch: {reason}", results, run.first_failed)
   return results
+
+
+@dataclasses.dataclass
+class Attempt:
+  """One start of a supervised job (:func:`supervise`).
+
+  Attributes:
+    processes: how many processes it ran.
+    why: why it started: ``"start"``, ``"lost"`` (after processes failed) or
+      ``"rejoin"`` (back to the full count after a run on fewer).
+    results: every process's :class:`ProcessResult`.
+    lost: the id of the process that failed first (the others may fail a
+      moment later, when their collectives find it gone), empty when it
+      ended normally.
+    seconds: how long it ran.
+  """
+  processes: int
+  why: str
+  results: list
+  lost: tuple
+  seconds: float
+
+  @property
+  def stopped(self) -> bool:
+    """Whether it ended because the supervisor asked it to (to let workers rejoin)."""
+    return not self.lost and any(r.asked_to_stop for r in self.results)
+
+
+def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
+              max_restarts: int = 3, rejoin_after: Optional[float] = None,
+              devices_per_process: Optional[int] = None, timeout: float = 3600.0,
+              grace: float = 1.0, stop_grace: float = 30.0, heartbeat_timeout: int = 20,
+              env: Optional[dict] = None, python: str = sys.executable,
+              say=None) -> list[Attempt]:
+  """Runs ``argv`` as :func:`launch` does, and restarts it on the workers left when one dies.
+
+  A supervisor on top of :func:`launch`: when processes fail (a crash, a
+  ``SIGKILL``, a non-zero exit), the launcher ends the others (they would
+  wait forever in their next collective) and the supervisor starts the job
+  again on the processes that are left, ``processes − lost``, as long as at
+  least ``min_processes`` are and fewer than ``max_restarts`` restarts were
+  needed. With ``rejoin_after``, a job running on fewer than ``processes``
+  is asked to stop that many seconds after it started (``SIGTERM``, which
+  :func:`should_stop` reports) and is started again on all ``processes``:
+  the lost workers join back.
+
+  The script makes the restarts work; ``examples/elastic.py`` is one:
+
+  - it saves checkpoints as it goes (for DiLoCo, at every outer step: the
+    inner steps since then are all a failure can lose) and, when started,
+    restores the latest one with :mod:`commopt.checkpoint`, which resizes
+    the optimizer state (error-feedback residuals, per-worker parameters)
+    onto the number of workers it now has by the documented rule;
+  - it splits a fixed global batch over the devices it has;
+  - it calls ``initialize(handle_sigterm=True)`` and :func:`should_stop` once
+    per step, and on a stop request saves and exits 0 (at the next outer-step
+    boundary, for DiLoCo: a rejoin loses nothing);
+  - :func:`attempt` tells it which start this is.
+
+  A job of one process per host would be restarted the same way by a
+  cluster's scheduler; this supervisor does it for processes on this machine.
+  Every start waits for the previous one's processes to be gone.
+
+  Args:
+    argv: the script and its arguments.
+    processes: processes at the start (and after a rejoin).
+    min_processes: the fewest to continue on (>= 1).
+    max_restarts: restarts after failures before giving up (>= 0).
+    rejoin_after: seconds a run on fewer processes lasts before the full
+      count is started again; None never rejoins.
+    devices_per_process: as in :func:`launch`.
+    timeout: seconds for the whole supervised job, every start included.
+    grace: as in :func:`launch`.
+    stop_grace: seconds a process asked to stop has before ``SIGKILL``.
+    heartbeat_timeout: as in :func:`launch` (it also bounds how long the
+      survivors of a failure wait in a collective before they fail).
+    env: extra environment variables; :data:`ENV_ATTEMPT` is added.
+    python: the interpreter.
+    say: where progress lines go (None: printed, flushed).
+
+  Returns:
+    Every :class:`Attempt`, in order; the last one ended normally.
+
+  Raises:
+    LaunchError: fewer than ``min_processes`` were left, ``max_restarts``
+      restarts did not suffice, or the job exceeded ``timeout``; ``results``
+      holds the last start's processes.
+
+  Example::
+
+    from commopt import launch
+    attempts = launch.supervise(["examples/elastic.py"], processes=4, min_processes=2,
+                                rejoin_after=60, devices_per_process=1)
+  """
+  fn = "supervise"
+  base.check_positive_int("processes", processes, fn=fn)
+  min_processes = base.check_integer("min_processes", min_processes, fn=fn,
+                                     rule=f"an integer from 1 to processes ({processes})",
+                                     ok=lambda v: 1 <= v <= processes)
+  max_restarts = base.check_int("max_restarts", max_restarts, fn=fn, minimum=0)
+  if rejoin_after is not None:
+    base.check_number("rejoin_after", rejoin_after, fn=fn, low=0,
+                      what="None or a positive number of seconds")
+  base.check_number("timeout", timeout, fn=fn, low=0, what="a positive number of seconds")
+  say = say or (lambda line: print(line, flush=True))
+  deadline = time.monotonic() + timeout
+  attempts: list[Attempt] = []
+  n, why, restarts = processes, "start", 0
+  while True:
+    left = deadline - time.monotonic()
+    if left <= 0:
+      raise LaunchError(f"{fn}: the job exceeded its timeout of {timeout:g} s after "
+                        f"{len(attempts)} starts.", attempts[-1].results if attempts else [])
+    say(f"{fn}: start {len(attempts)} on {n} of {processes} processes ({why})")
+    began = time.monotonic()
+    try:
+      results = launch(argv, n, devices_per_process=devices_per_process, timeout=left,
+                       grace=grace, stop_grace=stop_grace, heartbeat_timeout=heartbeat_timeout,
+                       env=dict(env or {}, **{ENV_ATTEMPT: str(len(attempts))}), python=python,
+                       stop_after=rejoin_after if n < processes else None)
+      error = None
+    except LaunchError as e:
+      results, error = e.results, e
+    # The first to fail is the one lost: the others may fail on their own a moment later,
+    # when their collectives find it gone.
+    lost = () if error is None or error.first_failed is None else (error.first_failed,)
+    if error is not None and not lost:   # the timeout ended it
+      raise error
+    attempts.append(Attempt(processes=n, why=why, results=results, lost=lost,
+                            seconds=time.monotonic() - began))
+    if error is None and not attempts[-1].stopped:
+      say(f"{fn}: done after {len(attempts)} starts")
+      return attempts
+    if error is None:
+      n, why = processes, "rejoin"
+      continue
+    restarts += 1
+    codes = ", ".join(f"{i} (code {results[i].returncode})" for i in lost)
+    if n - len(lost) < min_processes or restarts > max_restarts:
+      raise LaunchError(
+          f"{fn}: processes {codes} failed; {n - len(lost)} left, min_processes is "
+          f"{min_processes}, restarts so far {restarts} of at most {max_restarts}. {error}",
+          results)
+    say(f"{fn}: processes {codes} failed; restarting on {n - len(lost)}")
+    n, why = n - len(lost), "lost"
+
+
+def attempt() -> int:
+  """Which start of a :func:`supervise` job this process belongs to (0 the first; 0 alone)."""
+  return int(os.environ.get(ENV_ATTEMPT, "0"))
 
 
 class _Run:
@@ -208,6 +375,8 @@ class _Run:
     self.signal: Optional[int] = None         # what ended the launcher
     self.forced = False                       # ended twice
     self.pipe: Optional[int] = None           # the write end the processes watch
+    self.asked: set[int] = set()              # the ones asked to stop (stop_after)
+    self.first_failed: Optional[int] = None
 
   @contextlib.contextmanager
   def catching_signals(self):
@@ -262,14 +431,18 @@ class _Run:
     self.done[i].set()
     self.exits.put(i)
 
-  def watch(self, timeout: float, grace: float, stop_grace: float):
+  def watch(self, timeout: float, grace: float, stop_grace: float,
+            stop_after: Optional[float] = None):
     """Waits for the run to end, ending it early where needed; returns why it failed, or None."""
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     finished = 0
     while finished < len(self.procs):
       if self.signal is not None:
         self.end(range(self.n), stop_grace)
         return None
+      if stop_after is not None and not self.asked and time.monotonic() - began > stop_after:
+        self.ask_to_stop(stop_grace)
       try:
         i = self.exits.get(timeout=0.05)
       except queue.Empty:
@@ -280,11 +453,34 @@ class _Run:
         continue
       finished += 1
       if self.procs[i].returncode != 0:
+        self.first_failed = i
         self.end(range(self.n), grace)
         return self._failure(i)
     if self.signal is not None:   # arrived while the last process ended
       self.end(range(self.n), stop_grace)
     return None
+
+  def ask_to_stop(self, stop_grace: float) -> None:
+    """SIGTERM to every process still running, and SIGKILL after ``stop_grace`` (a thread)."""
+    running = [i for i in range(len(self.procs)) if not self.done[i].is_set()]
+    self.asked.update(running)
+    for i in running:
+      try:
+        os.killpg(self.procs[i].pid, signal.SIGTERM)
+      except (ProcessLookupError, PermissionError):
+        pass
+
+    def kill_late():
+      until = time.monotonic() + stop_grace
+      while time.monotonic() < until and not all(self.done[i].is_set() for i in running):
+        time.sleep(0.05)
+      for i in running:
+        if not self.done[i].is_set():
+          self.ended.add(i)
+          with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.procs[i].pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_late, daemon=True, name="commopt-launch-stop").start()
 
   def end(self, ids, grace: float) -> None:
     """SIGTERM to the processes ``ids`` still running; SIGKILL to those left after ``grace``."""
@@ -315,7 +511,8 @@ class _Run:
     return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", errors="replace")
 
   def results(self) -> list[ProcessResult]:
-    out = [ProcessResult(i, p.returncode, self.output(i)) for i, p in enumerate(self.procs)]
+    out = [ProcessResult(i, p.returncode, self.output(i), ended_by_launch=i in self.ended,
+                         asked_to_stop=i in self.asked) for i, p in enumerate(self.procs)]
     for log in self.logs:
       log.close()
     return out
@@ -525,7 +722,7 @@ def _exit_after(hook):
 
 
 def main(argv=None) -> int:
-  """``python -m commopt.launch --processes N [--cpu-devices D] script.py [args...]``."""
+  """``python -m commopt.launch --processes N [--cpu-devices D] [--supervise] script [args]``."""
   import argparse
   p = argparse.ArgumentParser(prog="python -m commopt.launch", description=main.__doc__)
   p.add_argument("--processes", type=int, required=True)
@@ -537,23 +734,40 @@ def main(argv=None) -> int:
   p.add_argument("--stop-grace", type=float, default=10.0,
                  help="seconds from SIGTERM to SIGKILL when the launcher is ended (SIGTERM, "
                       "Ctrl-C): what a process that polls launch.should_stop() has to save")
+  p.add_argument("--supervise", action="store_true",
+                 help="restart on the processes left when one fails (launch.supervise)")
+  p.add_argument("--min-processes", type=int, default=1,
+                 help="with --supervise: the fewest processes to continue on")
+  p.add_argument("--max-restarts", type=int, default=3,
+                 help="with --supervise: restarts after failures before giving up")
+  p.add_argument("--rejoin-after", type=float, default=None,
+                 help="with --supervise: seconds on fewer processes before all start again")
   p.add_argument("script")
   p.add_argument("args", nargs=argparse.REMAINDER)
   args = p.parse_args(argv)
+  argv = [args.script, *args.args]
+  common = dict(devices_per_process=args.cpu_devices, timeout=args.timeout, grace=args.grace,
+                stop_grace=args.stop_grace)
   try:
-    results = launch([args.script, *args.args], args.processes,
-                     devices_per_process=args.cpu_devices, timeout=args.timeout,
-                     grace=args.grace, stop_grace=args.stop_grace)
+    if args.supervise:
+      attempts = supervise(argv, args.processes, min_processes=args.min_processes,
+                           max_restarts=args.max_restarts, rejoin_after=args.rejoin_after,
+                           **common)
+      # What process 0 of each start printed.
+      outputs = [(f"start {i}: {a.processes} processes ({a.why}), process 0",
+                  a.results[0].output if a.results else "") for i, a in enumerate(attempts)]
+    else:
+      outputs = [(f"process {r.process_id}", r.output)
+                 for r in launch(argv, args.processes, **common)]
   except (LaunchError, ValueError) as e:
     print(e, file=sys.stderr)
     return 1
   except KeyboardInterrupt as e:
     print(f"{e or 'launch: interrupted'}; every process was ended.", file=sys.stderr)
     return 130
-  for r in results:
-    print(f"--- process {r.process_id} ---\n{r.output}", end="" if r.output.endswith("\n") else "\n")
+  for title, out in outputs:
+    print(f"--- {title} ---\n{out}", end="" if out.endswith("\n") else "\n")
   return 0
-
 
 if __name__ == "__main__":
   sys.exit(main())
