@@ -64,6 +64,7 @@ GUIDE = {
     "sharded.md": (None, lambda ns, folder: {}, FACTOR * (30 + 32)),
     "overlap.md": (None, lambda ns, folder: {}, FACTOR * 40),
     "zero.md": (None, lambda ns, folder: {}, FACTOR * (40 + 30)),
+    "lowcomm.md": (None, lambda ns, folder: {}, FACTOR * 3 * 100),
 }
 
 # Transforms the README builds without a loop: (phrase of the block, variable, local_params).

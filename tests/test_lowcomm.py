@@ -268,3 +268,24 @@ def test_muon_inside_diloco_with_h_1_is_muon_data_parallel(mesh):
   for k in params:
     np.testing.assert_allclose(np.asarray(s2.inner_state.anchor[k]), np.asarray(p1[k]),
                                rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow
+def test_bench_lowcomm_runs_and_states_the_byte_ratios(tmp_path):
+  import json
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  proc = subprocess.run(
+      [sys.executable, "benchmarks/bench_lowcomm.py", "--problems", "lm", "--steps", "30",
+       "--methods", "AdamW DP,DeMo,DiLoCo,SparseLoCo", "--out", str(tmp_path)],
+      cwd=root, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads((tmp_path / "lowcomm.json").read_text())["problems"]["lm"]["results"]
+  assert got["DeMo"]["baseline"] == "AdamW DP" and got["DeMo"]["bytes_ratio"] > 85
+  assert got["SparseLoCo"]["baseline"] == "DiLoCo" and got["SparseLoCo"]["bytes_ratio"] > 97
+  # Two exchanges in 30 steps at H = 15; DeMo and AdamW DP exchange every step.
+  per_sync = got["DiLoCo"]["contributed"][14]
+  assert per_sync > 0 and set(got["DiLoCo"]["contributed"]) == {0, per_sync, 2 * per_sync}
+  assert (tmp_path / "lowcomm.png").stat().st_size > 0
