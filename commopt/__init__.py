@@ -72,6 +72,8 @@ from commopt.compressors import (
 )
 from commopt.parallel import (
     DataParallel,
+    OverlappedDiLoCo,
+    overlapped_diloco,
     ZeroDataParallel,
     data_parallel,
     local_value_and_grad,
@@ -136,6 +138,8 @@ __all__ = [
     "CountSketchState",
     "coordinate_median",
     "data_parallel",
+    "OverlappedDiLoCo",
+    "overlapped_diloco",
     "DataParallel",
     "DEFAULT_MIN_SIZE",
     "demo",

@@ -43,3 +43,21 @@ def test_bench_overlap_times_every_variant_and_reads_the_programs(tmp_path):
     assert hlo["delayed/kept"] and not any(c["batch"] for c in hlo["delayed/kept"])
   assert "| (none) | scaled_sign | split/2dev |" in proc.stdout
   assert (tmp_path / "overlap.md").read_text().count("\n| (none) |") == 14
+
+
+def test_bench_overlap_diloco_measures_every_variants_utilisation(tmp_path):
+  before = namespaces() if os.geteuid() == 0 else set()
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "bench_overlap_diloco.py"), "--processes", "2",
+       "--rounds", "1", "--steps", "8", "--period", "4", "--delay", "2", "--hidden", "128",
+       "--batch", "32", "--out", str(tmp_path)],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  report = json.loads((tmp_path / "overlap_diloco.json").read_text())
+  if "skipped" in report:
+    pytest.skip(f"the benchmark cannot shape a network here: {report['skipped']}")
+  assert namespaces() == before
+  derived = report["derived"]
+  assert set(derived) == {"compute", "blocking", "overlapped", "streaming_diloco"}
+  assert all(0 < d["utilisation"] and d["ms_per_step"] > 0 for d in derived.values())
+  assert "Overlapped exchange: utilisation" in (tmp_path / "overlap_diloco.md").read_text()

@@ -443,6 +443,9 @@ def test_the_overlapping_communication_page_runs_in_order(capsys):
   assert float(out[0]) < 0.5 * start, (out[0], start)
   assert out[1] == "(8, 32, 4)"
   assert not ns["dp"].skip_nonfinite and int(ns["opt_state"].count) == 40
+  # The overlapped DiLoCo block: trained on from there, nothing left in flight.
+  loss, count = out[2].split()
+  assert float(loss) < 0.5 * start and int(count) == 40 and ns["state"].pending is None
 
 # -- the digits CNN (slow) ------------------------------------------------------------------
 

@@ -289,3 +289,42 @@ def test_bench_lowcomm_runs_and_states_the_byte_ratios(tmp_path):
   per_sync = got["DiLoCo"]["contributed"][14]
   assert per_sync > 0 and set(got["DiLoCo"]["contributed"]) == {0, per_sync, 2 * per_sync}
   assert (tmp_path / "lowcomm.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("delay,mixing,compressed", [(0, 0.0, False), (1, 0.5, False),
+                                                     (3, 0.5, True)])
+def test_overlapped_diloco_is_streaming_diloco_run_as_two_programs(delay, mixing, compressed,
+                                                                   mesh):
+  """The exchange on a thread of its own, merged `delay` steps later, gives streaming DiLoCo's
+  parameters (one fragment) step for step (with delay 0 and mixing 0 that is DiLoCo, which
+  tests/test_sync.py checks)."""
+  params, x, y = _mlp()
+  inner, period = optax.adam(3e-3), 4
+  kw = dict(compressor=commopt.chunk_top_k(16, chunk=32, bits=2), min_size=0) if compressed \
+      else {}
+  want = commopt.data_parallel(_mlp_loss, commopt.streaming_diloco(
+      inner, axis_name="data", period=period, fragments=1, delay=delay, mixing=mixing, **kw),
+      mesh, local_params=True)
+  run = commopt.overlapped_diloco(_mlp_loss, inner, mesh, period=period, delay=delay,
+                                  mixing=mixing, **kw)
+  p1, s1 = want.place_params(params), want.init(params)
+  p2, s2 = run.place_params(params), run.init(params)
+  rng = np.random.default_rng(0)
+  for step in range(12):
+    idx = rng.choice(len(x), 64, replace=False)
+    b = {"x": x[idx], "y": y[idx]}
+    p1, s1, l1 = want.step(p1, s1, b)
+    p2, s2, l2 = run.step(p2, s2, b)
+    np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=2e-5, atol=1e-6)
+    for k in params:
+      np.testing.assert_allclose(np.asarray(p2[k]), np.asarray(p1[k]), rtol=2e-5, atol=2e-6,
+                                 err_msg=f"step {step} {k}")
+  p2, s2 = run.finish(p2, s2)
+  run.close()
+  np.testing.assert_allclose(np.asarray(run.global_params(s2)["w1"]),
+                             np.asarray(s1.inner_state.anchor["w1"]), rtol=2e-5, atol=2e-6)
+
+
+def test_overlapped_diloco_checks_its_arguments(mesh):
+  with pytest.raises(ValueError, match=r"overlapped_diloco: `delay` must be below `period` \(4\)"):
+    commopt.overlapped_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=4, delay=4)

@@ -14,6 +14,7 @@
 
 from commopt.parallel._data_parallel import DataParallel, Layout, data_parallel
 from commopt.parallel._layout import local_value_and_grad, stack_workers, unstack_workers
+from commopt.parallel._overlapped import OverlappedDiLoCo, OverlappedState, overlapped_diloco
 from commopt.parallel._zero import ShardedLeaf, ZeroDataParallel, zero_data_parallel
 
 _NNX = ("NnxDataParallel", "NnxTrainState", "nnx_data_parallel")
@@ -32,7 +33,8 @@ def __getattr__(name):
     return getattr(_nnx if name in _NNX else _sfb_nnx, name)
   raise AttributeError(f"module 'commopt.parallel' has no attribute {name!r}")
 
-__all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "SFBKernel", "SFBLinear",
+__all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "OverlappedDiLoCo",
+           "OverlappedState", "overlapped_diloco", "SFBKernel", "SFBLinear",
            "ShardedLeaf", "ZeroDataParallel", "data_parallel", "local_value_and_grad",
            "nnx_data_parallel", "sfb_mask", "stack_workers", "unstack_workers",
            "zero_data_parallel"]
