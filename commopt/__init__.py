@@ -8,7 +8,7 @@ step around it; :mod:`commopt.wire` accounts for and audits the bytes.
 The package is built in layers; a module imports only from its own layer or
 the ones below it (``tests/test_layering.py`` walks the import graph):
 
-Layers, lowest first: _src < kernels < compressors < comm < transforms < aggregators < parallel < wire, testing, launch, checkpoint, sim
+Layers, lowest first: _src < kernels < compressors < comm < transforms < aggregators < parallel < wire, testing, launch, elastic, checkpoint, sim
 
 - ``_src``: the compressor protocol, argument checks, bit and block helpers.
 - ``kernels``: bit packing and top-k selection, a jnp reference beside each
@@ -23,7 +23,8 @@ Layers, lowest first: _src < kernels < compressors < comm < transforms < aggrega
 - ``parallel``: the data-parallel training step around an optimizer.
 - ``wire`` and ``testing``: byte accounting and the HLO audit; simulated
   workers.
-- ``launch`` and ``checkpoint``: multi-process runs on one machine; orbax
+- ``launch``, ``elastic`` and ``checkpoint``: multi-process runs on one machine, restarted
+  on the processes left when one dies; orbax
   checkpoints, restorable onto another number of workers.
 - ``sim``: research models: an α-β cost model of collectives that prices a
   communication plan on a network.

@@ -39,16 +39,9 @@ to reach it as a request: ``initialize(handle_sigterm=True)``, then a call to
 :func:`should_stop` once per step. Every process gets the same answer at the
 same step (``jax.distributed``'s preemption sync point), so a checkpoint
 written by every process together is consistent; the launcher waits
-``stop_grace`` seconds for them::
-
-    from commopt import checkpoint, launch
-    ctx = launch.initialize(handle_sigterm=True)   # SIGTERM now asks instead of ending
-    ...
-    for step in range(first_step, steps):
-      params, opt_state, _ = dp.step(params, opt_state, dp.local_batch(my_rows(step)))
-      if launch.should_stop():                     # the same answer on every process
-        checkpoint.save(f"{ckpt_dir}/step_{step + 1}", params, opt_state, step=step + 1)
-        break
+``stop_grace`` seconds for them (:func:`should_stop` shows the loop).
+:func:`commopt.elastic.supervise` (``--supervise``) restarts a job on the
+processes left when one dies.
 
 Example (a script ``train.py`` that calls ``commopt.launch.initialize()``)::
 
@@ -212,149 +205,12 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
   return results
 
 
-@dataclasses.dataclass
-class Attempt:
-  """One start of a supervised job (:func:`supervise`).
-
-  Attributes:
-    processes: how many processes it ran.
-    why: why it started: ``"start"``, ``"lost"`` (after processes failed) or
-      ``"rejoin"`` (back to the full count after a run on fewer).
-    results: every process's :class:`ProcessResult`.
-    lost: the id of the process that failed first (the others may fail a
-      moment later, when their collectives find it gone), empty when it
-      ended normally.
-    seconds: how long it ran.
-  """
-  processes: int
-  why: str
-  results: list
-  lost: tuple
-  seconds: float
-
-  @property
-  def stopped(self) -> bool:
-    """Whether it ended because the supervisor asked it to (to let workers rejoin)."""
-    return not self.lost and any(r.asked_to_stop for r in self.results)
-
-
-def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
-              max_restarts: int = 3, rejoin_after: Optional[float] = None,
-              devices_per_process: Optional[int] = None, timeout: float = 3600.0,
-              grace: float = 1.0, stop_grace: float = 30.0, heartbeat_timeout: int = 20,
-              env: Optional[dict] = None, python: str = sys.executable,
-              say=None) -> list[Attempt]:
-  """Runs ``argv`` as :func:`launch` does, and restarts it on the workers left when one dies.
-
-  A supervisor on top of :func:`launch`: when processes fail (a crash, a
-  ``SIGKILL``, a non-zero exit), the launcher ends the others (they would
-  wait forever in their next collective) and the supervisor starts the job
-  again on the processes that are left, ``processes − lost``, as long as at
-  least ``min_processes`` are and fewer than ``max_restarts`` restarts were
-  needed. With ``rejoin_after``, a job running on fewer than ``processes``
-  is asked to stop that many seconds after it started (``SIGTERM``, which
-  :func:`should_stop` reports) and is started again on all ``processes``:
-  the lost workers join back.
-
-  The script makes the restarts work; ``examples/elastic.py`` is one:
-
-  - it saves checkpoints as it goes (for DiLoCo, at every outer step: the
-    inner steps since then are all a failure can lose) and, when started,
-    restores the latest one with :mod:`commopt.checkpoint`, which resizes
-    the optimizer state (error-feedback residuals, per-worker parameters)
-    onto the number of workers it now has by the documented rule;
-  - it splits a fixed global batch over the devices it has;
-  - it calls ``initialize(handle_sigterm=True)`` and :func:`should_stop` once
-    per step, and on a stop request saves and exits 0 (at the next outer-step
-    boundary, for DiLoCo: a rejoin loses nothing);
-  - :func:`attempt` tells it which start this is.
-
-  A job of one process per host would be restarted the same way by a
-  cluster's scheduler; this supervisor does it for processes on this machine.
-  Every start waits for the previous one's processes to be gone.
-
-  Args:
-    argv: the script and its arguments.
-    processes: processes at the start (and after a rejoin).
-    min_processes: the fewest to continue on (>= 1).
-    max_restarts: restarts after failures before giving up (>= 0).
-    rejoin_after: seconds a run on fewer processes lasts before the full
-      count is started again; None never rejoins.
-    devices_per_process: as in :func:`launch`.
-    timeout: seconds for the whole supervised job, every start included.
-    grace: as in :func:`launch`.
-    stop_grace: seconds a process asked to stop has before ``SIGKILL``.
-    heartbeat_timeout: as in :func:`launch` (it also bounds how long the
-      survivors of a failure wait in a collective before they fail).
-    env: extra environment variables; :data:`ENV_ATTEMPT` is added.
-    python: the interpreter.
-    say: where progress lines go (None: printed, flushed).
-
-  Returns:
-    Every :class:`Attempt`, in order; the last one ended normally.
-
-  Raises:
-    LaunchError: fewer than ``min_processes`` were left, ``max_restarts``
-      restarts did not suffice, or the job exceeded ``timeout``; ``results``
-      holds the last start's processes.
-
-  Example::
-
-    from commopt import launch
-    attempts = launch.supervise(["examples/elastic.py"], processes=4, min_processes=2,
-                                rejoin_after=60, devices_per_process=1)
-  """
-  fn = "supervise"
-  base.check_positive_int("processes", processes, fn=fn)
-  min_processes = base.check_integer("min_processes", min_processes, fn=fn,
-                                     rule=f"an integer from 1 to processes ({processes})",
-                                     ok=lambda v: 1 <= v <= processes)
-  max_restarts = base.check_int("max_restarts", max_restarts, fn=fn, minimum=0)
-  if rejoin_after is not None:
-    base.check_number("rejoin_after", rejoin_after, fn=fn, low=0,
-                      what="None or a positive number of seconds")
-  base.check_number("timeout", timeout, fn=fn, low=0, what="a positive number of seconds")
-  say = say or (lambda line: print(line, flush=True))
-  deadline = time.monotonic() + timeout
-  attempts: list[Attempt] = []
-  n, why, restarts = processes, "start", 0
-  while True:
-    left = deadline - time.monotonic()
-    if left <= 0:
-      raise LaunchError(f"{fn}: the job exceeded its timeout of {timeout:g} s after "
-                        f"{len(attempts)} starts.", attempts[-1].results if attempts else [])
-    say(f"{fn}: start {len(attempts)} on {n} of {processes} processes ({why})")
-    began = time.monotonic()
-    try:
-      results = launch(argv, n, devices_per_process=devices_per_process, timeout=left,
-                       grace=grace, stop_grace=stop_grace, heartbeat_timeout=heartbeat_timeout,
-                       env=dict(env or {}, **{ENV_ATTEMPT: str(len(attempts))}), python=python,
-                       stop_after=rejoin_after if n < processes else None)
-      error = None
-    except LaunchError as e:
-      results, error = e.results, e
-    # The first to fail is the one lost: the others may fail on their own a moment later,
-    # when their collectives find it gone.
-    lost = () if error is None or error.first_failed is None else (error.first_failed,)
-    if error is not None and not lost:   # the timeout ended it
-      raise error
-    attempts.append(Attempt(processes=n, why=why, results=results, lost=lost,
-                            seconds=time.monotonic() - began))
-    if error is None and not attempts[-1].stopped:
-      say(f"{fn}: done after {len(attempts)} starts")
-      return attempts
-    if error is None:
-      n, why = processes, "rejoin"
-      continue
-    restarts += 1
-    codes = ", ".join(f"{i} (code {results[i].returncode})" for i in lost)
-    if n - len(lost) < min_processes or restarts > max_restarts:
-      raise LaunchError(
-          f"{fn}: processes {codes} failed; {n - len(lost)} left, min_processes is "
-          f"{min_processes}, restarts so far {restarts} of at most {max_restarts}. {error}",
-          results)
-    say(f"{fn}: processes {codes} failed; restarting on {n - len(lost)}")
-    n, why = n - len(lost), "lost"
+def __getattr__(name):
+  # The supervisor lives in commopt.elastic (which imports this module): re-exported lazily.
+  if name in ("supervise", "Attempt"):
+    from commopt import elastic
+    return getattr(elastic, name)
+  raise AttributeError(f"module 'commopt.launch' has no attribute {name!r}")
 
 
 def attempt() -> int:
@@ -442,7 +298,8 @@ class _Run:
         self.end(range(self.n), stop_grace)
         return None
       if stop_after is not None and not self.asked and time.monotonic() - began > stop_after:
-        self.ask_to_stop(stop_grace)
+        self.asked.update(i for i in range(self.n) if not self.done[i].is_set())
+        self.end(sorted(self.asked), stop_grace, asked=True)   # then read their exits
       try:
         i = self.exits.get(timeout=0.05)
       except queue.Empty:
@@ -460,34 +317,14 @@ class _Run:
       self.end(range(self.n), stop_grace)
     return None
 
-  def ask_to_stop(self, stop_grace: float) -> None:
-    """SIGTERM to every process still running, and SIGKILL after ``stop_grace`` (a thread)."""
-    running = [i for i in range(len(self.procs)) if not self.done[i].is_set()]
-    self.asked.update(running)
-    for i in running:
-      try:
-        os.killpg(self.procs[i].pid, signal.SIGTERM)
-      except (ProcessLookupError, PermissionError):
-        pass
-
-    def kill_late():
-      until = time.monotonic() + stop_grace
-      while time.monotonic() < until and not all(self.done[i].is_set() for i in running):
-        time.sleep(0.05)
-      for i in running:
-        if not self.done[i].is_set():
-          self.ended.add(i)
-          with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.procs[i].pid, signal.SIGKILL)
-
-    threading.Thread(target=kill_late, daemon=True, name="commopt-launch-stop").start()
-
-  def end(self, ids, grace: float) -> None:
-    """SIGTERM to the processes ``ids`` still running; SIGKILL to those left after ``grace``."""
+  def end(self, ids, grace: float, asked: bool = False) -> None:
+    """SIGTERM to the processes ``ids`` still running (``asked``: a request to stop, which does
+    not count as ending them); SIGKILL to those left after ``grace``."""
     running = [i for i in ids if i < len(self.procs) and not self.done[i].is_set()]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
       for i in running:
-        self.ended.add(i)
+        if not (asked and sig == signal.SIGTERM):
+          self.ended.add(i)
         try:
           os.killpg(self.procs[i].pid, sig)   # the process and anything it started
         except (ProcessLookupError, PermissionError):
@@ -734,14 +571,8 @@ def main(argv=None) -> int:
   p.add_argument("--stop-grace", type=float, default=10.0,
                  help="seconds from SIGTERM to SIGKILL when the launcher is ended (SIGTERM, "
                       "Ctrl-C): what a process that polls launch.should_stop() has to save")
-  p.add_argument("--supervise", action="store_true",
-                 help="restart on the processes left when one fails (launch.supervise)")
-  p.add_argument("--min-processes", type=int, default=1,
-                 help="with --supervise: the fewest processes to continue on")
-  p.add_argument("--max-restarts", type=int, default=3,
-                 help="with --supervise: restarts after failures before giving up")
-  p.add_argument("--rejoin-after", type=float, default=None,
-                 help="with --supervise: seconds on fewer processes before all start again")
+  from commopt import elastic
+  elastic.add_arguments(p)
   p.add_argument("script")
   p.add_argument("args", nargs=argparse.REMAINDER)
   args = p.parse_args(argv)
@@ -750,12 +581,7 @@ def main(argv=None) -> int:
                 stop_grace=args.stop_grace)
   try:
     if args.supervise:
-      attempts = supervise(argv, args.processes, min_processes=args.min_processes,
-                           max_restarts=args.max_restarts, rejoin_after=args.rejoin_after,
-                           **common)
-      # What process 0 of each start printed.
-      outputs = [(f"start {i}: {a.processes} processes ({a.why}), process 0",
-                  a.results[0].output if a.results else "") for i, a in enumerate(attempts)]
+      outputs = elastic.from_arguments(argv, args, common)
     else:
       outputs = [(f"process {r.process_id}", r.output)
                  for r in launch(argv, args.processes, **common)]

@@ -92,8 +92,12 @@ class OverlappedDiLoCo:
     period: inner steps between exchanges (H).
     delay: inner steps an exchange overlaps (τ), ``0 <= delay < period``.
     mixing: the weight of the local parameters in the merge, in [0, 1).
-    compressor, error_feedback, residual_decay, strategy, min_size, seed: the
-      exchange's, as in :func:`~commopt.diloco`.
+    compressor: compresses the pseudo-gradients, as in :func:`~commopt.diloco`.
+    error_feedback: as in :func:`~commopt.diloco`.
+    residual_decay: as in :func:`~commopt.diloco`.
+    strategy: as in :func:`~commopt.diloco`.
+    min_size: as in :func:`~commopt.diloco`.
+    seed: as in :func:`~commopt.diloco`.
 
   References:
     Douillard et al., Streaming DiLoCo with overlapping communication:
