@@ -68,6 +68,9 @@ def parse_args(argv=None):
   p.add_argument("--demo-lr", type=float, default=None,
                  help="DeMo's peak learning rate (default per problem: lm 5e-3, cnn 1e-3)")
   p.add_argument("--demo-decay", type=float, default=0.999, help="DeMo's momentum decay")
+  p.add_argument("--demo-combine", default="senders", choices=("mean", "senders"),
+                 help="DeMo's mean of the gathered coefficients: over all workers or over "
+                      "each coefficient's senders")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
   args = p.parse_args(argv)
@@ -122,7 +125,8 @@ def make(method: str, args, setting, params):
                                                axis_name="data"), adamw()), False
   if method == "DeMo":
     return commopt.demo(schedule(setting["demo_lr"], steps), axis_name="data",
-                        decay=args.demo_decay, weight_decay=1e-4), False
+                        decay=args.demo_decay, combine=args.demo_combine,
+                        weight_decay=1e-4), False
   inner = adamw() if not method.startswith("MuLoCo") else muon(
       lr, consistent_rms=0.2, weight_decay=1e-4, adam_weight_decay=1e-4,
       muon_weight_dimension_numbers=muon_dimensions(params))

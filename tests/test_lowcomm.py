@@ -114,13 +114,15 @@ def test_residual_decay_is_checked():
 
 
 def _demo_reference(g, m, lr, k, decay):
-  """One DeMo step in numpy for every worker: (sent reconstructions, new momenta)."""
+  """One DeMo step in numpy for every worker (one 64 x 64 tile each): the sent coefficients,
+  their reconstructions, the new momenta, and the coefficients' mean over their senders."""
   p = decay * m + lr * g
-  sent = np.stack([scipy.fft.idctn(_top_k_np(scipy.fft.dctn(_tiles_np(q, 64, 64), axes=(1, 2),
-                                                             norm="ortho"), k),
-                                   axes=(1, 2), norm="ortho").reshape(p.shape[1:])
-                   for q in p])    # one 64 x 64 tile per worker here
-  return sent, p - sent
+  coef = np.stack([_top_k_np(scipy.fft.dctn(q[None], axes=(1, 2), norm="ortho"), k)[0]
+                   for q in p])
+  sent = np.stack([scipy.fft.idctn(c, norm="ortho") for c in coef])
+  senders = (coef != 0).sum(0)
+  per_sender = np.where(senders > 0, coef.sum(0) / np.maximum(senders, 1), 0.0)
+  return sent, p - sent, scipy.fft.idctn(per_sender, norm="ortho")
 
 
 def test_demo_sends_the_top_k_dct_coefficients_and_its_momentum_loses_exactly_them():
@@ -136,9 +138,11 @@ def test_demo_sends_the_top_k_dct_coefficients_and_its_momentum_loses_exactly_th
     g = rng.normal(size=(N, 64, 64))
     u, state = jax.vmap(tx.update, axis_name="w")({"w": jnp.asarray(g, jnp.float32)}, state,
                                                   stacked)
-    sent, m = _demo_reference(g, m, lr, k, decay)
+    sent, m, combined = _demo_reference(g, m, lr, k, decay)
     np.testing.assert_allclose(np.asarray(state["exchange"].residual["w"]), m, atol=1e-5)
-    want = -lr * (np.sign(sent.mean(0)) + 0.1 * np.asarray(params["w"]))
+    # The default combine="senders": each coefficient averaged over its senders, as DeMo's
+    # reference does ("mean", over all workers, is sent.mean(0)).
+    want = -lr * (np.sign(combined) + 0.1 * np.asarray(params["w"]))
     np.testing.assert_allclose(np.asarray(u["w"][1]), want, atol=1e-6)
   # The momentum is each worker's own.
   assert np.ptp(np.asarray(state["exchange"].residual["w"]), axis=0).max() > 1e-3
@@ -328,3 +332,30 @@ def test_overlapped_diloco_is_streaming_diloco_run_as_two_programs(delay, mixing
 def test_overlapped_diloco_checks_its_arguments(mesh):
   with pytest.raises(ValueError, match=r"overlapped_diloco: `delay` must be below `period` \(4\)"):
     commopt.overlapped_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=4, delay=4)
+
+
+def test_chunk_top_k_senders_averages_each_coefficient_over_the_workers_that_sent_it():
+  c = commopt.chunk_top_k(8, chunk=64, dct=True, combine="senders")
+  tx = commopt.compressed_mean(c, axis_name="w", min_size=0, error_feedback=False)
+  rng = np.random.default_rng(6)
+  strong = np.zeros((64, 64))
+  strong[[0, 1, 5, 9], [0, 3, 2, 7]] = 40.0            # every worker's 4 largest coefficients
+  u = np.stack([scipy.fft.idctn(strong, norm="ortho") for _ in range(N)])
+  u = u + rng.normal(size=(N, 64, 64))
+  state = jax.vmap(tx.init, in_axes=None, axis_size=N, axis_name="w")({"w": jnp.zeros((64, 64))})
+  mean, _ = jax.vmap(tx.update, axis_name="w")({"w": jnp.asarray(u, jnp.float32)}, state)
+  coef = np.stack([_top_k_np(scipy.fft.dctn(q[None], axes=(1, 2), norm="ortho"), 8)[0]
+                   for q in u])
+  senders = (coef != 0).sum(0)
+  per_sender = np.where(senders > 0, coef.sum(0) / np.maximum(senders, 1), 0.0)
+  want = scipy.fft.idctn(per_sender, norm="ortho")
+  np.testing.assert_allclose(np.asarray(mean["w"][0]), want, atol=1e-5)
+  # Coefficients more than one worker sent: the plain mean would be smaller there.
+  assert (senders > 1).any() and (senders == 1).any()
+  plain = commopt.compressed_mean(commopt.chunk_top_k(8, chunk=64, dct=True), axis_name="w",
+                                  min_size=0, error_feedback=False)
+  m2, _ = jax.vmap(plain.update, axis_name="w")({"w": jnp.asarray(u, jnp.float32)},
+                                                jax.vmap(plain.init, in_axes=None, axis_size=N,
+                                                         axis_name="w")({"w": jnp.zeros((64, 64))}))
+  np.testing.assert_allclose(np.asarray(m2["w"][0]),
+                             scipy.fft.idctn(coef.mean(0), norm="ortho"), atol=1e-5)

@@ -145,8 +145,12 @@ def _dequantise(codes: jax.Array, table: jax.Array) -> jax.Array:
   return jnp.where((codes & 1) == 1, -mag, mag)
 
 
+COMBINES = ("mean", "senders")
+"""How :func:`chunk_top_k`'s gathered payloads combine (its ``combine``)."""
+
+
 def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Optional[int] = None,
-                value_dtype=None) -> base.Compressor:
+                value_dtype=None, combine: str = "mean") -> base.Compressor:
   """The ``k`` largest entries of every ``chunk × chunk`` tile, with in-tile indices.
 
   The leaf is read as a matrix (a vector as one row, a tensor of higher rank
@@ -168,6 +172,15 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
   as the mean magnitude of that bin's members; the tile sends that table
   in bfloat16 (``2^(bits−1) · 16`` bits).
 
+  ``combine="senders"`` averages each entry (or coefficient) over the
+  workers that sent it rather than over all of them, as DeMo's reference
+  implementation does: a protocol of its own (``reduce``) that all-gathers
+  the same payloads and sums the values and the senders of every entry
+  before the inverse transform; ``two_phase`` and ``hierarchical`` refuse it.
+  What it applies is then not the mean of what the workers sent, so error
+  feedback no longer conserves the sum of the inputs (an entry two workers
+  sent counts once, one only one sent counts fully).
+
   Without ``bits`` it is a contraction, ``‖x − C(x)‖² ≤ (1 − k/(a·b))‖x‖²``
   (the DCT is orthonormal, padding only adds zeros); with ``bits`` it is
   biased. Use it with error feedback.
@@ -179,6 +192,8 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
     bits: ``None`` (values in ``value_dtype``) or 1 to 4 (sign and magnitude bins).
     value_dtype: wire dtype of the values without ``bits``: ``None`` (the
       input dtype), ``"float16"``, ``"bfloat16"`` or ``"float32"``.
+    combine: ``"mean"`` (over all workers) or ``"senders"`` (each entry over
+      the workers that sent it).
 
   Returns:
     A stateless, non-linear :class:`~commopt.Compressor`.
@@ -204,6 +219,7 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
     bits = base.check_integer("bits", bits, fn=fn, rule="None or an integer from 1 to 4",
                               ok=lambda b: 1 <= b <= 4)
   value_dtype = _check_value_dtype(value_dtype, fn)
+  base.check_choice("combine", combine, COMBINES, fn)
   if bits is not None and value_dtype is not None:
     raise ValueError(f"{fn}: `value_dtype` ({value_dtype.name}) applies to unquantised values; "
                      f"with bits={bits} the values travel as codes and a bfloat16 table.")
@@ -223,9 +239,8 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
       payload["table"] = table
     return payload, state
 
-  def decode(payload, state, like):
-    del state
-    t = tiling(tuple(like.shape), chunk, k)
+  def kept(payload, t: Tiling):
+    """``(indices, values)`` of a payload, ``[tiles, k]`` each (values float32)."""
     n = t.tiles * t.k
     if t.index_bits:
       idx = kernels.unpack_bits(payload["indices"], t.index_bits, n).astype(jnp.int32)
@@ -237,9 +252,32 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
     else:
       codes = kernels.unpack_bits(payload["codes"], bits, n).reshape(t.tiles, t.k)
       values = _dequantise(codes, payload["table"])
-    tiles = jnp.zeros((t.tiles, t.tile_size), jnp.float32)
-    tiles = tiles.at[jnp.arange(t.tiles)[:, None], idx].set(values)
-    return from_tiles(tiles, t, dct, like)
+    return idx, values
+
+  def scattered(idx, values, t: Tiling):
+    return jnp.zeros((t.tiles, t.tile_size), jnp.float32).at[
+        jnp.arange(t.tiles)[:, None], idx].set(values)
+
+  def decode(payload, state, like):
+    del state
+    t = tiling(tuple(like.shape), chunk, k)
+    return from_tiles(scattered(*kept(payload, t), t), t, dct, like)
+
+  def reduce(x, state, key, channel):
+    """All-gather the payloads; each entry's sum over the sum of its senders."""
+    t = tiling(tuple(x.shape), chunk, k)
+    payload, state = encode(x, state, key)
+
+    def tiles_and_senders(pl):
+      idx, values = kept(pl, t)
+      return {"tiles": scattered(idx, values, t),
+              "senders": scattered(idx, jnp.ones_like(values), t)}
+
+    mean, local = channel.exchange(payload, tiles_and_senders, linear=False)
+    per_sender = jnp.where(mean["senders"] > 0,
+                           mean["tiles"] / jnp.maximum(mean["senders"], 1e-30), 0.0)
+    return base.Reduced(mean=from_tiles(per_sender, t, dct, x),
+                        local=from_tiles(local["tiles"], t, dct, x), state=state)
 
   def payload_bits(shape, dtype):
     t = tiling(tuple(shape), chunk, k)
@@ -254,6 +292,12 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
     del dtype
     return base.leaf_size(shape) > 0
 
+  if bits is None:
+    declared = dict(error_kind="contractive",
+                    error_bound=lambda shape: tiling(tuple(shape), chunk, k).k
+                    / tiling(tuple(shape), chunk, k).tile_size)
+  else:
+    declared = dict(error_kind="biased")
   options = [f"k={k}", f"chunk={chunk}"]
   if dct:
     options.append("dct=True")
@@ -261,12 +305,9 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
     options.append(f"bits={bits}")
   if value_dtype is not None:
     options.append(f"value_dtype={value_dtype.name!r}")
-  if bits is None:
-    declared = dict(error_kind="contractive",
-                    error_bound=lambda shape: tiling(tuple(shape), chunk, k).k
-                    / tiling(tuple(shape), chunk, k).tile_size)
-  else:
-    declared = dict(error_kind="biased")
+  if combine != "mean":
+    options.append(f"combine={combine!r}")
+    declared["reduce"], declared["reduce_collective"] = reduce, "all-gather"
   return base.Compressor(name=f"{fn}({', '.join(options)})", init=base.stateless_init,
                          encode=encode, decode=decode, payload_bits=payload_bits,
                          accepts=accepts, **declared)

@@ -11,8 +11,8 @@ from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE, compressed_mea
 
 def demo(learning_rate: optax.ScalarOrSchedule, *, axis_name, k: int = 32, chunk: int = 64,
          decay: float = 0.999, weight_decay: float = 0.0, sign: bool = True,
-         value_dtype="bfloat16", strategy: str = "auto", min_size: int = DEFAULT_MIN_SIZE,
-         seed: int = 0) -> optax.GradientTransformationExtraArgs:
+         value_dtype="bfloat16", combine: str = "senders", strategy: str = "auto",
+         min_size: int = DEFAULT_MIN_SIZE, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   """DeMo: decoupled momentum; the workers exchange only its fast-moving DCT components.
 
   No gradient is all-reduced. Each worker keeps its own momentum ``m``
@@ -33,11 +33,12 @@ def demo(learning_rate: optax.ScalarOrSchedule, *, axis_name, k: int = 32, chunk
   momentum. Leaves below ``min_size`` are averaged dense and keep no
   momentum, as a tile sent whole does in DeMo.
 
-  The reference implementation averages each coefficient over the workers
-  that sent it; here the decoded payloads are averaged over all workers
-  (the sum over N), which changes each coefficient's weight in the inverse
-  transform but not the rule. ``sign=False`` applies the mean itself
-  instead of its sign.
+  ``combine="senders"`` (the default) averages each coefficient over the
+  workers that sent it, as the reference implementation does (a protocol
+  of the compressor's own, the same bytes); ``combine="mean"`` averages the
+  decoded payloads over all workers (the sum over N), which keeps error
+  feedback's conservation of the sum exact. ``sign=False`` applies the mean
+  itself instead of its sign.
 
   Args:
     learning_rate: η, a float or an optax schedule; it scales the gradient
@@ -51,6 +52,7 @@ def demo(learning_rate: optax.ScalarOrSchedule, *, axis_name, k: int = 32, chunk
     value_dtype: wire dtype of the coefficients: ``"bfloat16"`` (the default,
       as the reference sends its bfloat16 model's; the rounding stays in the
       momentum), ``"float32"``, ``"float16"`` or None (the gradient's).
+    combine: ``"mean"`` or ``"senders"`` (see above).
     strategy: :func:`~commopt.compressed_mean`'s reduction ("auto": gather).
     min_size: leaves with fewer elements are averaged dense.
     seed: the exchange's base key.
@@ -75,7 +77,8 @@ def demo(learning_rate: optax.ScalarOrSchedule, *, axis_name, k: int = 32, chunk
   fn = "demo"
   sign = base.check_bool("sign", sign, fn=fn)
   weight_decay = base.check_number("weight_decay", weight_decay, fn=fn, low=0.0, low_open=False)
-  exchange = compressed_mean(chunk_top_k(k, chunk=chunk, dct=True, value_dtype=value_dtype),
+  exchange = compressed_mean(chunk_top_k(k, chunk=chunk, dct=True, value_dtype=value_dtype,
+                                         combine=combine),
                              axis_name=axis_name, error_feedback=True, residual_decay=decay,
                              strategy=strategy, min_size=min_size, seed=seed)
   return optax.named_chain(
