@@ -43,10 +43,11 @@ def test_bench_network_measures_a_shaped_link_and_cleans_up(tmp_path):
   rows = report["results"]["2"]["1gbit"]
   dense, sign = rows["dense"], rows["scaled_sign/gather"]
   # Dense moves ~4.5 MB per worker per step through a 1 Gbit/s link shared by two
-  # workers: the link, not the 2 cores, sets its step time (at most ~1.2 Gbit/s
-  # goes through, tbf's burst allowing).
+  # workers: the link, not the 2 cores, sets its step time. tbf's burst lets a short run
+  # through faster than the rate (1.6 Gbit/s measured once, on a loaded machine); the
+  # unshaped loopback carries tens of Gbit/s, so below 2 still shows the shaping.
   link = dense["sent_bytes"] * 2 / dense["comm_s"] * 8 / 1e9
-  assert 0.3 < link < 1.2, link
+  assert 0.3 < link < 2.0, link
   assert sign["sent_bytes"] * 25 < dense["sent_bytes"]
   assert sign["step_s"] < dense["step_s"]
   assert dense["losses"][-1] < dense["losses"][0]
