@@ -145,6 +145,26 @@ def _dequantise(codes: jax.Array, table: jax.Array) -> jax.Array:
   return jnp.where((codes & 1) == 1, -mag, mag)
 
 
+def _kept(payload, t: Tiling, bits: Optional[int]) -> tuple[jax.Array, jax.Array]:
+  """``(indices, values)`` of a :func:`chunk_top_k` payload, ``[tiles, k]`` each (float32)."""
+  n = t.tiles * t.k
+  if t.index_bits:
+    idx = kernels.unpack_bits(payload["indices"], t.index_bits, n).astype(jnp.int32)
+    idx = idx.reshape(t.tiles, t.k)
+  else:
+    idx = jnp.broadcast_to(jnp.arange(t.k, dtype=jnp.int32), (t.tiles, t.k))
+  if bits is None:
+    return idx, payload["values"].astype(jnp.float32)
+  codes = kernels.unpack_bits(payload["codes"], bits, n).reshape(t.tiles, t.k)
+  return idx, _dequantise(codes, payload["table"])
+
+
+def _scattered(idx: jax.Array, values: jax.Array, t: Tiling) -> jax.Array:
+  """``[tiles, a·b]`` float32: ``values`` at ``idx`` in each tile, zeros elsewhere."""
+  return jnp.zeros((t.tiles, t.tile_size), jnp.float32).at[
+      jnp.arange(t.tiles)[:, None], idx].set(values)
+
+
 COMBINES = ("mean", "senders")
 """How :func:`chunk_top_k`'s gathered payloads combine (its ``combine``)."""
 
@@ -239,29 +259,10 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
       payload["table"] = table
     return payload, state
 
-  def kept(payload, t: Tiling):
-    """``(indices, values)`` of a payload, ``[tiles, k]`` each (values float32)."""
-    n = t.tiles * t.k
-    if t.index_bits:
-      idx = kernels.unpack_bits(payload["indices"], t.index_bits, n).astype(jnp.int32)
-      idx = idx.reshape(t.tiles, t.k)
-    else:
-      idx = jnp.broadcast_to(jnp.arange(t.k, dtype=jnp.int32), (t.tiles, t.k))
-    if bits is None:
-      values = payload["values"].astype(jnp.float32)
-    else:
-      codes = kernels.unpack_bits(payload["codes"], bits, n).reshape(t.tiles, t.k)
-      values = _dequantise(codes, payload["table"])
-    return idx, values
-
-  def scattered(idx, values, t: Tiling):
-    return jnp.zeros((t.tiles, t.tile_size), jnp.float32).at[
-        jnp.arange(t.tiles)[:, None], idx].set(values)
-
   def decode(payload, state, like):
     del state
     t = tiling(tuple(like.shape), chunk, k)
-    return from_tiles(scattered(*kept(payload, t), t), t, dct, like)
+    return from_tiles(_scattered(*_kept(payload, t, bits), t), t, dct, like)
 
   def reduce(x, state, key, channel):
     """All-gather the payloads; each entry's sum over the sum of its senders."""
@@ -269,9 +270,9 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
     payload, state = encode(x, state, key)
 
     def tiles_and_senders(pl):
-      idx, values = kept(pl, t)
-      return {"tiles": scattered(idx, values, t),
-              "senders": scattered(idx, jnp.ones_like(values), t)}
+      idx, values = _kept(pl, t, bits)
+      return {"tiles": _scattered(idx, values, t),
+              "senders": _scattered(idx, jnp.ones_like(values), t)}
 
     mean, local = channel.exchange(payload, tiles_and_senders, linear=False)
     per_sender = jnp.where(mean["senders"] > 0,
