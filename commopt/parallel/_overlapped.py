@@ -127,10 +127,7 @@ class OverlappedDiLoCo:
     self.exchange_dp = data_parallel(_probe_loss, self.exchange_tx, mesh, axis_name,
                                      local_params=True, donate=False)
     self.mesh = mesh
-    workers = 1
-    for a in (axis_name if isinstance(axis_name, tuple) else (axis_name,)):
-      workers *= mesh.shape[a]
-    self._probe = {"rows": jnp.zeros((workers,), jnp.float32)}   # a row per worker, unread
+    self._probe = {"rows": jnp.zeros((self.exchange_dp.num_workers,), jnp.float32)}   # unread
     self._thread = concurrent.futures.ThreadPoolExecutor(1, "commopt-overlapped-exchange")
     mix = self.mixing
     self._merge = jax.jit(lambda local, anchor: jax.tree.map(
