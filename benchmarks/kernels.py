@@ -4,7 +4,9 @@ GPU section (skipped without a GPU), float32 at 4M, 16M, 64M and 128M elements.
 Times are the device's per call: :func:`device_seconds` queues calls back to back
 and blocks once, so the host's dispatch latency does not count.
 
-- Every Pallas kernel (``sign_pack`` per leaf and per block, ``pack_bits``,
+- Every Pallas kernel (``sign_pack`` per leaf and per block, ``sign_feedback``
+  (error feedback fused with the sign encoding; its bytes are the one-pass limit:
+  read ``u`` and ``e``, write ``e′`` and the payload), ``pack_bits``,
   ``unpack_bits``, ``quantize_pack``, ``first_true``) beside its XLA reference: bytes moved
   (read + written), GB/s, the fraction of a device copy's bandwidth
   (``x + 0``, 8 bytes per element, same run) and the speed-up over the
@@ -97,32 +99,50 @@ def gpu_rows(sizes, repeats, interpret=False):
     copy_gbs = 8 * n / t_copy / 1e9
     rows.append(row("gpu", "copy", "xla", n, t_copy, 8 * n, vs_copy_bandwidth=1.0))
 
-    def timed(op, moved, make, impls=("pallas", "xla")):
-      """One row per implementation; ``vs_reference`` = reference time / this time."""
-      times = {impl: device_seconds(lambda f=jax.jit(make(impl)): f(), repeats) for impl in impls}
+    def timed(op, moved, make, *arrays, impls=("pallas", "xla")):
+      """One row per implementation; ``vs_reference`` = reference time / this time.
+      ``make(impl)`` takes ``arrays`` as arguments: an array closed over would be a
+      constant of the program, which XLA folds at compile time.
+      An op that fails to compile or run gives a row with its error, not a dead run."""
+      try:
+        times = {impl: device_seconds(lambda f=jax.jit(make(impl)): f(*arrays), repeats)
+                 for impl in impls}
+      except Exception as e:   # noqa: BLE001 - reported in the table and the JSON
+        rows.append({"section": "gpu", "op": op, "impl": "pallas", "n": n,
+                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        return
       for impl, t in times.items():
         rows.append(row("gpu", op, impl, n, t, moved, vs_copy_bandwidth=moved / t / 1e9 / copy_gbs,
                         vs_reference=times["xla"] / t))
 
     words1 = 4 * -(-n // 32)
     timed("sign_pack", 4 * n + words1 + 4,
-          lambda impl: lambda: kernels.sign_pack(x, implementation=impl))
+          lambda impl: lambda v: kernels.sign_pack(v, implementation=impl), x)
     timed("sign_pack(block_size=4096)", 4 * n + words1 + 4 * -(-n // 4096),
-          lambda impl: lambda: kernels.sign_pack(x, 4096, implementation=impl))
+          lambda impl: lambda v: kernels.sign_pack(v, 4096, implementation=impl), x)
+    e = 0.1 * x[::-1]
+    for bs in (None, 256):
+      # The limit: read u and e, write e' and the payload. The reference runs u + e,
+      # sign_pack and p - decode as XLA fuses them.
+      timed(f"sign_feedback(block_size={bs})", 12 * n + words1 + 4 * -(-n // (bs or n)),
+            lambda impl, bs=bs: lambda u, r: kernels.sign_feedback(u, r, bs, implementation=impl),
+            x, e)
     codes = (bits & 15).astype(jnp.uint8)
-    timed("pack_bits(4)", n + n // 2, lambda impl: lambda: kernels.pack_bits(codes, 4, implementation=impl))
+    timed("pack_bits(4)", n + n // 2,
+          lambda impl: lambda c: kernels.pack_bits(c, 4, implementation=impl), codes)
     words4 = kernels.pack_bits(codes, 4, implementation="xla")
     timed("unpack_bits(4)", n // 2 + 4 * n,
-          lambda impl: lambda: kernels.unpack_bits(words4, 4, n, implementation=impl))
+          lambda impl: lambda w: kernels.unpack_bits(w, 4, n, implementation=impl), words4)
     norms = jnp.linalg.norm(jnp.pad(x, (0, -n % 512)).reshape(-1, 512), axis=1)
     timed("quantize_pack(qsgd, 7)", 8 * n + n // 2,
-          lambda impl: lambda: kernels.quantize_pack(x, bits, 7, norms, block_size=512,
-                                                     implementation=impl))
+          lambda impl: lambda v, b, s: kernels.quantize_pack(v, b, 7, s, block_size=512,
+                                                             implementation=impl),
+          x, bits, norms)
 
     mask = x > 2.326                                   # about 1% true
     capacity = max(1, n // 100)
     timed("first_true(1%)", n + 4 * capacity,
-          lambda impl: lambda: kernels.first_true(mask, capacity, implementation=impl))
+          lambda impl: lambda m: kernels.first_true(m, capacity, implementation=impl), mask)
 
     one_read = jax.jit(jnp.sum)
     t_reads = 2 * device_seconds(lambda: one_read(x), repeats)
@@ -139,11 +159,19 @@ def gpu_rows(sizes, repeats, interpret=False):
           "select_top_k pallas": jax.jit(
               lambda v: kernels.select_top_k(v, k, implementation="pallas")),
       }
-      times = {name: device_seconds(lambda f=f: f(x), max(3, repeats // 2))
-               for name, f in baselines.items()}
-      bracketed = bool(select_pallas.sampled_bound(x, k, 1024)[3])
+      times = {}
+      for name, f in baselines.items():
+        try:
+          times[name] = device_seconds(lambda f=f: f(x), max(3, repeats // 2))
+        except Exception as e:   # noqa: BLE001 - reported in the table and the JSON
+          rows.append({"section": "gpu", "op": op, "impl": name, "n": n, "k": k,
+                       "error": f"{type(e).__name__}: {str(e)[:300]}"})
+      try:
+        bracketed = bool(select_pallas.sampled_bound(x, k, 1024)[3])
+      except Exception as e:   # noqa: BLE001
+        bracketed = f"{type(e).__name__}"
       for name, t in times.items():
-        rows.append(row("gpu", op, name, n, t, k=k, speedup_vs_top_k=times["lax.top_k"] / t,
+        rows.append(row("gpu", op, name, n, t, k=k, speedup_vs_top_k=times.get("lax.top_k", np.nan) / t,
                         vs_two_reads=t / t_reads,
                         **({"bracketed": bracketed} if name == "select_top_k pallas" else {})))
   scope.__exit__(None, None, None)
@@ -224,7 +252,7 @@ def cpu_rows(sizes, repeats):
 
 def print_table(rows):
   cols = ["section", "op", "impl", "n", "k", "ms", "MB", "GB/s", "vs_copy_bandwidth",
-          "vs_reference", "speedup_vs_top_k", "vs_two_reads", "bracketed"]
+          "vs_reference", "speedup_vs_top_k", "vs_two_reads", "bracketed", "error"]
   cols = [c for c in cols if any(c in r for r in rows)]
   print(" | ".join(f"{c:>20}" for c in cols))
   for r in rows:

@@ -72,6 +72,20 @@ def test_sign_pack_specials():
   same(kernels.sign_bits(x.astype(jnp.bfloat16), **NATIVE), bitops.pack(x.astype(jnp.bfloat16) < 0, 1))
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("block_size", [None, 7, 32, 256, 4096])
+@pytest.mark.parametrize("block", [None, 1024])
+def test_sign_feedback(n, block_size, block):
+  """Error feedback fused with the sign encoding (one pass where each scale block fits a
+  program, two otherwise) against the reference, partial last blocks included."""
+  u, e = mixed(n, n, specials=False) * 10, mixed(n, n + 1, specials=False)
+  kw = {} if block is None else {"block": block}
+  want = jax.jit(lambda u, e: kernels.sign_feedback(u, e, block_size, **kw, **XLA))(u, e)
+  got = jax.jit(lambda u, e: kernels.sign_feedback(u, e, block_size, **kw, **NATIVE))(u, e)
+  for a, b in zip(got, want):
+    same(a, b)
+
+
 def _scales(x, block_size, norm):
   n = x.size
   size = n if block_size is None else min(block_size, n)

@@ -100,6 +100,11 @@ class Compressor:
     error_bound: ``error_bound(shape) -> float``: δ for the two contractive
       kinds, ω for ``"unbiased"``, for a leaf of that shape; ``None`` for the
       other kinds.
+    encode_feedback: optional ``encode_feedback(u, e, state, key) -> (payload,
+      e′, state)``: ``encode(u + e)`` and ``e′ = u + e − decode(payload)``,
+      bit for bit, in fewer passes over the leaf (``scaled_sign``'s fused
+      kernel). :func:`~commopt.compressed_mean` calls it for float32 leaves
+      with float32 residuals under ``strategy="gather"``.
     flat_chunks: whether a flat chunk of a leaf (the 1-D pieces
       ``two_phase`` and ``hierarchical`` cut each leaf into) compresses as the
       leaf does. ``False`` for a compressor whose payload depends on the
@@ -128,6 +133,7 @@ class Compressor:
   error_kind: str = "biased"
   error_bound: Optional[Callable[[tuple[int, ...]], float]] = None
   flat_chunks: bool = True
+  encode_feedback: Optional[Callable[..., tuple]] = None
 
   def __post_init__(self):
     if self.error_kind not in ERROR_KINDS:
@@ -197,6 +203,8 @@ class Compressor:
       the leaf does (the :attr:`flat_chunks` field). ATOMO's payload depends
       on the leaf's matrix shape and saves nothing on a vector, so it is
       ``per_leaf`` but not ``flat_chunks``.
+    - ``"fused_feedback"``: error feedback and encoding in one fused op
+      (:attr:`encode_feedback`).
     - the error kind (:attr:`error_kind`): ``"lossless"``,
       ``"contractive"``, ``"expected_contractive"``, ``"unbiased"``,
       ``"direction"`` or ``"biased"``.
@@ -212,7 +220,8 @@ class Compressor:
                                   ("shared_randomness", self.shared_randomness),
                                   ("stateful", self.stateful),
                                   ("protocol", self.reduce is not None),
-                                  ("tree_wide", self.encode_tree is not None)) if on}
+                                  ("tree_wide", self.encode_tree is not None),
+                                  ("fused_feedback", self.encode_feedback is not None)) if on}
     if not caps & {"stateful", "protocol", "tree_wide"}:
       caps.add("per_leaf")
       if self.flat_chunks:
@@ -226,7 +235,7 @@ ERROR_KINDS = ("lossless", "contractive", "expected_contractive", "unbiased", "d
 """What a compressor's error may be declared as (:attr:`Compressor.error_kind`)."""
 
 CAPABILITIES = ("linear", "shared_randomness", "stateful", "protocol", "tree_wide",
-                "per_leaf", "flat_chunks") + ERROR_KINDS
+                "per_leaf", "flat_chunks", "fused_feedback") + ERROR_KINDS
 """Everything :attr:`Compressor.capabilities` may hold."""
 
 

@@ -450,7 +450,15 @@ class Gather(Strategy):
 
   def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
     """As :meth:`Strategy.reduce`, with a values-and-indices payload (:func:`_sparse_reduce`)
-    exchanged and its residual written by fewer passes over the leaf."""
+    or a fused encoding (``encode_feedback``, float32 only) exchanged and its residual
+    written by fewer passes over the leaf."""
+    if (compressor.encode_feedback is not None and residual is not None
+        and u.dtype == residual.dtype == jnp.float32):
+      payload, new_residual, cstate = compressor.encode_feedback(u, residual, cstate, key)
+      mean, _ = exchange(payload, lambda pl: compressor.decode(pl, cstate, u), "gather",
+                         axis_name, lambda acc, pl: compressor.add_decoded(acc, pl, cstate, u))
+      return LeafResult(out=mean.astype(u.dtype), residual=new_residual, memory=memory,
+                        state=cstate)
     if axis_name is None or compressor.reduce is not None or compressor.decode is not _SPARSE:
       return super().reduce(compressor, u, residual, memory, cstate, key, axis_name)
     return _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name)

@@ -110,6 +110,10 @@ def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
     scale = base.per_element(payload["scale"], n, block_size)
     return _out(scale * _signs_from_words(payload["signs"], n), like)
 
+  def encode_feedback(u, e, state, key):
+    scale, signs, new_e = kernels.sign_feedback(u.reshape(-1), e.reshape(-1), block_size)
+    return {"scale": scale, "signs": signs}, new_e.reshape(e.shape), state
+
   def payload_bits(shape, dtype):
     n = base.leaf_size(shape)
     return 32 * _num_blocks(n, block_size) + _words_bits(n, 1)
@@ -117,6 +121,7 @@ def scaled_sign(block_size: Optional[int] = None) -> base.Compressor:
   name = "scaled_sign" if block_size is None else f"scaled_sign(block_size={block_size})"
   return base.Compressor(name=name, init=base.stateless_init, encode=encode,
                          decode=decode, payload_bits=payload_bits, error_kind="contractive",
+                         encode_feedback=encode_feedback,
                          error_bound=lambda shape: 1.0 / base.block_len(
                              base.leaf_size(shape), block_size))
 

@@ -22,6 +22,9 @@ the public names are re-exported here:
   words (``pack/``).
 - :func:`sign_pack` / :func:`sign_bits`: fused sign + scale + pack in one pass
   (``pack/``).
+- :func:`sign_feedback`: error feedback fused with ``scaled_sign``'s encoding:
+  ``u + e``, its payload and the new residual, one read of ``u`` and ``e`` where
+  each scale block fits one program (``pack/``).
 - :func:`quantize_pack`: stochastic rounding + pack (QSGD, TernGrad) from
   random bits drawn outside (``pack/``).
 - :func:`select_top_k`: magnitude top-k, in index order: on a GPU a sampled
@@ -49,6 +52,7 @@ from commopt.kernels.pack import (
     quantize_codes,
     quantize_pack,
     sign_bits,
+    sign_feedback,
     sign_pack,
     uniform_from_bits,
     unpack_bits,
@@ -70,6 +74,7 @@ __all__ = [
     "quantize_pack",
     "select_top_k",
     "sign_bits",
+    "sign_feedback",
     "sign_pack",
     "uniform_from_bits",
     "unpack_bits",

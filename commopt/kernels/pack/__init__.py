@@ -1,5 +1,5 @@
 """Packing ops: codes of 1 to 32 bits in uint32 words, fused sign + scale + pack,
-stochastic quantise + pack.
+stochastic quantise + pack, error feedback fused with the sign encoding.
 
 - :mod:`~commopt.kernels.pack.reference`: the pure-jnp references and the
   element-wise pieces the kernels share.
@@ -13,6 +13,7 @@ from commopt.kernels.pack.api import (
     pack_bits,
     quantize_pack,
     sign_bits,
+    sign_feedback,
     sign_pack,
     unpack_bits,
 )
@@ -24,4 +25,4 @@ from commopt.kernels.pack.reference import (
 )
 
 __all__ = ["BLOCK", "STYLES", "pack_bits", "pairwise_sum", "quantize_codes", "quantize_pack",
-           "sign_bits", "sign_pack", "uniform_from_bits", "unpack_bits"]
+           "sign_bits", "sign_feedback", "sign_pack", "uniform_from_bits", "unpack_bits"]

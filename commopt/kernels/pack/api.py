@@ -199,6 +199,59 @@ def sign_pack(x: jax.Array, block_size: Optional[int] = None, *,
   return kernel.sign_pack(flat, block_size, segment, block, interpret)
 
 
+def sign_feedback(u: jax.Array, e: jax.Array, block_size: Optional[int] = None, *,
+                  implementation: Optional[str] = None, interpret: Optional[bool] = None,
+                  block: int = BLOCK):
+  """Error feedback fused with ``scaled_sign``'s encoding: ``p = u + e``, its payload, ``p − decode``.
+
+  The reference runs the separate steps (``p = u + e``; :func:`sign_pack` of
+  ``p``; ``e′ = p − scale·(±1)``). The kernel reads ``u`` and ``e`` once and
+  writes the words, the scales and ``e′`` when every scale block lies inside one
+  program's chunk (``block_size`` a power of two from 32 to ``block``, and
+  smaller than the leaf); otherwise (one scale, or other block sizes) one kernel
+  writes the words and partial sums and one fused pass writes ``e′``. Both give
+  the reference's bits.
+
+  Args:
+    u: the float32 update; it is flattened.
+    e: the float32 error-feedback residual, with ``u``'s number of elements.
+    block_size: coordinates per scale; ``None`` gives one scale.
+    implementation: ``"auto"``, ``"xla"``, ``"pallas"``, or ``None`` for the
+      innermost :func:`~commopt.kernels.implementation` scope's (``"auto"``
+      outside any).
+    interpret: run the Pallas kernel through the Pallas interpreter; ``None``
+      takes the scope's (``False`` outside any).
+    block: coordinates per Pallas program, a power of two >= 32.
+
+  Returns:
+    ``(scales, words, e′)``: float32 ``[⌈d/block_size⌉]`` (``[1]`` for
+    ``None``), uint32 ``[⌈d/32⌉]`` and float32 ``[d]``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from commopt.kernels import sign_feedback
+    >>> scales, words, e = sign_feedback(jnp.array([1.0, -3.0, 2.0]), jnp.array([0.5, 0.0, -0.5]))
+    >>> scales.tolist(), words.tolist(), e.tolist()
+    ([1.5], [2], [0.0, -1.5, 0.0])
+  """
+  fn = "sign_feedback"
+  flat, res = _flat(u, fn, "u"), _flat(e, fn, "e")
+  for name, v in (("u", flat), ("e", res)):
+    if v.dtype != _F32:
+      raise ValueError(f"{fn}: `{name}` must be float32, got dtype {v.dtype}.")
+  if flat.shape != res.shape or flat.shape[0] == 0:
+    raise ValueError(f"{fn}: `u` and `e` must have the same, non-zero number of elements, got "
+                     f"{flat.shape[0]} and {res.shape[0]}.")
+  block_size = base.check_block_size(block_size, fn)
+  block = dispatch.check_block(block, fn)
+  n = flat.shape[0]
+  pallas, interpret = dispatch.resolve(implementation, interpret, fn)
+  if not pallas:
+    return reference.sign_feedback(flat, res, block_size,
+                                   reference.segment_size(n, block_size, block))
+  return kernel.sign_feedback(flat, res, block_size, block, interpret)
+
+
 def quantize_pack(x: jax.Array, random_bits: jax.Array, levels: int, scales: jax.Array, *,
                   block_size: Optional[int] = None, style: str = "qsgd",
                   implementation: Optional[str] = None, interpret: Optional[bool] = None,

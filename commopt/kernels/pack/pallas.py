@@ -93,19 +93,71 @@ def unpack_bits(words: jax.Array, bits: int, size: int, block: int,
 
 
 def sign_pack(flat: jax.Array, block_size: Optional[int], segment: Optional[int], block: int,
-              interpret: bool):
-  """``(scales or None, words)`` in one read of ``flat`` (as :func:`reference.sign_pack`)."""
+              interpret: bool, plus: Optional[jax.Array] = None):
+  """``(scales or None, words)`` in one read of ``flat`` (as :func:`reference.sign_pack`);
+  of ``flat + plus`` (both float32, added in the kernel) when ``plus`` is given."""
   n = flat.shape[0]
+  streams = [flat] if plus is None else [flat, plus]
 
   def codes_fn(chunks, extra, idx):
-    v = chunks[0].astype(_F32)
+    v = chunks[0].astype(_F32) if plus is None else chunks[0] + chunks[1]
     return (v < 0).astype(_U32), jnp.abs(v)
 
-  out = _pack_call(codes_fn, [flat], [], n, 1, block, interpret, "sign_pack", segment)
+  out = _pack_call(codes_fn, streams, [], n, 1, block, interpret, "sign_pack", segment)
   if segment is None:
     return None, out[0]
   sums = reference.block_sums(out[1], n, block_size, segment)
-  return sums / base.block_counts(n, block_size), out[0]
+  return reference.block_means(sums, n, block_size), out[0]
+
+
+def one_pass_feedback(n: int, block_size: Optional[int], block: int) -> bool:
+  """Whether :func:`sign_feedback` runs in one pass: every scale block inside one program."""
+  return block_size is not None and block_size & (block_size - 1) == 0 and 32 <= block_size <= block \
+      and block_size < n
+
+
+def sign_feedback(u: jax.Array, e: jax.Array, block_size: Optional[int], block: int,
+                  interpret: bool):
+  """``(scales, words, e′)`` of ``p = u + e`` (as :func:`reference.sign_feedback`).
+
+  When each scale block lies inside one program's chunk (:func:`one_pass_feedback`), one
+  kernel reads ``u`` and ``e`` once and writes the words, the scales and ``e′``. Otherwise
+  the scales need every program's partial sums first: one kernel writes the words and the
+  partial sums, and one fused XLA pass reads ``u`` and ``e`` again for ``e′``.
+  """
+  n = u.shape[0]
+  if not one_pass_feedback(n, block_size, block):
+    scales, words = sign_pack(u, block_size, reference.segment_size(n, block_size, block),
+                              block, interpret, plus=e)
+    return scales, words, reference.sign_residual(u + e, scales, block_size)
+  per_program, rows = block // 32, block // block_size
+  nwords, nscales = -(-n // 32), -(-n // block_size)
+  full = np.float32(1.0) / np.float32(block_size)
+  last = np.float32(1.0) / np.float32(n - block_size * (nscales - 1))
+  out_shape = [jax.ShapeDtypeStruct((nwords,), _U32), jax.ShapeDtypeStruct((nscales,), _F32),
+               jax.ShapeDtypeStruct((n,), _F32)]
+
+  def kernel(u_ref, e_ref, words_ref, scales_ref, e_out):
+    pid = pl.program_id(0)
+    idx = dispatch.lanes(block, pid * block)
+    valid = idx < n
+    p = dispatch.chunk(u_ref, pid * block, block, valid) + dispatch.chunk(
+        e_ref, pid * block, block, valid)
+    words = reference.pack_rows(jnp.where(valid, p < 0, False).astype(_U32), 1)
+    first = pid * per_program
+    dispatch.put(words_ref, first, per_program, words, dispatch.lanes(per_program, first) < nwords)
+    sums = reference.pairwise_sum(jnp.abs(p).reshape(rows, block_size))
+    which = dispatch.lanes(rows, pid * rows)
+    # The reference's reciprocals (reference.block_means): every block is whole but the last.
+    scale = sums * jnp.where(which == nscales - 1, last, full)
+    dispatch.put(scales_ref, pid * rows, rows, scale, which < nscales)
+    p2 = p.reshape(rows, block_size)
+    dispatch.put(e_out, pid * block, block,
+                 (p2 - jnp.where(p2 < 0, -scale[:, None], scale[:, None])).reshape(block), valid)
+
+  words, scales, new_e = dispatch.call(kernel, out_shape, -(-n // block), interpret,
+                                       "sign_feedback")(u, e)
+  return scales, words, new_e
 
 
 def quantize_pack(flat: jax.Array, random_bits: jax.Array, levels: int, factors: jax.Array,

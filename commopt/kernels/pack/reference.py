@@ -128,11 +128,18 @@ def pack_rows(codes: jax.Array, bits: int) -> jax.Array:
   return jnp.sum(codes.reshape(-1, per) << shifts, axis=1, dtype=_U32)
 
 
+SEGMENT: Optional[int] = None
+"""The longest partial |x| sum a sign kernel writes (a power of two; None: a whole program's
+chunk). Any power of two gives the same scales (see :func:`pairwise_sum`); shorter segments
+trade a deeper in-kernel tree for more partial sums written."""
+
+
 def segment_size(n: int, block_size: Optional[int], block: int) -> int:
   """Elements per partial |x| sum: a power of two dividing ``block`` and each scale block."""
+  cap = block if SEGMENT is None else min(block, SEGMENT)
   if block_size is None or block_size >= n:
-    return block
-  return min(block, block_size & -block_size)
+    return cap
+  return min(cap, block_size & -block_size)
 
 
 def block_sums(values: jax.Array, n: int, block_size: Optional[int], per: int) -> jax.Array:
@@ -142,6 +149,16 @@ def block_sums(values: jax.Array, n: int, block_size: Optional[int], per: int) -
   group = -(-size // per)
   values = jnp.pad(values, (0, nb * group - values.shape[0]))
   return pairwise_sum(values.reshape(nb, group))
+
+
+def block_means(sums: jax.Array, n: int, block_size: Optional[int]) -> jax.Array:
+  """Each block's sum times the float32 reciprocal of its count.
+
+  A multiply by constants, not a division: XLA rewrites a division by a constant
+  as such a multiply inside a compiled program but not outside one, so a division
+  would give other bits eagerly than under ``jit``, and other bits than a kernel.
+  """
+  return sums * (np.float32(1.0) / base.block_counts(n, block_size))
 
 
 def segment_sums(values: jax.Array, segment: int) -> jax.Array:
@@ -177,7 +194,24 @@ def sign_pack(flat: jax.Array, block_size: Optional[int], segment: Optional[int]
   if segment is None:
     return None, words
   sums = block_sums(segment_sums(jnp.abs(flat), segment), n, block_size, segment)
-  return sums / base.block_counts(n, block_size), words
+  return block_means(sums, n, block_size), words
+
+
+def sign_residual(p: jax.Array, scales: jax.Array, block_size: Optional[int]) -> jax.Array:
+  """``p − decode(scales, signs of p)``: what ``scaled_sign``'s reconstruction of ``p`` misses.
+
+  ``p`` float32, flat; each coordinate loses ``+scale`` of its block, or ``−scale``
+  where ``p < 0`` (the decode's ``scale · ±1``, exactly).
+  """
+  scale = base.per_element(scales, p.shape[0], block_size)
+  return p - jnp.where(p < 0, -scale, scale)
+
+
+def sign_feedback(u: jax.Array, e: jax.Array, block_size: Optional[int], segment: int):
+  """``(scales, words, e′)`` of ``p = u + e`` (float32): ``sign_pack(p)`` and ``p − decode``."""
+  p = u + e
+  scales, words = sign_pack(p, block_size, segment)
+  return scales, words, sign_residual(p, scales, block_size)
 
 
 def quantize_pack(flat: jax.Array, random_bits: jax.Array, levels: int, factors: jax.Array,
