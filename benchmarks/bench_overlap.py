@@ -28,6 +28,8 @@ with error feedback):
 - ``split/2dev``: the same, the exchange on each process's second CPU
   device and the forward/backward on its first (parameters and gradients
   copied between them each step);
+- ``split/thread``: ``split`` with the exchange dispatched from a thread of
+  its own (what :func:`commopt.overlapped_data_parallel` does);
 - ``compute``: the undelayed step on a mesh of this process's first device
   alone (no network), every process at once, as they share the cores;
 - ``comm``: the undelayed step on the global mesh with a loss whose
@@ -76,7 +78,9 @@ METHODS = {
     "dense": ("identity", {}, "auto", False),
     "scaled_sign": ("scaled_sign", {}, "gather", True),
 }
-VARIANTS = ("undelayed", "delayed", "delayed/kept", "split", "split/2dev", "compute", "comm")
+VARIANTS = ("undelayed", "delayed", "delayed/kept", "split", "split/2dev", "split/thread",
+            "compute", "comm")
+SPLITS = ("delayed", "delayed/kept", "split", "split/2dev", "split/thread")
 TARGET = 1.2
 """A delayed step should cost at most this times ``max(compute, comm)``."""
 
@@ -236,6 +240,7 @@ def _programs(cfg, label, meshes, loss_fn, params0) -> dict:
           skip_nonfinite=False)),
       "split": lambda: _split(mesh, mesh, inner(), loss_fn, params0),
       "split/2dev": lambda: _split(mesh, meshes["comm"], inner(), loss_fn, params0),
+      "split/thread": lambda: _split(mesh, mesh, inner(), loss_fn, params0, threaded=True),
       "compute": lambda: plain(commopt.data_parallel(loss_fn, inner(), meshes["local"]),
                                audited=False, batch=lambda rows: rows),
       "comm": comm_only,
@@ -271,12 +276,16 @@ def _moved(tree, mesh, spec):
       [jax.device_put(s.data, mine) for s in a.addressable_shards]), tree)
 
 
-def _split(mesh, comm_mesh, inner, loss_fn, params0) -> _Program:
+def _split(mesh, comm_mesh, inner, loss_fn, params0, threaded=False) -> _Program:
   """The delayed update as two jitted programs per step: the exchange of the kept gradient
   (a data_parallel step on :func:`_linear`, on ``comm_mesh``), dispatched first, then the
   forward/backward on ``mesh``, both at the same parameters. On one mesh the two programs
   share each process's device; on two (``split/2dev``) each process runs the exchange on a
-  second CPU device, and the parameters and gradients are copied between the two."""
+  second CPU device, and the parameters and gradients are copied between the two.
+  ``threaded``: the exchange is dispatched from a thread of its own (two programs on one
+  device dispatched from two threads run at once on XLA:CPU; from one thread they do not)."""
+  import concurrent.futures
+
   import jax
   from jax.sharding import PartitionSpec as P
 
@@ -294,8 +303,17 @@ def _split(mesh, comm_mesh, inner, loss_fn, params0) -> _Program:
     return (params, exchange.init(params0), _zeros(comm_mesh, params0),
             _moved(params, mesh, P()) if apart else params)
 
+  pool = concurrent.futures.ThreadPoolExecutor(1) if threaded else None
+
   def step(carry, batch):
     params, state, kept, here = carry
+    if threaded:
+      pending = pool.submit(lambda: jax.block_until_ready(
+          exchange.step(params, state, {"g": kept})))
+      with jax.set_mesh(mesh):
+        grads = backward(here, batch)
+      new_params, state, _ = pending.result()
+      return new_params, state, grads, new_params
     new_params, state, _ = exchange.step(params, state, {"g": kept})   # dispatched first
     with jax.set_mesh(mesh):
       grads = backward(here, batch)                                    # then this
@@ -397,7 +415,7 @@ def derive(r: dict, steps: int) -> dict:
   rounds = lambda v: [statistics.median(t[v][i:i + steps]) for i in range(0, len(t[v]), steps)]
   compute, comm = rounds("compute"), rounds("comm")
   out = {}
-  for v in ("undelayed", "delayed", "delayed/kept", "split", "split/2dev"):
+  for v in ("undelayed",) + SPLITS:
     if v in t:
       mine = rounds(v)
       out[v] = {"vs_sum": statistics.median(m / (a + b) for m, a, b in zip(mine, compute, comm)),
@@ -434,7 +452,7 @@ def verdicts(report: dict) -> str:
   for flags, by_method in report["results"].items():
     for label, r in by_method.items():
       q = derive(r, report["config"]["steps"])
-      for v in ("delayed", "delayed/kept", "split", "split/2dev"):
+      for v in SPLITS:
         if v in q:
           ok = "meets" if q[v]["vs_max"] <= TARGET else "misses"
           lines.append(f"- {flags or 'default flags'}, {label}, {v}: {q[v]['vs_max']:.2f}x "

@@ -73,7 +73,9 @@ from commopt.compressors import (
 )
 from commopt.parallel import (
     DataParallel,
+    OverlappedDataParallel,
     OverlappedDiLoCo,
+    overlapped_data_parallel,
     overlapped_diloco,
     ZeroDataParallel,
     data_parallel,
@@ -139,7 +141,9 @@ __all__ = [
     "CountSketchState",
     "coordinate_median",
     "data_parallel",
+    "OverlappedDataParallel",
     "OverlappedDiLoCo",
+    "overlapped_data_parallel",
     "overlapped_diloco",
     "DataParallel",
     "DEFAULT_MIN_SIZE",

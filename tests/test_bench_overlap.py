@@ -34,7 +34,7 @@ def test_bench_overlap_times_every_variant_and_reads_the_programs(tmp_path):
   for method in ("dense", "scaled_sign"):
     r = report["results"][""][method]
     assert set(r["median_s"]) == {"undelayed", "delayed", "delayed/kept", "split", "split/2dev",
-                                  "compute", "comm"}
+                                  "split/thread", "compute", "comm"}
     assert all(len(t) == 4 and min(t) > 0 for t in r["times_s"].values())
     hlo = r["collectives"]
     # Undelayed, every collective waits for the batch; with the agreed skip on the kept
@@ -42,7 +42,8 @@ def test_bench_overlap_times_every_variant_and_reads_the_programs(tmp_path):
     assert hlo["undelayed"] and all(c["batch"] for c in hlo["undelayed"])
     assert hlo["delayed/kept"] and not any(c["batch"] for c in hlo["delayed/kept"])
   assert "| (none) | scaled_sign | split/2dev |" in proc.stdout
-  assert (tmp_path / "overlap.md").read_text().count("\n| (none) |") == 14
+  assert "scaled_sign, split/thread: " in proc.stdout
+  assert (tmp_path / "overlap.md").read_text().count("\n| (none) |") == 16
 
 
 def test_bench_overlap_diloco_measures_every_variants_utilisation(tmp_path):

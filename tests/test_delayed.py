@@ -443,8 +443,11 @@ def test_the_overlapping_communication_page_runs_in_order(capsys):
   assert float(out[0]) < 0.5 * start, (out[0], start)
   assert out[1] == "(8, 32, 4)"
   assert not ns["dp"].skip_nonfinite and int(ns["opt_state"].count) == 40
-  # The overlapped DiLoCo block: trained on from there, nothing left in flight.
+  # The overlapped data-parallel block: trained from the start, nothing left kept.
   loss, count = out[2].split()
+  assert float(loss) < 0.5 * start and int(count) == 40 and ns["state2"].kept is None
+  # The overlapped DiLoCo block: trained on from there, nothing left in flight.
+  loss, count = out[3].split()
   assert float(loss) < 0.5 * start and int(count) == 40 and ns["state"].pending is None
 
 # -- the digits CNN (slow) ------------------------------------------------------------------
@@ -476,3 +479,53 @@ def test_the_digits_cnn_reaches_the_undelayed_accuracy(name, mesh):
       p, s, _ = dp.step(p, s, {"x": x_train[idx], "y": y_train[idx]})
     found[delayed] = float(accuracy(p, x_test, y_test))
   assert found[False] > 0.95 and found[True] >= found[False] - CNN_MARGIN, found
+
+
+# --- the exchange on a thread of its own (overlapped_data_parallel) -----------------
+
+
+def _pipelined_pair(mesh, compressor):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(256, 32)).astype(np.float32)
+  y = x @ rng.normal(size=(32, 4)).astype(np.float32)
+  params = {"w": jnp.zeros((32, 4)), "b": jnp.zeros((4,))}
+  loss = lambda p, b: 0.5 * jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+  inner = lambda: optax.chain(commopt.compressed_mean(compressor, axis_name="data", min_size=1),
+                              optax.sgd(0.1))
+  dp = commopt.data_parallel(loss, pipelined(apply_if_finite(inner(), axis_name="data")), mesh,
+                             skip_nonfinite=False)
+  run = commopt.overlapped_data_parallel(loss, inner(), mesh)
+  batches = [{"x": x[t * 16:][:128], "y": y[t * 16:][:128]} for t in range(7)]
+  return dp, run, params, batches
+
+
+@pytest.mark.parametrize("compressor", [commopt.scaled_sign(), commopt.compressors.identity()],
+                         ids=["scaled_sign", "identity"])
+def test_overlapped_data_parallel_is_pipelined_bit_for_bit(mesh, compressor):
+  """Two programs per step (the backward pass, and the exchange of the kept gradient on a
+  thread) give pipelined(apply_if_finite(tx))'s parameters and losses, bit for bit; finish
+  applies the gradient still kept, as pipelined's next step does. A NaN in one worker's
+  gradient is dropped by the next exchange's agreed skip in both."""
+  dp, run, params, batches = _pipelined_pair(mesh, compressor)
+  batches[2]["x"] = batches[2]["x"].copy()
+  batches[2]["x"][3, 0] = np.nan                 # worker 0's gradient at step 2
+  p1, s1 = dp.place_params(params), dp.init(params)
+  p2, s2 = run.place_params(params), run.init(params)
+  try:
+    for b in batches[:6]:
+      p1, s1, l1 = dp.step(p1, s1, b)
+      p2, s2, l2 = run.step(p2, s2, b)
+      assert_same_bits(l2, l1)
+      assert_same_bits(p2, p1)
+    p1, s1, _ = dp.step(p1, s1, batches[6])
+    p2, s2 = run.finish(p2, s2)
+    assert_same_bits(p2, p1)
+    assert s2.kept is None and s2.count == 6
+    assert np.all(np.isfinite(np.asarray(p2["w"])))
+  finally:
+    run.close()
+
+
+def test_overlapped_data_parallel_refuses_a_mesh_with_other_axes(mesh2d):
+  with pytest.raises(ValueError, match=r"`mesh` must have one axis, the data axis 'local'"):
+    commopt.overlapped_data_parallel(lambda p, b: 0.0, optax.sgd(0.1), mesh2d, axis_name="local")
