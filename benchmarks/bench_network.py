@@ -45,6 +45,10 @@ Methods (``--methods``):
   are one exchange's over ``H``. Between exchanges each worker trains a
   model of its own and the global model (the anchor) moves only at an
   exchange, so they reach the target at an exchange.
+- commopt overlapped (``OVERLAPPED``): ``overlap:dense`` and
+  ``overlap:scaled_sign/gather``, the per-step method one step delayed
+  (``overlapped_data_parallel``: its exchange of the gradient kept from the
+  step before runs on a thread of its own beside the next backward pass).
 - commopt ZeRO-3 (``ZERO``): ``zero_data_parallel`` with the same momentum SGD,
   parameters and state sharded over the workers, dense gathers and reduce-scatters,
   int8 weight gathers (qwZ), int4 gradient chunks (qgZ), or both (int_quant, nearest,
@@ -132,9 +136,16 @@ ZERO = {
 }
 """commopt's ZeRO-3 (parameters and state sharded over the workers): dense, int8 weights
 (qwZ), int4 gradients (qgZ), both; the same momentum SGD."""
+OVERLAPPED = {
+    # label: the per-step method whose exchange overlaps the next backward pass
+    "overlap:dense": "dense",
+    "overlap:scaled_sign/gather": "scaled_sign/gather",
+}
+"""commopt's per-step methods one step delayed, run by ``overlapped_data_parallel``: the
+exchange of the kept gradient on a thread of its own beside the next backward pass."""
 TORCH_METHODS = ("torch:dense", "torch:fp16", "torch:power_sgd(2)")
 """The PyTorch peer (``benchmarks/_torch_peer.py``): DDP over gloo, plain and with its hooks."""
-ALL_METHODS = [*METHODS, *COMBINED, *ZERO, *TORCH_METHODS]
+ALL_METHODS = [*METHODS, *COMBINED, *OVERLAPPED, *ZERO, *TORCH_METHODS]
 BURST = {"1gbit": "128kb", "10gbit": "1280kb"}
 """tbf bucket per rate: at least rate / HZ (one timer tick of data)."""
 
@@ -297,9 +308,14 @@ def worker(config_path: str, result_path: str) -> None:
   results = {}
   for label in cfg["methods"]:
     zero = label in ZERO
+    overlapped = label in OVERLAPPED
     if zero:
       dp, period, local_params = ZeroTrainer(label, loss_fn, cfg["lr"], global_mesh), 1, False
       whole = dp.whole
+    elif overlapped:
+      tx, period, local_params = make_tx(OVERLAPPED[label], cfg["lr"])
+      dp = commopt.overlapped_data_parallel(loss_fn, tx, global_mesh)
+      whole = lambda p: p
     else:
       tx, period, local_params = make_tx(label, cfg["lr"])
       dp = commopt.data_parallel(loss_fn, tx, global_mesh, local_params=local_params)
@@ -317,7 +333,7 @@ def worker(config_path: str, result_path: str) -> None:
       batch = dp.local_batch(my_rows(step))
       t0 = time.perf_counter()
       params, state, loss = dp.step(params, state, batch)
-      jax.block_until_ready((params, state))
+      jax.block_until_ready((params, state.opt, state.kept) if overlapped else (params, state))
       times.append(time.perf_counter() - t0)
       losses.append(loss)
       # The global model after this step, scored untimed: the parameters, or a periodic
@@ -342,7 +358,11 @@ def worker(config_path: str, result_path: str) -> None:
       jax.block_until_ready((lp, ls))
       compute.append(time.perf_counter() - t0)
     multihost_utils.sync_global_devices(f"computed {label}")
-    step_s = per_step(times[1:], period)
+    if overlapped:
+      dp.close()
+    # Compiling steps: the first (and an overlapped method's second, the exchange's first).
+    compiling = 2 if overlapped else 1
+    step_s = per_step(times[compiling:], period)
     compute_s = per_step(compute[1:], period)
     comm_s = max(step_s - compute_s, 0.0)
     results[label] = {
@@ -350,6 +370,7 @@ def worker(config_path: str, result_path: str) -> None:
         "sent_bytes": plan.sent_bytes / period, "dense_sent_bytes": plan.dense_sent,
         "period": period, "sync_sent_bytes": plan.sent_bytes, "global_losses": global_losses,
         "losses": losses, "step_times": times, "compile_s": times[0], "eval_loss": eval_loss,
+        "compiling_steps": compiling,
     }
     if ctx.is_main:
       print(f"  {label}: {step_s * 1e3:.1f} ms/step (compute {compute_s * 1e3:.1f}, "
@@ -503,8 +524,9 @@ def derive(r: dict, processes: int, target: float) -> dict:
     done = next((k for k, v in r["global_losses"] if v <= target), None)
   else:
     done = next((i + 1 for i, v in enumerate(curve) if v <= target), None)
-  # The compiling first step counts as a typical one.
-  times = [r["step_s"]] + r["step_times"][1:]
+  # The compiling steps count as typical ones.
+  compiling = r.get("compiling_steps", 1)
+  times = [r["step_s"]] * compiling + r["step_times"][compiling:]
   comm = r["comm_s"]
   return dict(r, final_loss=curve[-1], steps_to_target=done,
               time_to_target_s=None if done is None else sum(times[:done]),
@@ -749,7 +771,8 @@ def summarize(results: dict, bandwidths, processes) -> dict:
           "commopt best compressed": soonest(rows, [m for m in ours if m in METHODS
                                                     and m != "dense"]),
           "commopt best combined": soonest(rows, [m for m in ours if m in COMBINED
-                                                  or m.startswith("diloco(")]),
+                                                  or m in OVERLAPPED
+                                                  or m.startswith(("diloco(", "overlap:"))]),
           "PyTorch dense": "torch:dense" if "torch:dense" in rows else None,
           "PyTorch fp16": "torch:fp16" if "torch:fp16" in rows else None,
           "PyTorch PowerSGD": soonest(rows, [m for m in torch if m.startswith("torch:power_sgd")]),

@@ -83,7 +83,7 @@ def torch_missing():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["diloco(8)+scaled_sign", "torch:power_sgd(2)",
-                                    "zero+qwZ+qgZ"])
+                                    "zero+qwZ+qgZ", "overlap:scaled_sign/gather"])
 def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, method):
   if method.startswith("torch:") and torch_missing():
     pytest.skip(f"PyTorch is not importable here ({torch_missing()}); "
@@ -115,6 +115,12 @@ def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, met
     assert other["sent_bytes"] * 8 * 25 < dense["sent_bytes"] * 8
     assert [k for k, _ in other["global_losses"]] == [8, 16]
     assert other["step_s"] < dense["step_s"]
+  elif method.startswith("overlap:"):
+    # scaled_sign's signs, one step late, beside the backward pass: the same first loss
+    # (computed before any update), a model scored after every step.
+    assert other["sent_bytes"] * 25 < dense["sent_bytes"]
+    assert abs(other["losses"][0] - dense["losses"][0]) < 1e-3
+    assert [k for k, _ in other["global_losses"]][:2] == [1, 2]
   else:
     # Ring model for two workers: each sends what it reduces; PowerSGD's P and Q, rank 2.
     assert other["dense_sent_bytes"] == dense["sent_bytes"]

@@ -212,7 +212,7 @@ class Compressor:
     Examples:
       >>> import commopt
       >>> sorted(commopt.scaled_sign().capabilities)
-      ['contractive', 'flat_chunks', 'per_leaf']
+      ['contractive', 'flat_chunks', 'fused_feedback', 'per_leaf']
       >>> sorted(commopt.qsgd().capabilities)
       ['flat_chunks', 'per_leaf', 'unbiased']
     """

@@ -298,6 +298,10 @@ class OverlappedDataParallel:
     """``tx``'s state; nothing kept yet."""
     return PipelinedState(opt=self.exchange_dp.init(params))
 
+  def local_batch(self, batch):
+    """The global batch from this process's rows (multi-process runs), as ``data_parallel``'s."""
+    return self.exchange_dp.local_batch(batch)
+
   def _exchange(self, params, state: PipelinedState):
     new_params, opt, _ = self.exchange_dp.step(params, state.opt, {"g": state.kept})
     return jax.block_until_ready((new_params, opt))
@@ -311,8 +315,10 @@ class OverlappedDataParallel:
     pending = None
     if state.kept is not None:
       pending = self._thread.submit(self._exchange, params, state)
+    if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+      batch = self.exchange_dp.place_batch(batch)      # host rows (one process)
     with jax.set_mesh(self.mesh):
-      losses, grads = self._backward(params, self.exchange_dp.place_batch(batch))
+      losses, grads = self._backward(params, batch)
     if pending is not None:
       params, state.opt = pending.result()
     state.kept, state.count = grads, state.count + 1

@@ -232,7 +232,7 @@ def sign_feedback(u: jax.Array, e: jax.Array, block_size: Optional[int] = None, 
     >>> from commopt.kernels import sign_feedback
     >>> scales, words, e = sign_feedback(jnp.array([1.0, -3.0, 2.0]), jnp.array([0.5, 0.0, -0.5]))
     >>> scales.tolist(), words.tolist(), e.tolist()
-    ([1.5], [2], [0.0, -1.5, 0.0])
+    ([2.0], [2], [-0.5, -1.0, -0.5])
   """
   fn = "sign_feedback"
   flat, res = _flat(u, fn, "u"), _flat(e, fn, "e")
