@@ -462,6 +462,7 @@ def test_a_gpu_without_the_triton_lowering_runs_the_references(monkeypatch, capl
     kernels.sign_pack(x, implementation="pallas")
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_section_runs_through_the_interpreter():
   """benchmarks/kernels.py's GPU rows, off a GPU: every row present, the sampled select's
   bound held (its times mean nothing here)."""
