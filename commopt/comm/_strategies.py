@@ -452,8 +452,8 @@ class Gather(Strategy):
     """As :meth:`Strategy.reduce`, with a values-and-indices payload (:func:`_sparse_reduce`)
     or a fused encoding (``encode_feedback``, float32 only) exchanged and its residual
     written by fewer passes over the leaf."""
-    if (compressor.encode_feedback is not None and residual is not None
-        and u.dtype == residual.dtype == jnp.float32):
+    if (compressor.encode_feedback is not None and compressor.reduce is None
+        and residual is not None and u.dtype == residual.dtype == jnp.float32):
       payload, new_residual, cstate = compressor.encode_feedback(u, residual, cstate, key)
       mean, _ = exchange(payload, lambda pl: compressor.decode(pl, cstate, u), "gather",
                          axis_name, lambda acc, pl: compressor.add_decoded(acc, pl, cstate, u))

@@ -21,7 +21,7 @@ from commopt.parallel._overlapped import (
     OverlappedDataParallel,
     OverlappedDiLoCo,
     OverlappedState,
-    PipelinedState,
+    OverlappedDataParallelState,
     overlapped_data_parallel,
     overlapped_diloco,
 )
@@ -44,8 +44,8 @@ def __getattr__(name):
   raise AttributeError(f"module 'commopt.parallel' has no attribute {name!r}")
 
 __all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "OverlappedDiLoCo",
-           "OverlappedState", "overlapped_diloco", "OverlappedDataParallel", "PipelinedState",
-           "overlapped_data_parallel", "SFBKernel", "SFBLinear",
+           "OverlappedState", "overlapped_diloco", "OverlappedDataParallel",
+           "OverlappedDataParallelState", "overlapped_data_parallel", "SFBKernel", "SFBLinear",
            "ShardedLeaf", "ZeroDataParallel", "data_parallel", "local_value_and_grad",
            "nnx_data_parallel", "sfb_mask", "stack_workers", "unstack_workers",
            "zero_data_parallel"]

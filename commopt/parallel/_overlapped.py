@@ -211,7 +211,7 @@ def overlapped_diloco(loss_fn: Callable, inner: optax.GradientTransformation, me
 
 
 @dataclasses.dataclass
-class PipelinedState:
+class OverlappedDataParallelState:
   """What :class:`OverlappedDataParallel` carries between steps (host-level: not a pytree).
 
   Attributes:
@@ -294,19 +294,19 @@ class OverlappedDataParallel:
     """``params`` replicated over the data axis, as ``data_parallel``'s."""
     return self.exchange_dp.place_params(params)
 
-  def init(self, params) -> PipelinedState:
+  def init(self, params) -> OverlappedDataParallelState:
     """``tx``'s state; nothing kept yet."""
-    return PipelinedState(opt=self.exchange_dp.init(params))
+    return OverlappedDataParallelState(opt=self.exchange_dp.init(params))
 
   def local_batch(self, batch):
     """The global batch from this process's rows (multi-process runs), as ``data_parallel``'s."""
     return self.exchange_dp.local_batch(batch)
 
-  def _exchange(self, params, state: PipelinedState):
+  def _exchange(self, params, state: OverlappedDataParallelState):
     new_params, opt, _ = self.exchange_dp.step(params, state.opt, {"g": state.kept})
     return jax.block_until_ready((new_params, opt))
 
-  def step(self, params, state: PipelinedState, batch):
+  def step(self, params, state: OverlappedDataParallelState, batch):
     """The backward pass at ``params`` beside the exchange of the kept gradient.
 
     Returns ``(params, state, losses)`` as ``data_parallel``'s step does (``state`` is
@@ -324,7 +324,7 @@ class OverlappedDataParallel:
     state.kept, state.count = grads, state.count + 1
     return params, state, losses
 
-  def finish(self, params, state: PipelinedState):
+  def finish(self, params, state: OverlappedDataParallelState):
     """Exchanges and applies the kept gradient, if any: nothing computed is left unapplied."""
     if state.kept is not None:
       params, state.opt = self._exchange(params, state)
