@@ -29,7 +29,7 @@ with error feedback):
   device and the forward/backward on its first (parameters and gradients
   copied between them each step);
 - ``split/thread``: ``split`` with the exchange dispatched from a thread of
-  its own (what :func:`commopt.overlapped_data_parallel` does);
+  its own: :func:`commopt.overlapped_data_parallel` itself;
 - ``compute``: the undelayed step on a mesh of this process's first device
   alone (no network), every process at once, as they share the cores;
 - ``comm``: the undelayed step on the global mesh with a loss whose
@@ -240,7 +240,7 @@ def _programs(cfg, label, meshes, loss_fn, params0) -> dict:
           skip_nonfinite=False)),
       "split": lambda: _split(mesh, mesh, inner(), loss_fn, params0),
       "split/2dev": lambda: _split(mesh, meshes["comm"], inner(), loss_fn, params0),
-      "split/thread": lambda: _split(mesh, mesh, inner(), loss_fn, params0, threaded=True),
+      "split/thread": lambda: _overlapped(mesh, inner(), loss_fn, params0),
       "compute": lambda: plain(commopt.data_parallel(loss_fn, inner(), meshes["local"]),
                                audited=False, batch=lambda rows: rows),
       "comm": comm_only,
@@ -249,10 +249,10 @@ def _programs(cfg, label, meshes, loss_fn, params0) -> dict:
 
 
 def _linear(p, b):
-  """A loss whose gradient is ``b["g"][0]``: a step with it is the exchange with no compute."""
-  import jax
-  import jax.numpy as jnp
-  return sum(jnp.vdot(x, g[0]) for x, g in zip(jax.tree.leaves(p), jax.tree.leaves(b["g"])))
+  """A loss whose gradient is ``b["g"][0]``: a step with it is the exchange with no compute
+  (the loss ``overlapped_data_parallel`` exchanges its kept gradient with)."""
+  from commopt.parallel._overlapped import _kept_loss
+  return _kept_loss(p, b)
 
 
 def _zeros(mesh, params0):
@@ -276,16 +276,12 @@ def _moved(tree, mesh, spec):
       [jax.device_put(s.data, mine) for s in a.addressable_shards]), tree)
 
 
-def _split(mesh, comm_mesh, inner, loss_fn, params0, threaded=False) -> _Program:
+def _split(mesh, comm_mesh, inner, loss_fn, params0) -> _Program:
   """The delayed update as two jitted programs per step: the exchange of the kept gradient
   (a data_parallel step on :func:`_linear`, on ``comm_mesh``), dispatched first, then the
   forward/backward on ``mesh``, both at the same parameters. On one mesh the two programs
   share each process's device; on two (``split/2dev``) each process runs the exchange on a
-  second CPU device, and the parameters and gradients are copied between the two.
-  ``threaded``: the exchange is dispatched from a thread of its own (two programs on one
-  device dispatched from two threads run at once on XLA:CPU; from one thread they do not)."""
-  import concurrent.futures
-
+  second CPU device, and the parameters and gradients are copied between the two."""
   import jax
   from jax.sharding import PartitionSpec as P
 
@@ -303,23 +299,32 @@ def _split(mesh, comm_mesh, inner, loss_fn, params0, threaded=False) -> _Program
     return (params, exchange.init(params0), _zeros(comm_mesh, params0),
             _moved(params, mesh, P()) if apart else params)
 
-  pool = concurrent.futures.ThreadPoolExecutor(1) if threaded else None
-
   def step(carry, batch):
     params, state, kept, here = carry
-    if threaded:
-      pending = pool.submit(lambda: jax.block_until_ready(
-          exchange.step(params, state, {"g": kept})))
-      with jax.set_mesh(mesh):
-        grads = backward(here, batch)
-      new_params, state, _ = pending.result()
-      return new_params, state, grads, new_params
     new_params, state, _ = exchange.step(params, state, {"g": kept})   # dispatched first
     with jax.set_mesh(mesh):
       grads = backward(here, batch)                                    # then this
     if not apart:
       return new_params, state, grads, new_params
     return new_params, state, _moved(grads, comm_mesh, P("data")), _moved(new_params, mesh, P())
+
+  return _Program(init, step, lambda rows: _global_batch(mesh, rows))
+
+
+def _overlapped(mesh, inner, loss_fn, params0) -> _Program:
+  """``split`` with the exchange dispatched from a thread of its own: the
+  :func:`commopt.overlapped_data_parallel` driver itself (two programs on one device
+  dispatched from two threads run at once on XLA:CPU; from one thread they do not)."""
+  import commopt
+
+  run = commopt.overlapped_data_parallel(loss_fn, inner, mesh)
+
+  def init():
+    return run.place_params(params0), run.init(params0)
+
+  def step(carry, batch):
+    params, state, _ = run.step(*carry, batch)
+    return params, state
 
   return _Program(init, step, lambda rows: _global_batch(mesh, rows))
 

@@ -371,14 +371,19 @@ class Strategy:
                           packed=False)]
 
 
+def _send(compressor, payload, cstate, like, axis_name, linear: bool):
+  """``(mean, local)`` of ``payload`` over the axis (:func:`exchange`), decoded as ``like``."""
+  return exchange(payload, lambda pl: compressor.decode(pl, cstate, like),
+                  "psum" if linear else "gather", axis_name,
+                  lambda acc, pl: compressor.add_decoded(acc, pl, cstate, like))
+
+
 def _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear: bool):
   if compressor.reduce is not None:
     reduced = compressor.reduce(x, cstate, key, Channel(axis_name))
     return reduced.mean, reduced.local, None, reduced.state
   payload, cstate = compressor.encode(x, cstate, key)
-  mean, local = exchange(payload, lambda pl: compressor.decode(pl, cstate, x),
-                         "psum" if linear else "gather", axis_name,
-                         lambda acc, pl: compressor.add_decoded(acc, pl, cstate, x))
+  mean, local = _send(compressor, payload, cstate, x, axis_name, linear)
   return mean, local, None, cstate
 
 
@@ -455,8 +460,7 @@ class Gather(Strategy):
     if (compressor.encode_feedback is not None and compressor.reduce is None
         and residual is not None and u.dtype == residual.dtype == jnp.float32):
       payload, new_residual, cstate = compressor.encode_feedback(u, residual, cstate, key)
-      mean, _ = exchange(payload, lambda pl: compressor.decode(pl, cstate, u), "gather",
-                         axis_name, lambda acc, pl: compressor.add_decoded(acc, pl, cstate, u))
+      mean, _ = _send(compressor, payload, cstate, u, axis_name, linear=False)
       return LeafResult(out=mean.astype(u.dtype), residual=new_residual, memory=memory,
                         state=cstate)
     if axis_name is None or compressor.reduce is not None or compressor.decode is not _SPARSE:
