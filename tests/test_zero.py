@@ -190,6 +190,9 @@ def _stack_params(seed=0, layers=6, width=96):
           "head": jnp.asarray(rng.normal(size=(width, 5)) / width ** 0.5, jnp.float32)}
 
 
+STACKED = {"embed": False, "layers": True, "head": False}
+
+
 def _layer(h, layer):
   return jnp.tanh(h @ layer["w"] + layer["b"]) + h, None
 
@@ -202,7 +205,7 @@ def whole_loss(p, b):
 
 def layer_by_layer_loss(p, b, gather):
   h = jnp.tanh(b["x"] @ gather(p["embed"]))
-  body = jax.checkpoint(lambda h, layer: _layer(h, gather(layer)))
+  body = gather.remat(lambda h, layer: _layer(h, gather(layer)))
   h, _ = jax.lax.scan(body, h, p["layers"])
   return jnp.mean((h @ gather(p["head"]) - b["y"]) ** 2)
 
@@ -215,7 +218,7 @@ def test_layer_by_layer_gathers_under_a_scan(mesh):
   steps = {}
   for mode, loss in (("step", whole_loss), ("manual", layer_by_layer_loss)):
     zp = commopt.zero_data_parallel(loss, optax.adam(1e-2), mesh, gather=mode)
-    sharded = zp.shard(params, stacked={"embed": False, "layers": True, "head": False})
+    sharded = zp.shard(params, stacked=STACKED)
     assert sharded["layers"]["w"].rows.shape == (6, 8, 1152)
     state = zp.init(sharded)
     temp = zp.lower(sharded, state, make_batch(0)).compile().memory_analysis().temp_size_in_bytes
@@ -290,7 +293,7 @@ def test_the_wire_counts_a_scan_body_per_iteration(mesh):
   params = _stack_params(layers=6)
   zp = commopt.zero_data_parallel(layer_by_layer_loss, optax.sgd(0.1), mesh, gather="manual",
                                   skip_nonfinite=False)
-  sharded = zp.shard(params, stacked={"embed": False, "layers": True, "head": False})
+  sharded = zp.shard(params, stacked=STACKED)
   found = commopt.wire.parse_hlo(zp.lower(sharded, zp.init(sharded), make_batch(0))
                                  .compile().as_text())
   looped = [c for c in found if c.trips > 1]
@@ -396,6 +399,61 @@ def test_hierarchical_gradients_cross_the_slow_axis_less(mesh2d):
   with pytest.raises(ValueError, match="hierarchical=True .* needs `grads`"):
     commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh2d, axis_name=("node", "local"),
                                hierarchical=True)
+
+
+def test_hpz_keeps_the_backward_gathers_inside_the_node(mesh2d):
+  """hpz=True on ("node", "local") with a rematerialised layer-by-layer loss: each layer
+  crosses nodes once (the forward gather into the secondary partition), the backward pass
+  gathers inside the node only, the secondary partition is kept (1/L of the stack per
+  device), and training is the flat gather's to rounding."""
+  params = _stack_params()
+  runs = {}
+  for name, kw in (("flat", {}), ("hpz", {"hpz": True})):
+    zp = commopt.zero_data_parallel(layer_by_layer_loss, optax.adam(1e-2), mesh2d,
+                                    axis_name=("node", "local"), gather="manual",
+                                    skip_nonfinite=False, **kw)
+    sharded = zp.shard(params, stacked=STACKED)
+    state = zp.init(sharded)
+    compiled = zp.lower(sharded, state, make_batch(0)).compile()
+    gathers = [c for c in commopt.wire.parse_hlo(compiled.as_text()) if c.kind == "all-gather"]
+    for i in range(4):
+      sharded, state, losses = zp.step(sharded, state, make_batch(i))
+    runs[name] = (gathers, compiled.memory_analysis().temp_size_in_bytes, zp.unshard(sharded))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
+                                                       atol=2e-6), runs["hpz"][2], runs["flat"][2])
+  crosses = lambda c: any(d // 4 != g[0] // 4 for g in c.replica_groups for d in g)
+  c_w, c_b = zero_comm.shard_len(96 * 96, 8), zero_comm.shard_len(96, 8)
+  flat_looped = [c for c in runs["flat"][0] if c.trips == 6]
+  assert len(flat_looped) == 4 and all(crosses(c) for c in flat_looped)   # w, b; fwd + bwd
+  hpz_across = [c for c in runs["hpz"][0] if crosses(c)]
+  assert {c.group_size for c in hpz_across} == {2}        # across nodes: the node axis only
+  assert sorted(c.sent_bytes for c in hpz_across if c.trips == 6) == [4 * c_b, 4 * c_w]
+  assert all(not crosses(c) for c in runs["hpz"][0] if c.group_size == 4)
+  secondary = 6 * 2 * 4 * (c_w + c_b)       # [nodes, c] float32 per layer, all 6 layers kept
+  assert runs["hpz"][1] - runs["flat"][1] >= secondary, (runs["hpz"][1], runs["flat"][1])
+  for kw in ({"gather": "step", "axis_name": ("node", "local")},
+             {"gather": "manual", "axis_name": "node"}):
+    with pytest.raises(ValueError, match="hpz=True .* needs gather='manual' and axis_name"):
+      commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh2d, hpz=True, **kw)
+
+
+@pytest.mark.slow
+def test_hpz_with_quantized_weights_and_gradients_converges(mesh2d):
+  """int8 weights and int4 gradients with hpz: the loss falls as with the flat gathers."""
+  params = _stack_params()
+  tails = {}
+  for name, kw in (("flat", {}), ("hpz", {"hpz": True})):
+    zp = commopt.zero_data_parallel(layer_by_layer_loss, optax.adam(1e-2), mesh2d,
+                                    axis_name=("node", "local"), gather="manual", weights=Q8,
+                                    grads=Q4, hierarchical=True, **kw)
+    sharded = zp.shard(params, stacked=STACKED)
+    state, losses = zp.init(sharded), []
+    for i in range(40):
+      sharded, state, l = zp.step(sharded, state, make_batch(i))
+      losses.append(float(jnp.mean(l)))
+    tails[name] = (losses[0], float(np.mean(losses[-10:])))
+  assert tails["hpz"][1] < 0.5 * tails["hpz"][0], tails
+  assert tails["hpz"][1] < 1.2 * tails["flat"][1], tails
 
 
 def test_the_pure_step_runs_inside_a_users_jit_and_scan(mesh):

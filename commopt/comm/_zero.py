@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 
@@ -157,8 +158,54 @@ def scatter_mean_hierarchical(rows: jax.Array, axes, compressor, key=None) -> ja
   return (own / workers).astype(rows.dtype)
 
 
+HPZ_NAME = "commopt_zero_hpz"
+"""The ``jax.ad_checkpoint.checkpoint_name`` of hpZ's secondary partition: a rematerialised
+body that saves it (:data:`HPZ_POLICY`) gathers only inside the node in its backward pass."""
+
+HPZ_POLICY = jax.checkpoint_policies.save_only_these_names(HPZ_NAME)
+
+
+def _stage(x: jax.Array, axis, weights, grads, keys, hierarchical_axes=None) -> jax.Array:
+  """``[A, m]`` from ``x`` ``[m]``: every worker of ``axis`` (``A`` of them) gives its ``x``
+  (dense, or encoded by ``weights``); the backward pass gives worker ``j`` the mean over the
+  workers of their cotangent's row ``j`` (dense, or encoded by ``grads``; in two encoded
+  stages over ``hierarchical_axes`` when given)."""
+  @jax.custom_vjp
+  def run(v):
+    return gather_shard(v, axis, weights, keys[0])
+
+  def fwd(v):
+    return run(v), None
+
+  def bwd(_, ct):
+    if hierarchical_axes is not None:
+      return (scatter_mean_hierarchical(ct, hierarchical_axes, grads, keys[1]).astype(x.dtype),)
+    return (scatter_mean(ct, axis, grads, keys[1]).astype(x.dtype),)
+
+  run.defvjp(fwd, bwd)
+  return run(x)
+
+
+def _gather_hpz(shard: jax.Array, axes, weights, grads, key) -> jax.Array:
+  """The flat leaf (``[N·c]``, owner ``j = node·L + local``) in two stages, ZeRO++'s hpZ:
+  across ``slow`` each device gathers the shards of the owners that share its local index
+  (encoded by ``weights``): its part of the node's secondary partition, ``[nodes, c]``,
+  named :data:`HPZ_NAME`; then inside the node (``fast``, dense) the whole leaf. The
+  gradient comes back the other way: a mean inside the node, then across nodes (both
+  encoded by ``grads`` when given)."""
+  slow, fast = axes
+  local = coll.axis_size(fast)
+  keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
+  secondary = _stage(shard, slow, weights, grads, (keys[0], keys[1]))      # [nodes, c]
+  secondary = checkpoint_name(secondary, HPZ_NAME)
+  nodes, c = secondary.shape
+  whole = _stage(secondary.reshape(-1), fast, None, grads, (None, keys[2]))   # [L, nodes·c]
+  return whole.reshape(local, nodes, c).transpose(1, 0, 2).reshape(-1)
+
+
 def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
-           key: Optional[jax.Array] = None, hierarchical: bool = False) -> jax.Array:
+           key: Optional[jax.Array] = None, hierarchical: bool = False,
+           hpz: bool = False) -> jax.Array:
   """The whole leaf of ``shape`` from this worker's ``shard`` (``[c]``), differentiable.
 
   The forward pass all-gathers the shards (through ``weights`` when given); the
@@ -175,27 +222,18 @@ def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
     key: a key for compressors that draw random bits (folded per direction and row).
     hierarchical: with ``grads`` and ``axis_name = (slow, fast)``, the gradient goes in
       two encoded stages (:func:`scatter_mean_hierarchical`).
+    hpz: with ``axis_name = (slow, fast)``, gather across ``slow`` (through ``weights``)
+      into a secondary partition named :data:`HPZ_NAME`, then inside ``fast`` (dense);
+      a body rematerialised under :data:`HPZ_POLICY` gathers only inside ``fast`` again.
 
   Returns:
     The leaf, ``shape`` in ``shard``'s dtype, varying over ``axis_name``.
   """
   shape = tuple(shape)
-  workers = coll.axis_size(axis_name)
+  if hpz:
+    return unshard_flat(_gather_hpz(shard, axis_name, weights, grads, key), shape, shard.dtype)
   keys = (None, None) if key is None else (jax.random.fold_in(key, 0),
                                           jax.random.fold_in(key, 1))
-
-  @jax.custom_vjp
-  def run(s):
-    return unshard_flat(gather_shard(s, axis_name, weights, keys[0]), shape, s.dtype)
-
-  def fwd(s):
-    return run(s), None
-
-  def bwd(_, ct):
-    rows = shard_flat(ct, workers)      # [workers, c]: the chunk each owner gets
-    if hierarchical and grads is not None:
-      return (scatter_mean_hierarchical(rows, axis_name, grads, keys[1]).astype(shard.dtype),)
-    return (scatter_mean(rows, axis_name, grads, keys[1]).astype(shard.dtype),)
-
-  run.defvjp(fwd, bwd)
-  return run(shard)
+  rows = _stage(shard, axis_name, weights, grads, keys,
+                axis_name if hierarchical and grads is not None else None)
+  return unshard_flat(rows, shape, shard.dtype)

@@ -92,6 +92,7 @@ class ZeroDataParallel:
   skip_nonfinite: bool = True
   has_aux: bool = False
   hierarchical: bool = False
+  hpz: bool = False
 
   def __post_init__(self):
     fn = "zero_data_parallel"
@@ -125,6 +126,13 @@ class ZeroDataParallel:
           "and then across nodes: it needs `grads` (a compressor) and axis_name=(slow, fast), "
           f"two mesh axes; got grads={getattr(self.grads, 'name', None)!r}, "
           f"axis_name={self.axis_name!r}.")
+    if base.check_bool("hpz", self.hpz, fn=fn) and (
+        self.gather != "manual" or isinstance(self.axis_name, str) or len(self.axis_name) != 2):
+      raise ValueError(
+          f"{fn}: hpz=True keeps a secondary copy of the weights inside each node for the "
+          "backward pass's gathers, which only a rematerialised layer-by-layer loss makes: it "
+          "needs gather='manual' and axis_name=(slow, fast), two mesh axes; got "
+          f"gather={self.gather!r}, axis_name={self.axis_name!r}.")
     skip = base.check_bool("skip_nonfinite", self.skip_nonfinite, fn=fn)
     # Outside the map, on the sharded rows: the finiteness of every device's rows is one
     # decision of the whole program (the compiler reduces it), so all devices skip together.
@@ -255,6 +263,20 @@ class ZeroDataParallel:
 
   # -- the step ----------------------------------------------------------------------
 
+  @property
+  def checkpoint_policy(self):
+    """The ``jax.checkpoint`` policy of a layer body under ``gather="manual"``: with
+    ``hpz`` it saves each layer's secondary partition (``1/L`` of the layer's weights, ``L``
+    devices per node), so the backward pass gathers inside the node only; otherwise None
+    (save nothing: the backward gathers each layer again). Combine it with a policy of your
+    own by ``jax.checkpoint_policies.save_from_both_policies``."""
+    return zero_comm.HPZ_POLICY if self.hpz else None
+
+  def remat(self, fn, **kwargs):
+    """``jax.checkpoint(fn, policy=self.checkpoint_policy, **kwargs)``: wrap a scan body
+    that gathers one layer, so that only one layer's weights are whole at a time."""
+    return jax.checkpoint(fn, policy=self.checkpoint_policy, **kwargs)
+
   def _gather_fn(self, worker_key):
     """``gather(tree, key=None)``: every :class:`ShardedLeaf` of ``tree`` (this worker's
     rows, ``[1, c]``, or ``[L, 1, c]`` for a whole stack) made whole; other leaves kept."""
@@ -269,13 +291,14 @@ class ZeroDataParallel:
         k = None if key is None else jax.random.fold_in(key, i)
         one = lambda rows, k: zero_comm.gather(
             rows[0], leaf.shape, self.axis_name, weights=self.weights, grads=self.grads, key=k,
-            hierarchical=self.hierarchical)
+            hierarchical=self.hierarchical, hpz=self.hpz)
         if leaf.rows.ndim == 3:      # a whole stack: each layer by itself
           keys = None if k is None else jax.random.split(k, leaf.rows.shape[0])
           out.append(jax.vmap(one)(leaf.rows, keys))
         else:
           out.append(one(leaf.rows, k))
       return jax.tree.unflatten(treedef, out)
+    gather.remat = self.remat
     return gather
 
   def _local_grads(self, sharded, batch, key):
@@ -354,7 +377,7 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
                        grads: Optional[base.Compressor] = None,
                        gather: str = "step", skip_nonfinite: bool = True,
                        has_aux: bool = False, hierarchical: bool = False,
-                       donate: bool = True) -> ZeroDataParallel:
+                       hpz: bool = False, donate: bool = True) -> ZeroDataParallel:
   """Fully sharded data parallelism (ZeRO-3) with commopt's own gathers and scatters.
 
   Parameters and optimizer state are sharded over ``axis_name``: each device keeps
@@ -370,11 +393,16 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
 
   With ``gather="manual"`` the loss gathers what it needs when it needs it:
   ``loss_fn(params, batch, gather)`` receives the :class:`ShardedLeaf` tree (this
-  worker's rows) and ``gather(subtree, key=None)`` makes a subtree whole. Shard a stack
+  worker's rows) and ``gather(subtree, key=None)`` makes a subtree whole
+  (``gather.remat`` is :meth:`ZeroDataParallel.remat`). Shard a stack
   of layers layer by layer (``shard(params, stacked={"layers": True})``), ``lax.scan``
   over its rows, gather one layer inside the body, and wrap the body in
-  ``jax.checkpoint``: then only one layer's weights are whole at a time, and the
-  backward pass gathers each layer again (ZeRO-3's second all-gather).
+  ``jax.checkpoint`` (:meth:`ZeroDataParallel.remat`): then only one layer's weights are
+  whole at a time, and the backward pass gathers each layer again (ZeRO-3's second
+  all-gather). With ``hpz`` on ``axis_name=(slow, fast)`` (nodes, devices in a node) the
+  forward gather goes across nodes into a secondary partition inside the node (each
+  device keeps ``1/L`` of the layer) and then inside the node; ``remat`` saves the
+  secondary partition, so the backward gathers cross no node (ZeRO++'s hpZ).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, on one worker's part of the batch
@@ -397,6 +425,12 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
       node), the gradient is reduce-scattered in two encoded stages, inside each node and
       then across nodes (ZeRO++'s hierarchical qgZ): each coordinate is encoded twice, and
       across nodes each device sends ``L`` times fewer chunks.
+    hpz: with ``gather="manual"`` and ``axis_name=(slow, fast)``, a secondary partition of
+      each gathered layer inside the node (ZeRO++'s hpZ): ``1/L`` of the stacked layers'
+      weights more per device, kept from the forward pass for the backward, whose gathers
+      then stay inside the node. The forward pass gathers across ``slow`` (encoded by
+      ``weights``) and then inside ``fast`` (dense); the gradient goes inside the node and
+      then across (both encoded by ``grads``, as ``hierarchical=True``).
     donate: donate the parameters and optimizer state to the step.
 
   Returns:
@@ -430,4 +464,4 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
   return ZeroDataParallel(loss_fn, tx, mesh, axis_name=axis_name, weights=weights,
                           grads=grads, donate=donate, gather=gather,
                           skip_nonfinite=skip_nonfinite, has_aux=has_aux,
-                          hierarchical=hierarchical)
+                          hierarchical=hierarchical, hpz=hpz)
