@@ -22,11 +22,27 @@ model; the median step time (CPU, informative only); and the mean loss of the la
 (3M to 0.75M in fp16 with hpZ); here the weights are float32 and gathered once per step
 (autodiff keeps them for the backward pass; no second gather), so dense moves 2M.
 
-``--check`` exits 1 when ``qwZ+qgZ`` moves less than 4x fewer bytes than dense, its loss
-ends above 1.2x dense's, or the sharded arguments exceed 1.1x one worker's share.
+The second section (``--section nodes``) is ZeRO++'s setting: the devices as ``--nodes``
+nodes of ``workers/nodes`` devices (mesh axes ``("node", "local")``), a residual MLP of
+``--layers`` stacked layers sharded layer by layer, the loss gathering one layer at a time
+in a rematerialised ``lax.scan`` (``gather="manual"``: each layer gathered in the forward
+pass and again in the backward, as ZeRO-3 does), in five setups: dense; qwZ; qwZ + qgZ
+(the gradient reduce-scattered inside the node, then across, ``hierarchical=True``); hpZ
+alone; and all three. Each row gives the bytes one device sends per step across nodes,
+in two models (direct: a collective's bytes times the share of its peers on other nodes;
+ring: the collective's ring, devices ordered by node, crosses on one link per node
+spanned, so a device's bytes count times nodes/group size) beside its total, the
+reduction of the cross-node bytes against dense (DeepSpeed states 4x for ZeRO++ in fp16:
+3M to 0.75M), the temporaries per device (hpZ keeps each layer's secondary partition,
+``1/L`` of the stack for ``L`` devices per node) and the loss.
 
-    python benchmarks/bench_zero.py                  # ~1 min on 2 cores
+``--check`` exits 1 when ``qwZ+qgZ`` moves less than 4x fewer bytes than dense, its loss
+ends above 1.2x dense's, the sharded arguments exceed 1.1x one worker's share, or (nodes)
+all three cut the cross-node bytes less than 4x or end above 1.2x dense's loss.
+
+    python benchmarks/bench_zero.py                  # ~2 min on 2 cores
     python benchmarks/bench_zero.py --width 256 --steps 100 --check
+    python benchmarks/bench_zero.py --section nodes --nodes 2 --layers 6
 """
 
 from __future__ import annotations
@@ -46,6 +62,9 @@ def parse_args(argv=None):
   p.add_argument("--width", type=int, default=512)
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--section", choices=("all", "flat", "nodes"), default="all")
+  p.add_argument("--nodes", type=int, default=2)
+  p.add_argument("--layers", type=int, default=6)
   p.add_argument("--check", action="store_true")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "zero.json"))
   return p.parse_args(argv)
@@ -77,18 +96,85 @@ def problem(width, seed=0):
   return params, loss_fn, batch
 
 
+def stacked_problem(width, layers, seed=0):
+  """A residual MLP: 64 inputs, ``layers`` stacked ``width x width`` tanh blocks, 8 outputs;
+  its loss gathers one layer at a time (``gather="manual"``)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  params = {"embed": jnp.asarray(rng.normal(size=(64, width)) / 8, jnp.float32),
+            "layers": {"w": jnp.asarray(rng.normal(size=(layers, width, width))
+                                        / (2 * np.sqrt(width)), jnp.float32),
+                       "b": jnp.zeros((layers, width), jnp.float32)},
+            "head": jnp.asarray(rng.normal(size=(width, 8)) / np.sqrt(width), jnp.float32)}
+  _, _, batch = problem(width, seed)
+
+  def loss_fn(p, b, gather):
+    h = jnp.tanh(b["x"] @ gather(p["embed"]))
+    body = gather.remat(lambda h, layer: (h + jnp.tanh(h @ gather(layer)["w"]
+                                                        + gather(layer)["b"]), None))
+    h, _ = jax.lax.scan(body, h, p["layers"])
+    return jnp.mean((h @ gather(p["head"]) - b["y"]) ** 2)
+
+  return params, loss_fn, batch
+
+
+def _quantizers():
+  import commopt
+  return (commopt.int_quant(bits=8, block_size=2048, rounding="nearest"),
+          commopt.int_quant(bits=4, block_size=2048, rounding="nearest"))
+
+
+def _measure(zp, params, batch, steps, stacked=None, local=None):
+  """One setup's row: bytes by kind from the compiled step (and across nodes, when
+  ``local`` devices make a node), memory per device, step time and losses."""
+  import jax
+  import numpy as np
+  import commopt
+  sharded = zp.shard(params, stacked=stacked)
+  state = zp.init(sharded)
+  compiled = zp.lower(sharded, state, batch(0)).compile()
+  by_kind, direct, ring = {}, 0.0, 0.0
+  for c in commopt.wire.parse_hlo(compiled.as_text()):
+    by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes * c.trips
+    if local is not None:     # logical device d sits on node d // local
+      group = c.replica_groups[0]
+      nodes = len({d // local for d in group})
+      peers_away = sum(d // local != group[0] // local for d in group)
+      direct += c.sent_bytes * c.trips * peers_away / max(1, len(group) - 1)
+      ring += c.sent_bytes * c.trips * (nodes / len(group) if nodes > 1 else 0.0)
+  memory = compiled.memory_analysis()
+  losses, times = [], []
+  for step in range(steps):
+    b = batch(step)
+    t0 = time.perf_counter()
+    sharded, state, l = zp.step(sharded, state, b)
+    l = jax.block_until_ready(l)
+    times.append(time.perf_counter() - t0)
+    losses.append(float(np.mean(l)))
+  batch_bytes = sum(v.nbytes for v in batch(0).values()) // zp.workers
+  row = {"bytes": by_kind, "total_bytes": sum(by_kind.values()),
+         "args_bytes": memory.argument_size_in_bytes - batch_bytes,
+         "temp_bytes": memory.temp_size_in_bytes,
+         "ms_per_step": 1e3 * statistics.median(times[2:]),
+         "first_loss": losses[0], "tail_loss": float(np.mean(losses[-20:]))}
+  if local is not None:
+    row["cross_node_bytes"] = int(round(direct))
+    row["cross_node_bytes_ring"] = int(round(ring))
+  return row
+
+
 def run(args):
   import jax
   jax.config.update("jax_num_cpu_devices", args.workers)
-  import numpy as np
   import optax
   import commopt
 
   mesh = jax.make_mesh((args.workers,), ("data",))
   params, loss_fn, batch = problem(args.width)
   n = sum(x.size for x in jax.tree.leaves(params))
-  q8 = commopt.int_quant(bits=8, block_size=2048, rounding="nearest")
-  q4 = commopt.int_quant(bits=4, block_size=2048, rounding="nearest")
+  q8, q4 = _quantizers()
   setups = {"dense": (None, None), "qwZ": (q8, None), "qgZ": (None, q4), "qwZ+qgZ": (q8, q4)}
 
   dp = commopt.data_parallel(loss_fn, optax.chain(commopt.compressed_mean(
@@ -101,34 +187,71 @@ def run(args):
   rows = []
   for name, (w, g) in setups.items():
     zp = commopt.zero_data_parallel(loss_fn, optax.adam(args.lr), mesh, weights=w, grads=g)
-    sharded = zp.shard(params)
-    state = zp.init(sharded)
-    lowered = zp.lower(sharded, state, batch(0))
-    by_kind = {}
-    for c in commopt.wire.parse_hlo(lowered.compile().as_text()):
-      by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes * c.trips
-    memory = lowered.compile().memory_analysis()
-    losses, times = [], []
-    for step in range(args.steps):
-      b = batch(step)
-      t0 = time.perf_counter()
-      sharded, state, l = zp.step(sharded, state, b)
-      l = jax.block_until_ready(l)
-      times.append(time.perf_counter() - t0)
-      losses.append(float(np.mean(l)))
-    rows.append({
-        "setup": name, "params": n, "bytes": by_kind, "total_bytes": sum(by_kind.values()),
-        "args_bytes": memory.argument_size_in_bytes - batch_bytes,
-        "temp_bytes": memory.temp_size_in_bytes, "replicated_args_bytes": rep_args,
-        "replicated_temp_bytes": rep_temp,
-        "ms_per_step": 1e3 * statistics.median(times[2:]),
-        "first_loss": losses[0], "tail_loss": float(np.mean(losses[-20:]))})
+    rows.append({"setup": name, "params": n, **_measure(zp, params, batch, args.steps),
+                 "replicated_args_bytes": rep_args, "replicated_temp_bytes": rep_temp})
   dense = rows[0]
   for r in rows:
     r["reduction"] = dense["total_bytes"] / r["total_bytes"]
     r["loss_vs_dense"] = r["tail_loss"] / dense["tail_loss"]
     r["args_vs_share"] = r["args_bytes"] / (rep_args / args.workers)
   return rows
+
+
+def run_nodes(args):
+  """The ``("node", "local")`` section: dense, qwZ, qwZ+qgZ, hpZ and all three, with the
+  bytes that cross nodes."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.workers)
+  import optax
+  import commopt
+
+  if args.workers % args.nodes or args.nodes < 2 or args.workers == args.nodes:
+    raise SystemExit(f"--nodes={args.nodes} must divide --workers={args.workers} into at "
+                     "least two nodes of at least two devices")
+  local = args.workers // args.nodes
+  mesh = jax.make_mesh((args.nodes, local), ("node", "local"))
+  params, loss_fn, batch = stacked_problem(args.width, args.layers)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  q8, q4 = _quantizers()
+  setups = {"dense": {}, "qwZ": {"weights": q8},
+            "qwZ+qgZ": {"weights": q8, "grads": q4, "hierarchical": True},
+            "hpZ": {"hpz": True},
+            "qwZ+qgZ+hpZ": {"weights": q8, "grads": q4, "hierarchical": True, "hpz": True}}
+  rows = []
+  for name, kw in setups.items():
+    zp = commopt.zero_data_parallel(loss_fn, optax.adam(args.lr), mesh,
+                                    axis_name=("node", "local"), gather="manual", **kw)
+    rows.append({"setup": name, "params": n, "nodes": args.nodes, "local": local,
+                 **_measure(zp, params, batch, args.steps,
+                            stacked={"embed": False, "layers": True, "head": False},
+                            local=local)})
+  dense = rows[0]
+  for r in rows:
+    r["cross_reduction"] = dense["cross_node_bytes"] / r["cross_node_bytes"]
+    r["cross_reduction_ring"] = dense["cross_node_bytes_ring"] / r["cross_node_bytes_ring"]
+    r["loss_vs_dense"] = r["tail_loss"] / dense["tail_loss"]
+    r["temp_vs_dense"] = r["temp_bytes"] - dense["temp_bytes"]
+  return rows
+
+
+def nodes_table(rows):
+  head = ["setup", "across nodes B (direct)", "÷ dense", "across nodes B (ring)", "÷ dense",
+          "total B", "args B", "temp B", "temp − dense B", "ms/step", "tail loss",
+          "loss ÷ dense"]
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    cells = [r["setup"], f"{r['cross_node_bytes']:,}", f"{r['cross_reduction']:.2f}x fewer",
+             f"{r['cross_node_bytes_ring']:,}", f"{r['cross_reduction_ring']:.2f}x fewer",
+             f"{r['total_bytes']:,}", f"{r['args_bytes']:,}",
+             f"{r['temp_bytes']:,}", f"{r['temp_vs_dense']:+,}", f"{r['ms_per_step']:.1f}",
+             f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"]
+    out.append("| " + " | ".join(cells) + " |")
+  r = rows[0]
+  out.append(f"\n{r['params']:,} parameters, {r['nodes']} nodes of {r['local']} devices; "
+             "bytes one device sends per step (mean over devices). Across nodes, direct: "
+             "each peer sent its share itself, the shares to other nodes counted; ring: a "
+             "collective's ring, its devices ordered by node, crosses on one link per node.")
+  return "\n".join(out)
 
 
 def table(rows, workers):
@@ -150,29 +273,41 @@ def table(rows, workers):
   return "\n".join(out)
 
 
-def misses(rows):
-  both = next(r for r in rows if r["setup"] == "qwZ+qgZ")
+def misses(rows, nodes_rows=()):
   out = []
-  if both["reduction"] < 4.0:
-    out.append(f"qwZ+qgZ moves {both['reduction']:.2f}x fewer bytes than dense (target >= 4x)")
-  if both["loss_vs_dense"] > 1.2:
-    out.append(f"qwZ+qgZ ends at {both['loss_vs_dense']:.3f}x dense's loss (target <= 1.2x)")
-  for r in rows:
-    if r["args_vs_share"] > 1.1:
-      out.append(f"{r['setup']}: arguments {r['args_vs_share']:.2f}x one worker's share "
-                 "(target <= 1.1x)")
+  if rows:
+    both = next(r for r in rows if r["setup"] == "qwZ+qgZ")
+    if both["reduction"] < 4.0:
+      out.append(f"qwZ+qgZ moves {both['reduction']:.2f}x fewer bytes than dense (target >= 4x)")
+    if both["loss_vs_dense"] > 1.2:
+      out.append(f"qwZ+qgZ ends at {both['loss_vs_dense']:.3f}x dense's loss (target <= 1.2x)")
+    for r in rows:
+      if r["args_vs_share"] > 1.1:
+        out.append(f"{r['setup']}: arguments {r['args_vs_share']:.2f}x one worker's share "
+                   "(target <= 1.1x)")
+  for r in nodes_rows:
+    worst = min(r.get("cross_reduction", 0), r.get("cross_reduction_ring", 0))
+    if r["setup"] == "qwZ+qgZ+hpZ" and worst < 4.0:
+      out.append(f"qwZ+qgZ+hpZ sends {worst:.2f}x fewer bytes across nodes than dense "
+                 "(target >= 4x)")
+    if r["setup"] == "qwZ+qgZ+hpZ" and r["loss_vs_dense"] > 1.2:
+      out.append(f"qwZ+qgZ+hpZ ends at {r['loss_vs_dense']:.3f}x dense's loss (target <= 1.2x)")
   return out
 
 
 def main(argv=None):
   args = parse_args(argv)
-  rows = run(args)
-  print(table(rows, args.workers))
+  rows = run(args) if args.section in ("all", "flat") else []
+  nodes_rows = run_nodes(args) if args.section in ("all", "nodes") else []
+  if rows:
+    print(table(rows, args.workers))
+  if nodes_rows:
+    print(nodes_table(nodes_rows))
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+  out.write_text(json.dumps({"args": vars(args), "rows": rows, "nodes": nodes_rows}, indent=1))
   print(f"wrote {out}")
-  missed = misses(rows)
+  missed = misses(rows, nodes_rows)
   for m in missed:
     print("MISSED:", m)
   return 1 if (args.check and missed) else 0
