@@ -36,13 +36,23 @@ reduction of the cross-node bytes against dense (DeepSpeed states 4x for ZeRO++ 
 3M to 0.75M), the temporaries per device (hpZ keeps each layer's secondary partition,
 ``1/L`` of the stack for ``L`` devices per node) and the loss.
 
+The third section (``--section feedback``) is the error-feedback trade on the first
+section's model and mesh: the gradient chunks through a quantizer that needs no memory
+(int4, nearest), and through two biased compressors (``scaled_sign()``, ``top_k(1%)``)
+without a memory, with a float32 worker-side memory and with a bfloat16 one
+(``error_feedback=True, residual_dtype=...``), under momentum SGD (``--momentum-lr``,
+momentum 0.9) and under adam. Each row gives the arguments per device (parameters, the
+optimizer's state and the memories), the gradient bytes sent per step and the loss
+against dense ZeRO-3's under the same optimizer.
+
 ``--check`` exits 1 when ``qwZ+qgZ`` moves less than 4x fewer bytes than dense, its loss
 ends above 1.2x dense's, the sharded arguments exceed 1.1x one worker's share, or (nodes)
 all three cut the cross-node bytes less than 4x or end above 1.2x dense's loss.
 
-    python benchmarks/bench_zero.py                  # ~2 min on 2 cores
+    python benchmarks/bench_zero.py                  # ~4 min on 2 cores
     python benchmarks/bench_zero.py --width 256 --steps 100 --check
     python benchmarks/bench_zero.py --section nodes --nodes 2 --layers 6
+    python benchmarks/bench_zero.py --section feedback
 """
 
 from __future__ import annotations
@@ -62,7 +72,9 @@ def parse_args(argv=None):
   p.add_argument("--width", type=int, default=512)
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--section", choices=("all", "flat", "nodes"), default="all")
+  p.add_argument("--momentum-lr", type=float, default=0.05,
+                 help="the feedback section's momentum SGD (momentum 0.9)")
+  p.add_argument("--section", choices=("all", "flat", "nodes", "feedback"), default="all")
   p.add_argument("--nodes", type=int, default=2)
   p.add_argument("--layers", type=int, default=6)
   p.add_argument("--check", action="store_true")
@@ -112,8 +124,10 @@ def stacked_problem(width, layers, seed=0):
 
   def loss_fn(p, b, gather):
     h = jnp.tanh(b["x"] @ gather(p["embed"]))
-    body = gather.remat(lambda h, layer: (h + jnp.tanh(h @ gather(layer)["w"]
-                                                        + gather(layer)["b"]), None))
+    def block(h, rows):
+      layer = gather(rows)
+      return h + jnp.tanh(h @ layer["w"] + layer["b"]), None
+    body = gather.remat(block)
     h, _ = jax.lax.scan(body, h, p["layers"])
     return jnp.mean((h @ gather(p["head"]) - b["y"]) ** 2)
 
@@ -195,6 +209,53 @@ def run(args):
     r["loss_vs_dense"] = r["tail_loss"] / dense["tail_loss"]
     r["args_vs_share"] = r["args_bytes"] / (rep_args / args.workers)
   return rows
+
+
+def run_feedback(args):
+  """The error-feedback section: memory, gradient bytes and loss, with and without
+  worker-side memories."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.workers)
+  import jax.numpy as jnp
+  import optax
+  import commopt
+
+  mesh = jax.make_mesh((args.workers,), ("data",))
+  params, loss_fn, batch = problem(args.width)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  _, q4 = _quantizers()
+  memories = {"none": {}, "float32": {"error_feedback": True},
+              "bfloat16": {"error_feedback": True, "residual_dtype": jnp.bfloat16}}
+  setups = [("dense", None, "none"), ("int4", q4, "none")]
+  for c in (commopt.scaled_sign(), commopt.top_k(0.01)):
+    setups += [(c.name, c, m) for m in memories]
+  optimizers = {"momentum": lambda: optax.sgd(args.momentum_lr, momentum=0.9),
+                "adam": lambda: optax.adam(args.lr)}
+  rows = []
+  for tx_name, tx in optimizers.items():
+    dense = None
+    for name, grads, memory in setups:
+      zp = commopt.zero_data_parallel(loss_fn, tx(), mesh, grads=grads, **memories[memory])
+      row = _measure(zp, params, batch, args.steps)
+      row["gradient_bytes"] = sum(v for k, v in row["bytes"].items()
+                                  if k in ("all-to-all", "reduce-scatter"))
+      row = {"tx": tx_name, "setup": name, "memory": memory, "params": n, **row}
+      dense = dense or row
+      row["args_vs_dense"] = row["args_bytes"] / dense["args_bytes"]
+      row["loss_vs_dense"] = row["tail_loss"] / dense["tail_loss"]
+      rows.append(row)
+  return rows
+
+
+def feedback_table(rows):
+  head = ["optimizer", "gradients", "memory", "args B per device", "÷ no memory", "gradient B sent",
+          "tail loss", "loss ÷ dense"]
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    out.append("| " + " | ".join([
+        r["tx"], r["setup"], r["memory"], f"{r['args_bytes']:,}", f"{r['args_vs_dense']:.2f}x",
+        f"{r['gradient_bytes']:,}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"]) + " |")
+  return "\n".join(out)
 
 
 def run_nodes(args):
@@ -299,13 +360,17 @@ def main(argv=None):
   args = parse_args(argv)
   rows = run(args) if args.section in ("all", "flat") else []
   nodes_rows = run_nodes(args) if args.section in ("all", "nodes") else []
+  feedback_rows = run_feedback(args) if args.section in ("all", "feedback") else []
   if rows:
     print(table(rows, args.workers))
   if nodes_rows:
     print(nodes_table(nodes_rows))
+  if feedback_rows:
+    print(feedback_table(feedback_rows))
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"args": vars(args), "rows": rows, "nodes": nodes_rows}, indent=1))
+  out.write_text(json.dumps({"args": vars(args), "rows": rows, "nodes": nodes_rows,
+                                 "feedback": feedback_rows}, indent=1))
   print(f"wrote {out}")
   missed = misses(rows, nodes_rows)
   for m in missed:

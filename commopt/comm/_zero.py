@@ -14,8 +14,9 @@ worker ``j`` owns coordinates ``j·c`` to ``(j+1)·c`` (:func:`shard_flat`). Ins
   decoding the ``N`` payloads of its chunk and summing them in float32; then divided by
   ``N`` (the mean).
 
-No error feedback: the compressors should be unbiased or deterministic block
-quantizers (``int_quant(rounding="nearest")`` as ZeRO++ uses). A compressor that draws
+Error feedback is optional (:func:`gather`'s ``residual``: each worker's memory of the
+whole leaf, a full gradient per device); without it the compressors should be unbiased
+or deterministic block quantizers (``int_quant(rounding="nearest")`` as ZeRO++ uses). A compressor that draws
 random bits takes the ``key`` given to :func:`gather` (per worker and leaf).
 """
 
@@ -114,26 +115,42 @@ def scatter_mean(rows: jax.Array, axis_name, compressor=None, key=None) -> jax.A
   if compressor is None:
     total = coll.psum_scatter(rows.reshape(-1).astype(jnp.float32), axis_name)
     return (total / workers).astype(rows.dtype)
-  received, empty, like = _all_to_all_encoded(rows[:, None, :], axis_name, compressor, key)
+  received, _, empty, like = _all_to_all_encoded(rows[:, None, :], axis_name, compressor, key)
   total = sum_decoded(received, lambda acc, pl: compressor.add_decoded(acc, pl, empty, like),
                       jnp.zeros(rows.shape[1:], jnp.float32))
   return (total / workers).astype(rows.dtype)
 
 
+def scatter_mean_feedback(rows: jax.Array, residual: jax.Array, axis_name, compressor,
+                          key=None):
+  """:func:`scatter_mean` of ``rows + residual`` through ``compressor``, with error feedback:
+  ``(the mean chunk [c] on its owner, float32; the new residual [N, c], what this worker's
+  payloads did not carry, in residual's dtype)``."""
+  workers = coll.axis_size(axis_name)
+  p = rows.astype(jnp.float32) + residual.astype(jnp.float32)
+  received, payloads, empty, like = _all_to_all_encoded(p[:, None, :], axis_name, compressor,
+                                                        key)
+  total = sum_decoded(received, lambda acc, pl: compressor.add_decoded(acc, pl, empty, like),
+                      jnp.zeros(rows.shape[1:], jnp.float32))
+  sent = jax.vmap(lambda pl: compressor.decode(pl, empty, like))(payloads)
+  return total / workers, (p - sent.astype(jnp.float32)).astype(residual.dtype)
+
+
 def _all_to_all_encoded(rows: jax.Array, axis, compressor, key):
   """Row block ``m`` of ``rows`` ``[M, r, c]`` sent to worker ``m`` of ``axis`` (``M``
   workers), each of its ``r`` rows encoded by ``compressor``, in one all-to-all of packed
-  words: ``(payloads [M·r, ...] received, block m from worker m; empty state; like)``."""
+  words: ``(payloads [M·r, ...] received, block m from worker m; the payloads sent;
+  empty state; like)``."""
   m, r, c = rows.shape
   payloads, empty, like = _encode_rows(compressor, rows.reshape(m * r, c), key)
   words, unpack = to_words(payloads, batch_dims=1)
   received = coll.all_to_all(words.reshape(m, r, -1), axis).reshape(m * r, -1)
-  return unpack(received), empty, like
+  return unpack(received), payloads, empty, like
 
 
 def _exchange_rows(rows: jax.Array, axis, compressor, key) -> jax.Array:
   """``[M, r, c]`` float32: what :func:`_all_to_all_encoded` received, decoded."""
-  received, empty, like = _all_to_all_encoded(rows, axis, compressor, key)
+  received, _, empty, like = _all_to_all_encoded(rows, axis, compressor, key)
   decoded = jax.vmap(lambda pl: compressor.decode(pl, empty, like))(received)
   return decoded.astype(jnp.float32).reshape(rows.shape)
 
@@ -186,6 +203,28 @@ def _stage(x: jax.Array, axis, weights, grads, keys, hierarchical_axes=None) -> 
   return run(x)
 
 
+def _stage_feedback(x: jax.Array, residual: jax.Array, n: int, axis, weights, grads, keys):
+  """:func:`_stage` (flat) with a worker-side error memory ``residual`` (``[N, c]``, this
+  worker's own, of the whole leaf of ``n`` coordinates): the backward pass sends
+  ``cotangent + residual`` encoded, and gives as ``residual``'s cotangent what the
+  payloads did not carry (the new residual, which the caller takes from the gradient).
+  The padding's memory stays zero (a sign sends ±scale for a zero there)."""
+  @jax.custom_vjp
+  def run(v, e):
+    return gather_shard(v, axis, weights, keys[0])
+
+  def fwd(v, e):
+    return run(v, e), e
+
+  def bwd(e, ct):
+    mean, new = scatter_mean_feedback(ct, e, axis, grads, keys[1])
+    real = (jnp.arange(new.size) < n).reshape(new.shape)
+    return mean.astype(x.dtype), jnp.where(real, new, jnp.zeros_like(new))
+
+  run.defvjp(fwd, bwd)
+  return run(x, residual)
+
+
 def _gather_hpz(shard: jax.Array, axes, weights, grads, key) -> jax.Array:
   """The flat leaf (``[N·c]``, owner ``j = node·L + local``) in two stages, ZeRO++'s hpZ:
   across ``slow`` each device gathers the shards of the owners that share its local index
@@ -205,7 +244,7 @@ def _gather_hpz(shard: jax.Array, axes, weights, grads, key) -> jax.Array:
 
 def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
            key: Optional[jax.Array] = None, hierarchical: bool = False,
-           hpz: bool = False) -> jax.Array:
+           hpz: bool = False, residual: Optional[jax.Array] = None) -> jax.Array:
   """The whole leaf of ``shape`` from this worker's ``shard`` (``[c]``), differentiable.
 
   The forward pass all-gathers the shards (through ``weights`` when given); the
@@ -225,15 +264,27 @@ def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
     hpz: with ``axis_name = (slow, fast)``, gather across ``slow`` (through ``weights``)
       into a secondary partition named :data:`HPZ_NAME`, then inside ``fast`` (dense);
       a body rematerialised under :data:`HPZ_POLICY` gathers only inside ``fast`` again.
+    residual: with ``grads`` (flat), this worker's error memory of the leaf, ``[N, c]``:
+      the gradient is sent as ``cotangent + residual``, and ``residual``'s cotangent is the
+      new memory (so gather a leaf once per differentiated call).
 
   Returns:
     The leaf, ``shape`` in ``shard``'s dtype, varying over ``axis_name``.
   """
   shape = tuple(shape)
+  n = int(np.prod(shape, dtype=np.int64))
+  # The padding of this worker's part is zero and gets no gradient, whatever a compressor
+  # sends for the zeros there (a sign sends ±scale), so global norms see none of it.
+  c = shard.shape[0]
+  own = coll.axis_index(axis_name) * c + jnp.arange(c) < n
+  shard = jnp.where(own, shard, jnp.zeros_like(shard))
   if hpz:
     return unshard_flat(_gather_hpz(shard, axis_name, weights, grads, key), shape, shard.dtype)
   keys = (None, None) if key is None else (jax.random.fold_in(key, 0),
                                           jax.random.fold_in(key, 1))
+  if residual is not None:
+    return unshard_flat(_stage_feedback(shard, residual, n, axis_name, weights, grads, keys),
+                        shape, shard.dtype)
   rows = _stage(shard, axis_name, weights, grads, keys,
                 axis_name if hierarchical and grads is not None else None)
   return unshard_flat(rows, shape, shard.dtype)

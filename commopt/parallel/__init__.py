@@ -25,7 +25,8 @@ from commopt.parallel._overlapped import (
     overlapped_data_parallel,
     overlapped_diloco,
 )
-from commopt.parallel._zero import ShardedLeaf, ZeroDataParallel, zero_data_parallel
+from commopt.parallel._zero import ZeroDataParallel, zero_data_parallel
+from commopt.parallel._zero_leaves import ResidualLeaf, ShardedLeaf, ZeroFeedbackState
 
 _NNX = ("NnxDataParallel", "NnxTrainState", "nnx_data_parallel")
 _SFB_NNX = ("SFBKernel", "SFBLinear", "sfb_mask")
@@ -46,6 +47,6 @@ def __getattr__(name):
 __all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "OverlappedDiLoCo",
            "OverlappedState", "overlapped_diloco", "OverlappedDataParallel",
            "OverlappedDataParallelState", "overlapped_data_parallel", "SFBKernel", "SFBLinear",
-           "ShardedLeaf", "ZeroDataParallel", "data_parallel", "local_value_and_grad",
+           "ResidualLeaf", "ShardedLeaf", "ZeroDataParallel", "ZeroFeedbackState", "data_parallel", "local_value_and_grad",
            "nnx_data_parallel", "sfb_mask", "stack_workers", "unstack_workers",
            "zero_data_parallel"]

@@ -11,7 +11,7 @@ all-to-all of packed payloads summed in float32 by the owner). The optimizer the
 updates the ``[N, c]`` rows outside the map, under ``jit``: elementwise transforms touch
 only each device's row, and a transform that needs a whole-tree quantity
 (``clip_by_global_norm``) gets it from the compiler, so any optax chain gives the
-replicated answer. The padding stays zero (its gradient is zero).
+replicated answer. The padding stays zero (the gather gives it no gradient).
 """
 
 from __future__ import annotations
@@ -26,39 +26,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from commopt._src import base
+from commopt._src import base, feedback
 from commopt.comm import _collectives as coll
 from commopt.comm import _zero as zero_comm
+from commopt.parallel import _zero_leaves as zr
+from commopt.parallel._zero_leaves import ShardedLeaf, is_sharded as _is_sharded
+from commopt.parallel._zero_leaves import is_state_leaf as _is_state_leaf
 from commopt.parallel._resize import path_key
-
-
-@jax.tree_util.register_pytree_node_class
-class ShardedLeaf:
-  """One parameter sharded over the data axis: ``rows`` ``[N, c]`` (``[L, N, c]`` for a
-  stack of ``L`` layers, each layer sharded by itself), and one layer's ``shape`` and the
-  ``dtype`` (static)."""
-
-  def __init__(self, rows, shape, dtype, layers=None):
-    self.rows = rows
-    self.shape = tuple(shape)
-    self.dtype = np.dtype(dtype)
-    self.layers = layers
-
-  def tree_flatten(self):
-    return (self.rows,), (self.shape, self.dtype.name, self.layers)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(children[0], *aux)
-
-  @property
-  def full_shape(self) -> tuple:
-    """The parameter's shape (with its layer axis first for a stack)."""
-    return self.shape if self.layers is None else (self.layers,) + self.shape
-
-  def __repr__(self) -> str:
-    rows = getattr(self.rows, "shape", self.rows)
-    return (f"ShardedLeaf(shape={self.full_shape}, dtype={self.dtype.name}, rows={rows})")
 
 
 _NEVER = 2**31 - 1
@@ -68,10 +42,6 @@ _NEVER = 2**31 - 1
 def _path_name(path) -> str:
   """A tree path as ``a/b/0``, whatever node types spell it (see :func:`_resize.path_key`)."""
   return "/".join(path_key(path))
-
-
-def _is_sharded(x) -> bool:
-  return isinstance(x, ShardedLeaf)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,6 +63,8 @@ class ZeroDataParallel:
   has_aux: bool = False
   hierarchical: bool = False
   hpz: bool = False
+  error_feedback: Any = False
+  residual_dtype: Any = None
 
   def __post_init__(self):
     fn = "zero_data_parallel"
@@ -133,12 +105,38 @@ class ZeroDataParallel:
           "backward pass's gathers, which only a rematerialised layer-by-layer loss makes: it "
           "needs gather='manual' and axis_name=(slow, fast), two mesh axes; got "
           f"gather={self.gather!r}, axis_name={self.axis_name!r}.")
+    self._configure_feedback(fn)
     skip = base.check_bool("skip_nonfinite", self.skip_nonfinite, fn=fn)
     # Outside the map, on the sharded rows: the finiteness of every device's rows is one
     # decision of the whole program (the compiler reduces it), so all devices skip together.
     object.__setattr__(self, "_tx", optax.apply_if_finite(self.tx, _NEVER) if skip else self.tx)
     object.__setattr__(self, "_jitted", jax.jit(self.step_fn,
                                                 donate_argnums=(0, 1) if self.donate else ()))
+
+  def _configure_feedback(self, fn: str) -> None:
+    """``_feedback``: whether workers keep error memories; ``grads`` as error feedback runs
+    it (an unbiased compressor scaled to a contraction, as in ``compressed_mean``)."""
+    ef = feedback.check_error_feedback(self.error_feedback, fn)
+    keep = False
+    if ef is not False:
+      if self.grads is None:
+        raise ValueError(f"{fn}: error_feedback={ef!r} keeps the error of the compressed "
+                         "gradient: it needs `grads` (a compressor); got grads=None.")
+      compressor, keep = feedback.feedback_compressor(self.grads, ef, fn)
+      if keep and (self.hierarchical or self.hpz):
+        raise ValueError(
+            f"{fn}: error_feedback={ef!r} keeps a worker-side memory of the flat compressed "
+            "reduce-scatter; it does not run with hierarchical=True or hpz=True (two encoded "
+            "stages). Use one of them, or a deterministic quantizer without a memory.")
+      object.__setattr__(self, "grads", compressor)
+    if self.residual_dtype is not None and (not keep or not base.is_float_dtype(
+        self.residual_dtype)):
+      raise ValueError(
+          f"{fn}: `residual_dtype`={self.residual_dtype!r} is the dtype of the workers' error "
+          "memories: it must be a floating-point dtype (jnp.float32, jnp.bfloat16), with "
+          f"error_feedback resolved to a memory (here it is {keep}).")
+    object.__setattr__(self, "_feedback", keep)
+    object.__setattr__(self, "_residual_dtype", np.dtype(self.residual_dtype or np.float32))
 
   # -- layout ------------------------------------------------------------------------
 
@@ -149,7 +147,7 @@ class ZeroDataParallel:
     return int(np.prod([self.mesh.shape[a] for a in axes]))
 
   def _spec(self, leaf) -> P:
-    return P(self.axis_name) if leaf.layers is None else P(None, self.axis_name)
+    return zr.spec(self.axis_name, leaf.layers)
 
   def _shard_value(self, value: np.ndarray, stacked: bool) -> ShardedLeaf:
     """One host value as a :class:`ShardedLeaf` on the mesh (by layer when ``stacked``)."""
@@ -205,6 +203,8 @@ class ZeroDataParallel:
     replicated = NamedSharding(self.mesh, P())
 
     def one(leaf):
+      if zr.is_residual(leaf):
+        return zr.whole(leaf, self.mesh, self.workers)
       if not _is_sharded(leaf):
         return leaf
       rows = jax.device_put(leaf.rows, replicated)
@@ -213,7 +213,7 @@ class ZeroDataParallel:
         whole = jax.vmap(whole)
       return jax.jit(whole, out_shardings=replicated)(rows)
     with jax.set_mesh(self.mesh):
-      return jax.tree.map(one, tree, is_leaf=_is_sharded)
+      return jax.tree.map(one, tree, is_leaf=_is_state_leaf)
 
   def reshard_state(self, whole_state, sharded):
     """The optimizer state of ``sharded`` (this instance's parameters) from its whole form
@@ -222,7 +222,11 @@ class ZeroDataParallel:
     replicated."""
     self._check_sharded(sharded, "reshard_state")
     template = jax.eval_shape(self._tx.init, sharded)
-    slots, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_sharded)
+    if self._feedback:
+      template = zr.ZeroFeedbackState(template, jax.tree.map(
+          lambda leaf: zr.ResidualLeaf(None, leaf.shape, self._residual_dtype, leaf.layers),
+          sharded, is_leaf=_is_sharded))
+    slots, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_state_leaf)
     # By path, not by position: a checkpoint restored without a target turns named tuples
     # into dicts (their keys sorted) and tuples into lists.
     values = {_path_name(path): value
@@ -236,7 +240,14 @@ class ZeroDataParallel:
             f"tx.init of these parameters has (it has {sorted(values)[:6]}...); it was made "
             "for another optimizer or other parameters.")
       value = values[name]
-      if _is_sharded(slot):
+      if zr.is_residual(slot):
+        lead = () if slot.layers is None else (slot.layers,)
+        if tuple(np.shape(value))[1:] != lead + slot.shape:
+          raise ValueError(
+              f"zero_data_parallel.reshard_state: the error memory {name!r} has shape "
+              f"{tuple(np.shape(value))} where [workers, *{lead + slot.shape}] is expected.")
+        out.append(zr.from_whole(value, slot, self.mesh, self.axis_name, self.workers))
+      elif _is_sharded(slot):
         if tuple(np.shape(value)) != slot.full_shape:
           raise ValueError(
               f"zero_data_parallel.reshard_state: the leaf {name!r} has shape "
@@ -252,7 +263,12 @@ class ZeroDataParallel:
     """The optimizer state of the sharded parameters, sharded as they are."""
     self._check_sharded(sharded, "init")
     with jax.set_mesh(self.mesh):   # around the call, never inside traced code
-      return jax.jit(self._tx.init)(sharded)
+      state = jax.jit(self._tx.init)(sharded)
+    if not self._feedback:
+      return state
+    return zr.ZeroFeedbackState(state, jax.tree.map(
+        lambda leaf: zr.zeros_like(leaf, self._residual_dtype, self.mesh, self.axis_name,
+                                   self.workers), sharded, is_leaf=_is_sharded))
 
   def _check_sharded(self, sharded, fn: str) -> None:
     leaves = jax.tree.leaves(sharded, is_leaf=_is_sharded)
@@ -277,9 +293,10 @@ class ZeroDataParallel:
     that gathers one layer, so that only one layer's weights are whole at a time."""
     return jax.checkpoint(fn, policy=self.checkpoint_policy, **kwargs)
 
-  def _gather_fn(self, worker_key):
+  def _gather_fn(self, worker_key, used: list):
     """``gather(tree, key=None)``: every :class:`ShardedLeaf` of ``tree`` (this worker's
-    rows, ``[1, c]``, or ``[L, 1, c]`` for a whole stack) made whole; other leaves kept."""
+    rows, ``[1, c]``, or ``[L, 1, c]`` for a whole stack) made whole; other leaves kept.
+    ``used`` collects ``(slot, memory)`` of the leaves gathered with an error memory."""
     def gather(tree, key=None):
       key = worker_key if key is None else key
       leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_sharded)
@@ -289,35 +306,50 @@ class ZeroDataParallel:
           out.append(leaf)
           continue
         k = None if key is None else jax.random.fold_in(key, i)
-        one = lambda rows, k: zero_comm.gather(
+        memory = getattr(leaf, "residual", None)
+        if memory is not None:
+          if any(m is memory for _, m in used):
+            raise ValueError(
+                "zero_data_parallel: with error_feedback the loss must gather each parameter "
+                f"once per step (its error memory is sent with its gradient); a {leaf.shape} "
+                "parameter was gathered twice. Gather it once and reuse the result.")
+          used.append((leaf.slot, memory))
+        one = lambda rows, e, k: zero_comm.gather(
             rows[0], leaf.shape, self.axis_name, weights=self.weights, grads=self.grads, key=k,
-            hierarchical=self.hierarchical, hpz=self.hpz)
+            hierarchical=self.hierarchical, hpz=self.hpz, residual=e)
         if leaf.rows.ndim == 3:      # a whole stack: each layer by itself
           keys = None if k is None else jax.random.split(k, leaf.rows.shape[0])
-          out.append(jax.vmap(one)(leaf.rows, keys))
+          out.append(jax.vmap(one)(leaf.rows, memory, keys))
         else:
-          out.append(one(leaf.rows, k))
+          out.append(one(leaf.rows, memory, k))
       return jax.tree.unflatten(treedef, out)
     gather.remat = self.remat
     return gather
 
-  def _local_grads(self, sharded, batch, key):
-    """Inside the map: ``(gradient rows per leaf, this worker's loss [1])``, and its aux
-    (each leaf with a leading axis of 1) with ``has_aux``."""
+  def _local_grads(self, sharded, residuals, batch, key):
+    """Inside the map: ``(gradient rows per leaf, this worker's loss [1], new error memories
+    or None)``, the loss as ``(loss [1], aux)`` (each aux leaf with a leading axis of 1)
+    with ``has_aux``."""
     worker_key = None if key is None else jax.random.fold_in(
         key, coll.axis_index(self.axis_name))
-    gather = self._gather_fn(worker_key)
+    used = []
+    gather = self._gather_fn(worker_key, used)
 
     def loss_of(tree):
       if self.gather == "manual":
         return self.loss_fn(tree, batch, gather)
       return self.loss_fn(gather(tree), batch)
 
-    out, grads = jax.value_and_grad(loss_of, has_aux=self.has_aux)(sharded)
+    tree = sharded if residuals is None else zr.merge(sharded, residuals)
+    out, grads = jax.value_and_grad(loss_of, has_aux=self.has_aux)(tree)
+    memories = None
+    if residuals is not None:
+      grads, memories = zr.split(grads, residuals, {slot for slot, _ in used})
     if not self.has_aux:
-      return grads, jnp.reshape(out, (1,))
+      return grads, jnp.reshape(out, (1,)), memories
     loss, aux = out
-    return grads, (jnp.reshape(loss, (1,)), jax.tree.map(lambda a: jnp.asarray(a)[None], aux))
+    return grads, (jnp.reshape(loss, (1,)),
+                   jax.tree.map(lambda a: jnp.asarray(a)[None], aux)), memories
 
   def step_fn(self, sharded, opt_state, batch, key=None):
     """The pure step: ``(sharded params, opt_state, per-worker losses [N])`` after one update
@@ -329,12 +361,21 @@ class ZeroDataParallel:
     on a mesh with explicit axes, call that function inside ``jax.set_mesh(mesh)``."""
     specs = jax.tree.map(self._spec, sharded, is_leaf=_is_sharded)
     rows = P(self.axis_name)
+    residuals = None
+    if self._feedback:
+      opt_state, residuals = opt_state
+    memory_specs = specs if self._feedback else P()
     local = jax.shard_map(
         self._local_grads, mesh=self.mesh,
-        in_specs=(specs, jax.tree.map(lambda _: rows, batch), P()),
-        out_specs=(specs, rows))     # a prefix: the losses and every aux leaf per worker
-    grads, losses = local(sharded, batch, key)
+        in_specs=(specs, memory_specs, jax.tree.map(lambda _: rows, batch), P()),
+        out_specs=(specs, rows, memory_specs))   # rows: a prefix of the losses and every aux
+    grads, losses, memories = local(sharded, residuals, batch, key)
     updates, opt_state = self._tx.update(grads, opt_state, sharded)
+    if self._feedback:
+      if self.skip_nonfinite:    # a skipped step keeps its memories too
+        memories = jax.tree.map(lambda new, old: jnp.where(opt_state.last_finite, new, old),
+                                memories, residuals)
+      opt_state = zr.ZeroFeedbackState(opt_state, memories)
     return optax.apply_updates(sharded, updates), opt_state, losses
 
   def local_batch(self, batch):
@@ -377,7 +418,8 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
                        grads: Optional[base.Compressor] = None,
                        gather: str = "step", skip_nonfinite: bool = True,
                        has_aux: bool = False, hierarchical: bool = False,
-                       hpz: bool = False, donate: bool = True) -> ZeroDataParallel:
+                       hpz: bool = False, error_feedback=False, residual_dtype=None,
+                       donate: bool = True) -> ZeroDataParallel:
   """Fully sharded data parallelism (ZeRO-3) with commopt's own gathers and scatters.
 
   Parameters and optimizer state are sharded over ``axis_name``: each device keeps
@@ -387,9 +429,9 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
   part encoded (ZeRO++'s qwZ: ``commopt.int_quant(bits=8, rounding="nearest")``), with
   ``grads`` the gradient goes as encoded chunks in one all-to-all and is summed in
   float32 by its owner (qgZ: ``int_quant(bits=4, ...)``). The master weights stay full
-  precision on their owner. Neither keeps an error memory (a worker-side residual
-  would cost a full gradient per device, which sharding exists to avoid): use
-  deterministic or unbiased block quantizers.
+  precision on their owner. By default no error memory is kept (a worker-side residual
+  costs a full gradient per device, which sharding exists to avoid): use deterministic
+  or unbiased block quantizers, or ask for the memory with ``error_feedback``.
 
   With ``gather="manual"`` the loss gathers what it needs when it needs it:
   ``loss_fn(params, batch, gather)`` receives the :class:`ShardedLeaf` tree (this
@@ -431,6 +473,13 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
       then stay inside the node. The forward pass gathers across ``slow`` (encoded by
       ``weights``) and then inside ``fast`` (dense); the gradient goes inside the node and
       then across (both encoded by ``grads``, as ``hierarchical=True``).
+    error_feedback: False (default), True or ``"auto"``, as in ``compressed_mean``: each
+      worker keeps what its encoded gradient chunks have not carried yet, per parameter,
+      and adds it to the next step's gradient (an unbiased ``grads`` runs as ``C/(1+ω)``).
+      It costs one whole gradient per device (in ``residual_dtype``); the state is then a
+      ``ZeroFeedbackState(opt_state, residuals)``. Flat gradients only (not with
+      ``hierarchical`` or ``hpz``); with ``gather="manual"`` gather each parameter once.
+    residual_dtype: the memories' dtype (float32 when None; ``jnp.bfloat16`` halves them).
     donate: donate the parameters and optimizer state to the step.
 
   Returns:
@@ -464,4 +513,5 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
   return ZeroDataParallel(loss_fn, tx, mesh, axis_name=axis_name, weights=weights,
                           grads=grads, donate=donate, gather=gather,
                           skip_nonfinite=skip_nonfinite, has_aux=has_aux,
-                          hierarchical=hierarchical, hpz=hpz)
+                          hierarchical=hierarchical, hpz=hpz,
+                          error_feedback=error_feedback, residual_dtype=residual_dtype)

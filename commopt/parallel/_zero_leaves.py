@@ -1,0 +1,180 @@
+"""The leaves of ZeRO-3's sharded state: parameters (:class:`ShardedLeaf`) and the
+workers' error memories (:class:`ResidualLeaf`).
+
+With ``zero_data_parallel(..., error_feedback=True)`` every worker keeps, per parameter,
+what its encoded gradient chunks have not carried yet: the whole flat leaf, ``[N, c]``
+(one row per owner), in ``residual_dtype``. That is a full gradient per device, the
+memory ZeRO exists to save, so it is off by default. A :class:`ResidualLeaf` holds every
+worker's memory as one global array, ``[W·N, c]`` (``[L, W·N, c]`` for a stack of ``L``
+layers) sharded over the data axis: device ``w`` holds its own ``[N, c]``.
+
+A checkpoint keeps them whole (``[W, *shape]``, one memory per worker); restored onto
+another number of workers they follow the library's resize rule (new worker ``j`` takes
+the overlap-weighted average of the old workers' memories, so the mean over workers, the
+update error feedback still owes, is conserved; see :mod:`commopt.parallel._resize`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from commopt.comm import _zero as zero_comm
+from commopt.parallel._resize import overlap_weights
+
+
+class _Rows:
+  """A leaf's ``rows`` (a pytree child) and its one-layer ``shape``, ``dtype`` and stack
+  ``layers`` (static)."""
+
+  def __init__(self, rows, shape, dtype, layers=None):
+    self.rows = rows
+    self.shape = tuple(shape)
+    self.dtype = np.dtype(dtype)
+    self.layers = layers
+
+  def tree_flatten(self):
+    return (self.rows,), (self.shape, self.dtype.name, self.layers)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedLeaf(_Rows):
+  """One parameter sharded over the data axis: ``rows`` ``[N, c]`` (``[L, N, c]`` for a
+  stack of ``L`` layers, each layer sharded by itself), and one layer's ``shape`` and the
+  ``dtype`` (static)."""
+
+  @property
+  def full_shape(self) -> tuple:
+    """The parameter's shape (with its layer axis first for a stack)."""
+    return self.shape if self.layers is None else (self.layers,) + self.shape
+
+  def __repr__(self) -> str:
+    rows = getattr(self.rows, "shape", self.rows)
+    return (f"ShardedLeaf(shape={self.full_shape}, dtype={self.dtype.name}, rows={rows})")
+
+
+@jax.tree_util.register_pytree_node_class
+class FedLeaf(ShardedLeaf):
+  """Inside the step with error feedback: a :class:`ShardedLeaf` carrying this worker's
+  error memory (``residual``, ``[N, c]`` or ``[L, N, c]``) and its index among the
+  parameters (``slot``, static)."""
+
+  def __init__(self, rows, residual, shape, dtype, layers, slot):
+    super().__init__(rows, shape, dtype, layers)
+    self.residual = residual
+    self.slot = slot
+
+  def tree_flatten(self):
+    return (self.rows, self.residual), (self.shape, self.dtype.name, self.layers, self.slot)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], children[1], *aux)
+
+
+@jax.tree_util.register_pytree_node_class
+class ResidualLeaf(_Rows):
+  """Every worker's error memory of one parameter: ``rows`` ``[W·N, c]`` (``[L, W·N, c]``
+  for a stack), sharded over the data axis; the parameter's one-layer ``shape``, the
+  memory's ``dtype`` and the stack's ``layers`` (static)."""
+
+  def __repr__(self) -> str:
+    rows = getattr(self.rows, "shape", self.rows)
+    return f"ResidualLeaf(shape={self.shape}, dtype={self.dtype.name}, rows={rows})"
+
+
+class ZeroFeedbackState(NamedTuple):
+  """``zero_data_parallel``'s optimizer state with error feedback: ``tx``'s state and a
+  tree of :class:`ResidualLeaf` shaped as the parameters."""
+  opt_state: Any
+  residuals: Any
+
+
+def is_residual(x) -> bool:
+  return isinstance(x, ResidualLeaf)
+
+
+def is_sharded(x) -> bool:
+  return isinstance(x, ShardedLeaf)
+
+
+def is_state_leaf(x) -> bool:
+  return isinstance(x, ShardedLeaf) or is_residual(x)
+
+
+def merge(sharded, residuals):
+  """``sharded`` with each leaf carrying its error memory (a tree of :class:`FedLeaf`)."""
+  leaves, treedef = jax.tree.flatten(sharded, is_leaf=is_sharded)
+  memories = jax.tree.leaves(residuals, is_leaf=is_residual)
+  return treedef.unflatten([FedLeaf(leaf.rows, e.rows, leaf.shape, leaf.dtype, leaf.layers, i)
+                            for i, (leaf, e) in enumerate(zip(leaves, memories))])
+
+
+def split(fed_grads, residuals, gathered: set):
+  """``(gradients as ShardedLeaf, new error memories)`` from the gradient of a
+  :func:`merge`'d tree: a memory's gradient is its new value (see
+  :func:`commopt.comm._zero.gather`); a leaf the loss never gathered keeps its memory."""
+  fed, treedef = jax.tree.flatten(fed_grads, is_leaf=is_sharded)
+  old = jax.tree.leaves(residuals, is_leaf=is_residual)
+  grads = [ShardedLeaf(f.rows, f.shape, f.dtype, f.layers) for f in fed]
+  new = [ResidualLeaf(f.residual if f.slot in gathered else e.rows, e.shape, e.dtype, e.layers)
+         for f, e in zip(fed, old)]
+  return treedef.unflatten(grads), treedef.unflatten(new)
+
+
+def spec(axis_name, layers) -> P:
+  """A leaf's rows over the data axis: ``[N, c]``, or ``[L, N, c]`` by layer for a stack."""
+  return P(axis_name) if layers is None else P(None, axis_name)
+
+
+def _place(rows: np.ndarray, shape, dtype, layers, mesh, axis_name) -> ResidualLeaf:
+  put = jax.device_put(rows, NamedSharding(mesh, spec(axis_name, layers)))
+  return ResidualLeaf(put, shape, dtype, layers)
+
+
+def zeros_like(leaf, dtype, mesh, axis_name, workers: int) -> ResidualLeaf:
+  """Zero memories for the :class:`ShardedLeaf` ``leaf`` (rows ``[N, c]`` or ``[L, N, c]``)."""
+  n, c = leaf.rows.shape[-2:]
+  lead = () if leaf.layers is None else (leaf.layers,)
+  sharding = NamedSharding(mesh, spec(axis_name, leaf.layers))
+  rows = jax.jit(lambda: jnp.zeros(lead + (workers * n, c), dtype), out_shardings=sharding)()
+  return ResidualLeaf(rows, leaf.shape, dtype, leaf.layers)
+
+
+def whole(leaf: ResidualLeaf, mesh, workers: int) -> jax.Array:
+  """``[W, *shape]`` (``[W, L, *shape]`` for a stack): each worker's memory as a leaf of the
+  parameter's shape, replicated (the padding dropped)."""
+  replicated = NamedSharding(mesh, P())
+  rows = jax.device_put(leaf.rows, replicated)
+
+  def per_worker(r):            # [W·N, c] -> [W, *shape]
+    return jax.vmap(lambda x: zero_comm.unshard_flat(x, leaf.shape))(
+        r.reshape(workers, -1, r.shape[-1]))
+  fn = per_worker if leaf.layers is None else (
+      lambda r: jnp.swapaxes(jax.vmap(per_worker)(r), 0, 1))
+  with jax.set_mesh(mesh):
+    return jax.jit(fn, out_shardings=replicated)(rows)
+
+
+def from_whole(value, slot: ResidualLeaf, mesh, axis_name, workers: int) -> ResidualLeaf:
+  """The :class:`ResidualLeaf` of ``slot``'s layout from :func:`whole`'s ``[W_old, ...]``,
+  saved by ``W_old`` workers: averaged onto ``workers`` by the resize rule (the mean over
+  workers conserved), then cut into each worker's rows."""
+  value = np.asarray(jax.device_get(value), np.float64)
+  old = value.shape[0]
+  value = np.tensordot(overlap_weights(old, workers), value, axes=(1, 0))   # [W, ...]
+  if slot.layers is None:
+    rows = np.concatenate([zero_comm.shard_flat(v, workers) for v in value])
+  else:
+    rows = np.stack([np.concatenate([zero_comm.shard_flat(v[layer], workers) for v in value])
+                     for layer in range(slot.layers)])
+  return _place(rows.astype(slot.dtype), slot.shape, slot.dtype, slot.layers, mesh, axis_name)
