@@ -482,3 +482,42 @@ def test_the_pure_step_runs_inside_a_users_jit_and_scan(mesh):
   assert losses.shape == (3, 8)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
                                                        atol=1e-6), zp.unshard(q), zp.unshard(p))
+
+
+def test_an_nnx_model_trains_through_split_and_merge(mesh):
+  """A Flax nnx model: its nnx.Param state sharded, the loss merging it back. The same
+  training as the same weights in a plain dict, and nnx.update writes the result back."""
+  from flax import nnx
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(13, 37, rngs=rngs)
+      self.l2 = nnx.Linear(37, 5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jnp.tanh(self.l1(x)))
+
+  model = MLP(nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def nnx_loss(p, b):
+    return jnp.mean((nnx.merge(graphdef, p, rest)(b["x"]) - b["y"]) ** 2)
+
+  as_dict = {"w1": model.l1.kernel[...], "b1": model.l1.bias[...], "w2": model.l2.kernel[...],
+             "b2": model.l2.bias[...]}
+
+  def dict_loss(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - b["y"]) ** 2)
+
+  out = {}
+  for name, loss, start in (("nnx", nnx_loss, params), ("dict", dict_loss, as_dict)):
+    zp = commopt.zero_data_parallel(loss, optax.adam(1e-2), mesh, weights=Q8, grads=Q4)
+    sharded = zp.shard(start)
+    state = zp.init(sharded)
+    for i in range(5):
+      sharded, state, losses = zp.step(sharded, state, make_batch(i))
+    out[name] = (zp.unshard(sharded), losses)
+  np.testing.assert_allclose(np.asarray(out["nnx"][1]), np.asarray(out["dict"][1]), rtol=1e-5)
+  nnx.update(model, out["nnx"][0])
+  np.testing.assert_allclose(np.asarray(model.l1.kernel[...]), np.asarray(out["dict"][0]["w1"]),
+                             rtol=1e-5, atol=1e-6)
