@@ -30,6 +30,7 @@ from commopt._src import base, feedback
 from commopt.comm import _collectives as coll
 from commopt.comm import _zero as zero_comm
 from commopt.parallel import _zero_leaves as zr
+from commopt.parallel import _zero_tp as zt
 from commopt.parallel._zero_leaves import ShardedLeaf, is_sharded as _is_sharded
 from commopt.parallel._zero_leaves import is_state_leaf as _is_state_leaf
 from commopt.parallel._resize import path_key
@@ -143,24 +144,28 @@ class ZeroDataParallel:
   @property
   def workers(self) -> int:
     """Devices on the data axis or axes (the ``N`` of every leaf's ``[N, c]`` rows)."""
-    axes = (self.axis_name,) if isinstance(self.axis_name, str) else self.axis_name
-    return int(np.prod([self.mesh.shape[a] for a in axes]))
+    return int(np.prod([self.mesh.shape[a] for a in self._data_axes]))
+
+  @property
+  def _data_axes(self) -> tuple:
+    return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
 
   def _spec(self, leaf) -> P:
-    return zr.spec(self.axis_name, leaf.layers)
+    return zr.spec(self.axis_name, leaf.layers, zt.axes_of(leaf.tp))
 
-  def _shard_value(self, value: np.ndarray, stacked: bool) -> ShardedLeaf:
-    """One host value as a :class:`ShardedLeaf` on the mesh (by layer when ``stacked``)."""
+  def _shard_value(self, value: np.ndarray, stacked: bool, tp=None) -> ShardedLeaf:
+    """One host value as a :class:`ShardedLeaf` on the mesh (by layer when ``stacked``; its
+    blocks over the model axes by ``tp``, one layer's spec)."""
     if stacked:
-      rows = np.stack([zero_comm.shard_flat(v, self.workers) for v in value])
-      leaf = ShardedLeaf(None, value.shape[1:], value.dtype, value.shape[0])
+      rows = np.stack([zt.cut(v, tp, self.mesh, self.workers) for v in value])
+      leaf = ShardedLeaf(None, value.shape[1:], value.dtype, value.shape[0], tp)
     else:
-      rows = zero_comm.shard_flat(value, self.workers)
-      leaf = ShardedLeaf(None, value.shape, value.dtype)
+      rows = zt.cut(value, tp, self.mesh, self.workers)
+      leaf = ShardedLeaf(None, value.shape, value.dtype, None, tp)
     leaf.rows = jax.device_put(rows, NamedSharding(self.mesh, self._spec(leaf)))
     return leaf
 
-  def shard(self, params, stacked=None):
+  def shard(self, params, stacked=None, specs=None):
     """``params`` as a tree of :class:`ShardedLeaf`, each ``[N, c]`` sharded over the axis.
 
     Args:
@@ -170,10 +175,19 @@ class ZeroDataParallel:
         the leaves under True have a leading layer axis ``L`` and are sharded layer by
         layer, as ``[L, N, c]``, so that a ``lax.scan`` over the layers can gather
         one layer at a time (``gather="manual"``).
+      specs: on a mesh with model axes beside the data axes (tensor parallel), a prefix
+        of ``params``' tree of ``PartitionSpec`` over the model axes (e.g.
+        ``{"w1": P(None, "model")}``, a stacked leaf's with None for its layer axis; None:
+        replicated over them). When None, each placed ``jax.Array`` leaf's own sharding
+        gives it. Each model rank's block is then sharded over the data axes by itself:
+        every device gathers and reduce-scatters its own block, and the loss sees the
+        leaf sharded by its spec (see the guide's tensor-parallel section).
     """
     stacked = False if stacked is None else stacked
 
-    def one(flag, x):
+    def one(flag, tp, x):
+      if specs is None:
+        tp = zt.spec_of(x, self.mesh, self._data_axes)
       value = np.asarray(jax.device_get(x))
       if not np.issubdtype(value.dtype, np.floating):
         raise ValueError(f"zero_data_parallel.shard: every parameter must be floating point, "
@@ -184,16 +198,33 @@ class ZeroDataParallel:
       if flag and value.ndim == 0:
         raise ValueError("zero_data_parallel.shard: a leaf under stacked=True needs a "
                          "leading layer axis, got a scalar.")
-      return self._shard_value(value, flag)
+      where = f"a {value.dtype} leaf of shape {value.shape}"
+      tp = zt.check(tp, value.shape, self.mesh, self._data_axes, where)
+      if tp is not None and flag:
+        if tp[0] is not None:
+          raise ValueError(f"zero_data_parallel.shard: the spec {tp} of {where} under "
+                           "stacked=True shards its layer axis; it must start with None.")
+        tp = zt.check(P(*tp[1:]), value.shape[1:], self.mesh, self._data_axes, where)
+      if tp is not None and (self._feedback or self.hpz):
+        raise ValueError(
+            f"zero_data_parallel.shard: {where} is sharded over model axes ({tp}); "
+            "error_feedback and hpz=True run on parameters sharded over the data axes only.")
+      return self._shard_value(value, flag, tp)
 
-    try:
-      return jax.tree.map(lambda flag, sub: jax.tree.map(lambda x: one(flag, x), sub),
-                          stacked, params)
-    except ValueError as e:
-      if "zero_data_parallel" in str(e):
-        raise
-      raise ValueError(f"zero_data_parallel.shard: `stacked` must be a prefix of the "
-                       f"parameters' tree of True/False, got {stacked!r}: {e}") from e
+    treedef = jax.tree.structure(params)
+
+    def broadcast(prefix, name, what, **kw):
+      try:
+        return treedef.flatten_up_to(jax.tree.broadcast(prefix, params, **kw))
+      except ValueError as e:
+        raise ValueError(f"zero_data_parallel.shard: `{name}` must be a prefix of the "
+                         f"parameters' tree of {what}, got {prefix!r}: {e}") from e
+
+    flags = broadcast(stacked, "stacked", "True/False")
+    tps = broadcast(specs, "specs", "PartitionSpec/None",
+                    is_leaf=lambda x: x is None or isinstance(x, P))
+    return treedef.unflatten([one(f, tp, x) for f, tp, x in
+                              zip(flags, tps, treedef.flatten_up_to(params))])
 
   def unshard(self, tree):
     """Every :class:`ShardedLeaf` of ``tree`` (the parameters, or the optimizer state, whose
@@ -208,7 +239,7 @@ class ZeroDataParallel:
       if not _is_sharded(leaf):
         return leaf
       rows = jax.device_put(leaf.rows, replicated)
-      whole = lambda r: zero_comm.unshard_flat(r, leaf.shape, leaf.dtype)
+      whole = lambda r: zt.join(r, leaf.shape, leaf.tp, self.mesh, leaf.dtype)
       if leaf.layers is not None:
         whole = jax.vmap(whole)
       return jax.jit(whole, out_shardings=replicated)(rows)
@@ -253,9 +284,10 @@ class ZeroDataParallel:
               f"zero_data_parallel.reshard_state: the leaf {name!r} has shape "
               f"{tuple(np.shape(value))} where its parameter has shape {slot.full_shape}.")
         out.append(self._shard_value(np.asarray(jax.device_get(value)),
-                                     slot.layers is not None))
+                                     slot.layers is not None, slot.tp))
       else:
-        out.append(jax.device_put(jnp.asarray(value, slot.dtype),
+        # By the host: a new buffer, never one the caller's state (donated later) holds.
+        out.append(jax.device_put(np.asarray(jax.device_get(value), slot.dtype),
                                   NamedSharding(self.mesh, P())))
     return jax.tree.unflatten(treedef, out)
 
@@ -314,9 +346,14 @@ class ZeroDataParallel:
                 f"once per step (its error memory is sent with its gradient); a {leaf.shape} "
                 "parameter was gathered twice. Gather it once and reuse the result.")
           used.append((leaf.slot, memory))
-        one = lambda rows, e, k: zero_comm.gather(
-            rows[0], leaf.shape, self.axis_name, weights=self.weights, grads=self.grads, key=k,
-            hierarchical=self.hierarchical, hpz=self.hpz, residual=e)
+        options = dict(weights=self.weights, grads=self.grads,
+                       hierarchical=self.hierarchical, hpz=self.hpz)
+        if leaf.tp is None:
+          one = lambda rows, e, k, leaf=leaf, o=options: zero_comm.gather(
+              rows[0], leaf.shape, self.axis_name, key=k, residual=e, **o)
+        else:             # its own block over the model axes
+          one = lambda rows, e, k, leaf=leaf, o=options: zt.gather(
+              rows[0], leaf.shape, leaf.tp, self.mesh, self.axis_name, key=k, **o)
         if leaf.rows.ndim == 3:      # a whole stack: each layer by itself
           keys = None if k is None else jax.random.split(k, leaf.rows.shape[0])
           out.append(jax.vmap(one)(leaf.rows, memory, keys))
@@ -365,10 +402,13 @@ class ZeroDataParallel:
     if self._feedback:
       opt_state, residuals = opt_state
     memory_specs = specs if self._feedback else P()
-    local = jax.shard_map(
-        self._local_grads, mesh=self.mesh,
-        in_specs=(specs, memory_specs, jax.tree.map(lambda _: rows, batch), P()),
-        out_specs=(specs, rows, memory_specs))   # rows: a prefix of the losses and every aux
+    if len(self._data_axes) == len(self.mesh.axis_names):
+      local = jax.shard_map(
+          self._local_grads, mesh=self.mesh,
+          in_specs=(specs, memory_specs, jax.tree.map(lambda _: rows, batch), P()),
+          out_specs=(specs, rows, memory_specs))   # rows: a prefix of the losses and every aux
+    else:
+      local = self._data_manual(sharded, specs, memory_specs, batch)
     grads, losses, memories = local(sharded, residuals, batch, key)
     updates, opt_state = self._tx.update(grads, opt_state, sharded)
     if self._feedback:
@@ -377,6 +417,22 @@ class ZeroDataParallel:
                                 memories, residuals)
       opt_state = zr.ZeroFeedbackState(opt_state, memories)
     return optax.apply_updates(sharded, updates), opt_state, losses
+
+  def _data_manual(self, sharded, specs, memory_specs, batch):
+    """:meth:`_local_grads` on a mesh with model axes: manual over the data axes only, the
+    model axes left to the compiler (the loss is the global-view tensor-parallel one),
+    inside ``auto_axes`` over the explicit ones (see :mod:`._zero_tp`)."""
+    rows = P(self.axis_name)
+    data_specs = jax.tree.map(lambda leaf: zr.spec(self.axis_name, leaf.layers), sharded,
+                              is_leaf=_is_sharded)
+    local = jax.shard_map(
+        self._local_grads, in_specs=(data_specs, memory_specs,
+                                     jax.tree.map(lambda _: rows, batch), P()),
+        out_specs=(data_specs, rows, memory_specs), axis_names=set(self._data_axes))
+    explicit = zt.explicit_model_axes(self.mesh, self._data_axes)
+    if not explicit:
+      return local
+    return jax.sharding.auto_axes(local, axes=explicit, out_sharding=(specs, rows, memory_specs))
 
   def local_batch(self, batch):
     """The global batch from this process's rows of it (multi-process runs): one array

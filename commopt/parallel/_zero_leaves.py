@@ -29,17 +29,18 @@ from commopt.parallel._resize import overlap_weights
 
 
 class _Rows:
-  """A leaf's ``rows`` (a pytree child) and its one-layer ``shape``, ``dtype`` and stack
-  ``layers`` (static)."""
+  """A leaf's ``rows`` (a pytree child) and its one-layer ``shape``, ``dtype``, stack
+  ``layers`` and model-axes spec ``tp`` (static; see :mod:`._zero_tp`)."""
 
-  def __init__(self, rows, shape, dtype, layers=None):
+  def __init__(self, rows, shape, dtype, layers=None, tp=None):
     self.rows = rows
     self.shape = tuple(shape)
     self.dtype = np.dtype(dtype)
     self.layers = layers
+    self.tp = tp
 
   def tree_flatten(self):
-    return (self.rows,), (self.shape, self.dtype.name, self.layers)
+    return (self.rows,), (self.shape, self.dtype.name, self.layers, self.tp)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -50,7 +51,8 @@ class _Rows:
 class ShardedLeaf(_Rows):
   """One parameter sharded over the data axis: ``rows`` ``[N, c]`` (``[L, N, c]`` for a
   stack of ``L`` layers, each layer sharded by itself), and one layer's ``shape`` and the
-  ``dtype`` (static)."""
+  ``dtype`` (static). A parameter sharded over model axes too (``tp``, a spec of one
+  layer) has its ``T`` blocks' rows side by side: ``[N, T·c]``."""
 
   @property
   def full_shape(self) -> tuple:
@@ -59,7 +61,8 @@ class ShardedLeaf(_Rows):
 
   def __repr__(self) -> str:
     rows = getattr(self.rows, "shape", self.rows)
-    return (f"ShardedLeaf(shape={self.full_shape}, dtype={self.dtype.name}, rows={rows})")
+    tp = "" if self.tp is None else f", tp={self.tp}"
+    return (f"ShardedLeaf(shape={self.full_shape}, dtype={self.dtype.name}, rows={rows}{tp})")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -131,9 +134,11 @@ def split(fed_grads, residuals, gathered: set):
   return treedef.unflatten(grads), treedef.unflatten(new)
 
 
-def spec(axis_name, layers) -> P:
-  """A leaf's rows over the data axis: ``[N, c]``, or ``[L, N, c]`` by layer for a stack."""
-  return P(axis_name) if layers is None else P(None, axis_name)
+def spec(axis_name, layers, model_axes=()) -> P:
+  """A leaf's rows over the data axis: ``[N, c]``, or ``[L, N, c]`` by layer for a stack;
+  their columns over ``model_axes`` (a parameter's blocks side by side, :mod:`._zero_tp`)."""
+  cols = () if not model_axes else (model_axes[0] if len(model_axes) == 1 else model_axes,)
+  return P(axis_name, *cols) if layers is None else P(None, axis_name, *cols)
 
 
 def _place(rows: np.ndarray, shape, dtype, layers, mesh, axis_name) -> ResidualLeaf:

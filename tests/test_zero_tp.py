@@ -1,0 +1,227 @@
+"""zero_data_parallel beside tensor parallelism: parameters sharded over a model axis keep
+that sharding, and each model rank's block is sharded over the data axis by ZeRO (every
+device gathers, compresses and reduce-scatters only its own block)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import commopt
+from commopt.comm import _zero as zero_comm
+
+Q8 = commopt.int_quant(bits=8, block_size=64, rounding="nearest")
+Q4 = commopt.int_quant(bits=4, block_size=64, rounding="nearest")
+SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": None}
+
+
+@pytest.fixture(scope="module", params=["explicit", "auto"])
+def tp_mesh(request):
+  """4 data ranks × 2 model ranks, the model axis explicit (jax.make_mesh's default) or
+  auto."""
+  kind = AxisType.Explicit if request.param == "explicit" else AxisType.Auto
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit, kind))
+
+
+def loss_fn(p, b):
+  """A two-layer MLP, column- then row-parallel: the second contraction names its output's
+  sharding (explicit axes ask for it)."""
+  h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+  out = jnp.einsum("bh,ho->bo", h, p["w2"], out_sharding=P()) + p["b2"]
+  return jnp.mean((out - b["y"]) ** 2)
+
+
+def make_params(seed=0, hidden=38):
+  rng = np.random.default_rng(seed)      # block sizes not multiples of the 4 data ranks
+  return {"w1": rng.normal(size=(13, hidden)).astype(np.float32) * 0.3,
+          "b1": np.zeros((hidden,), np.float32),
+          "w2": rng.normal(size=(hidden, 5)).astype(np.float32) * 0.3,
+          "b2": np.zeros((5,), np.float32)}
+
+
+def make_batch(seed, size=32):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(size, 13)).astype(np.float32)
+  return {"x": x, "y": np.tanh(x[:, :5]).astype(np.float32)}
+
+
+def run(zp, params, steps, specs=None, **kw):
+  sharded = zp.shard(params, specs=specs, **kw)
+  state = zp.init(sharded)
+  losses = []
+  for i in range(steps):
+    sharded, state, l = zp.step(sharded, state, make_batch(i))
+    losses.append(np.asarray(l))
+  return sharded, state, np.stack(losses)
+
+
+def test_blocks_round_trip_from_specs_or_placed_arrays(tp_mesh):
+  zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), tp_mesh)
+  params = make_params()
+  sharded = zp.shard(params, specs=SPECS)
+  # w1's block is 13 x 19 = 247 coordinates: c = 62 per data rank, two blocks side by side.
+  assert sharded["w1"].rows.shape == (4, 2 * 62) and sharded["w1"].tp == P(None, "model")
+  assert sharded["w1"].rows.sharding.spec == P("data", "model")
+  assert sharded["b2"].tp is None and sharded["b2"].rows.sharding.spec == P("data")
+  jax.tree.map(np.testing.assert_array_equal, zp.unshard(sharded), params)
+  placed = {k: jax.device_put(v, NamedSharding(tp_mesh, SPECS[k] or P()))
+            for k, v in params.items()}
+  again = zp.shard(placed)
+  assert {k: v.tp for k, v in again.items()} == {k: v.tp for k, v in sharded.items()}
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.leaves(again), jax.tree.leaves(sharded))
+
+
+def test_dense_blocks_train_as_zero_without_the_model_axis(tp_mesh):
+  """Dense gathers: the same parameters and losses as ZeRO-3 over the 4 data ranks alone
+  (the model replicated), to the rounding of a different summation order."""
+  params = make_params()
+  tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+  zp = commopt.zero_data_parallel(loss_fn, tx, tp_mesh)
+  got, _, losses = run(zp, params, 5, SPECS)
+  plain = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  zq = commopt.zero_data_parallel(loss_fn, tx, plain)
+  want, _, want_losses = run(zq, params, 5)
+  np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                       rtol=2e-5, atol=2e-6),
+               zp.unshard(got), zq.unshard(want))
+
+
+def _collectives(zp, sharded, batch):
+  found = commopt.wire.hlo_collectives(zp, sharded, zp.init(sharded), batch)
+  data = [c for c in found if c.group_size == 4]
+  model = [c for c in found if c.group_size == 2]
+  return data, model
+
+
+def test_each_device_moves_only_its_block(tp_mesh):
+  """From the compiled HLO: over the data axis each device gathers its block's shards
+  (half of the leaf's for the model-sharded leaves), dense or as packed words; nothing of
+  a parameter's size crosses the model axis (only the row-parallel layer's activations)."""
+  params, batch = make_params(hidden=1000), make_batch(0)
+  blocks = {k: v.size // (2 if SPECS[k] is not None else 1) for k, v in params.items()}
+  shard_bytes = 4 * sum(zero_comm.shard_len(n, 4) for n in blocks.values())
+  for w, g in [(None, None), (Q8, Q4)]:
+    zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), tp_mesh, weights=w, grads=g)
+    sharded = zp.shard(params, specs=SPECS)
+    data, model = _collectives(zp, sharded, batch)
+    gathered = commopt.wire.total_bytes([c for c in data if c.kind == "all-gather"])
+    dtypes = {d for c in data if c.kind != "all-reduce" for d in c.dtypes}   # not the skip's
+    if w is None:
+      assert gathered == shard_bytes and dtypes == {"f32"}
+    else:
+      assert gathered <= (0.25 + 1 / 64 + 0.02) * shard_bytes and dtypes == {"u32"}
+    assert all(c.kind == "all-reduce" for c in model), [c.line[:80] for c in model]
+    assert commopt.wire.total_bytes(model) <= 4 * 8 * 5 * 2   # [8, 5] activations, fwd+bwd
+
+
+def test_quantized_blocks_train_near_dense(tp_mesh):
+  params = make_params()
+  dense = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), tp_mesh)
+  quant = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), tp_mesh, weights=Q8, grads=Q4)
+  _, _, want = run(dense, params, 30, SPECS)
+  _, _, got = run(quant, params, 30, SPECS)
+  assert got[-1].mean() < 0.5 * got[0].mean()
+  assert got[-1].mean() < 1.15 * want[-1].mean()
+
+
+def test_stacked_blocks_gathered_layer_by_layer(tp_mesh):
+  """gather='manual' over a stack of column-parallel layers (a scan, one layer gathered
+  at a time under remat): the same step as gathering the whole tree first."""
+  rng = np.random.default_rng(3)
+  params = {"layers": rng.normal(size=(3, 8, 8)).astype(np.float32) * 0.4,
+            "out": rng.normal(size=(8, 5)).astype(np.float32) * 0.3}
+  specs = {"layers": P(None, None, "model"), "out": None}
+
+  def forward(h, layers, out):
+    for w in layers:
+      h = jnp.tanh(jnp.einsum("bi,io->bo", h, w, out_sharding=P()))
+    return jnp.mean((h @ out - jnp.tanh(h[:, :5])) ** 2)
+
+  def step_loss(p, b):
+    return forward(b["x"][:, :8], p["layers"], p["out"])
+
+  def manual_loss(p, b, gather):
+    def body(h, rows):
+      w = gather(rows)
+      return jnp.tanh(jnp.einsum("bi,io->bo", h, w, out_sharding=P())), None
+    h, _ = jax.lax.scan(gather.remat(body), b["x"][:, :8], p["layers"])
+    out = gather(p["out"])
+    return jnp.mean((h @ out - jnp.tanh(h[:, :5])) ** 2)
+
+  results = []
+  for loss, mode in ((step_loss, "step"), (manual_loss, "manual")):
+    zp = commopt.zero_data_parallel(loss, optax.adam(1e-2), tp_mesh, gather=mode,
+                                    weights=Q8, grads=Q4)
+    got, _, losses = run(zp, params, 4, specs, stacked={"layers": True, "out": False})
+    results.append((zp.unshard(got), losses))
+  np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                       rtol=1e-5, atol=1e-6),
+               results[0][0], results[1][0])
+
+
+def test_state_moves_onto_another_mesh():
+  """The whole state (unshard) of a run on 4 x 2 restored onto 2 data x 4 model ranks: the
+  parameters and adam's moments each resharded by the new mesh's blocks, and training
+  goes on from the same values."""
+  params = make_params(hidden=40)
+  big = jax.make_mesh((4, 2), ("data", "model"))
+  zp = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), big)
+  sharded, state, _ = run(zp, params, 3, SPECS)
+  whole_p, whole_s = zp.unshard(sharded), zp.unshard(state)
+  other = jax.make_mesh((2, 4), ("data", "model"))
+  zo = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), other)
+  moved = zo.shard(whole_p, specs=SPECS)
+  moved_state = zo.reshard_state(whole_s, moved)
+  assert moved["w1"].rows.shape == (2, 4 * zero_comm.shard_len(13 * 10, 2))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               zo.unshard(moved_state), whole_s)
+  a, sa, la = zp.step(sharded, state, make_batch(9))
+  b, sb, lb = zo.step(moved, moved_state, make_batch(9))
+  np.testing.assert_allclose(np.mean(la), np.mean(lb), rtol=1e-5)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                       rtol=2e-5, atol=2e-6),
+               zp.unshard(a), zo.unshard(b))
+
+
+@pytest.mark.parametrize("specs, message", [
+    (dict(SPECS, w1=P("data", None)), "may name only the mesh's model axes"),
+    (dict(SPECS, b2=P("model")), "must be a multiple"),
+    (dict(SPECS, w1=P(None, None, "model")), "more entries"),
+])
+def test_bad_specs_are_refused(specs, message):
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh)
+  params = make_params()
+  with pytest.raises(ValueError, match=message):
+    zp.shard(params, specs=specs)
+
+
+def test_feedback_on_model_blocks_is_refused():
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh, grads=commopt.scaled_sign(),
+                                  error_feedback=True)
+  with pytest.raises(ValueError, match="sharded over model axes"):
+    zp.shard(make_params(), specs=SPECS)
+
+
+def test_two_data_axes_beside_the_model_axis():
+  """HSDP's layout, ZeRO over ("node", "local") and tensor parallel over "model" on a
+  2 x 2 x 2 mesh: the hierarchical quantized reduce-scatter (inside the node, then
+  across) trains as the dense one, and moves only packed words over the data axes."""
+  mesh = jax.make_mesh((2, 2, 2), ("node", "local", "model"))
+  params, out = make_params(), {}
+  for name, kw in [("dense", {}), ("quantized", dict(weights=Q8, grads=Q4, hierarchical=True))]:
+    zp = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), mesh,
+                                    axis_name=("node", "local"), **kw)
+    sharded, _, losses = run(zp, params, 20, SPECS)
+    assert sharded["w1"].rows.sharding.spec == P(("node", "local"), "model")
+    out[name] = losses[-1].mean()
+    if name == "quantized":
+      found = commopt.wire.hlo_collectives(zp, sharded, zp.init(sharded), make_batch(0))
+      moved = {d for c in found if c.kind in ("all-gather", "all-to-all") for d in c.dtypes}
+      assert moved == {"u32"}
+  assert out["quantized"] < 1.05 * out["dense"]
