@@ -45,6 +45,14 @@ momentum 0.9) and under adam. Each row gives the arguments per device (parameter
 optimizer's state and the memories), the gradient bytes sent per step and the loss
 against dense ZeRO-3's under the same optimizer.
 
+The fourth section (``--section tp``) is ZeRO beside tensor parallelism on the first
+section's model: the first layer column-parallel, the second row-parallel (Megatron's
+pair), the last replicated, on meshes of ``(data, model)`` = ``(W, 1)`` (ZeRO alone),
+``(W/2, 2)`` and ``(W/4, 4)``, dense and qwZ+qgZ. Each row gives the bytes one device sends
+per step over the data axis and over the model axis (from the replica groups of the
+compiled step's collectives), the arguments per device against one device's share of the
+replicated step's (``1/W``), and the loss against ZeRO alone's.
+
 ``--check`` exits 1 when ``qwZ+qgZ`` moves less than 4x fewer bytes than dense, its loss
 ends above 1.2x dense's, the sharded arguments exceed 1.1x one worker's share, or (nodes)
 all three cut the cross-node bytes less than 4x or end above 1.2x dense's loss.
@@ -53,6 +61,7 @@ all three cut the cross-node bytes less than 4x or end above 1.2x dense's loss.
     python benchmarks/bench_zero.py --width 256 --steps 100 --check
     python benchmarks/bench_zero.py --section nodes --nodes 2 --layers 6
     python benchmarks/bench_zero.py --section feedback
+    python benchmarks/bench_zero.py --section tp
 """
 
 from __future__ import annotations
@@ -74,7 +83,7 @@ def parse_args(argv=None):
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--momentum-lr", type=float, default=0.05,
                  help="the feedback section's momentum SGD (momentum 0.9)")
-  p.add_argument("--section", choices=("all", "flat", "nodes", "feedback"), default="all")
+  p.add_argument("--section", choices=("all", "flat", "nodes", "feedback", "tp"), default="all")
   p.add_argument("--nodes", type=int, default=2)
   p.add_argument("--layers", type=int, default=6)
   p.add_argument("--check", action="store_true")
@@ -140,18 +149,21 @@ def _quantizers():
           commopt.int_quant(bits=4, block_size=2048, rounding="nearest"))
 
 
-def _measure(zp, params, batch, steps, stacked=None, local=None):
+def _measure(zp, params, batch, steps, stacked=None, local=None, specs=None):
   """One setup's row: bytes by kind from the compiled step (and across nodes, when
-  ``local`` devices make a node), memory per device, step time and losses."""
+  ``local`` devices make a node; by mesh axis), memory per device, step time and losses."""
   import jax
   import numpy as np
   import commopt
-  sharded = zp.shard(params, stacked=stacked)
+  sharded = zp.shard(params, stacked=stacked, specs=specs)
   state = zp.init(sharded)
   compiled = zp.lower(sharded, state, batch(0)).compile()
-  by_kind, direct, ring = {}, 0.0, 0.0
+  by_kind, by_axis, direct, ring = {}, {}, 0.0, 0.0
   for c in commopt.wire.parse_hlo(compiled.as_text()):
     by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes * c.trips
+    coords = np.array([np.unravel_index(d, zp.mesh.devices.shape) for d in c.replica_groups[0]])
+    axes = "+".join(a for i, a in enumerate(zp.mesh.axis_names) if len(set(coords[:, i])) > 1)
+    by_axis[axes] = by_axis.get(axes, 0) + c.sent_bytes * c.trips
     if local is not None:     # logical device d sits on node d // local
       group = c.replica_groups[0]
       nodes = len({d // local for d in group})
@@ -168,7 +180,7 @@ def _measure(zp, params, batch, steps, stacked=None, local=None):
     times.append(time.perf_counter() - t0)
     losses.append(float(np.mean(l)))
   batch_bytes = sum(v.nbytes for v in batch(0).values()) // zp.workers
-  row = {"bytes": by_kind, "total_bytes": sum(by_kind.values()),
+  row = {"bytes": by_kind, "total_bytes": sum(by_kind.values()), "bytes_by_axis": by_axis,
          "args_bytes": memory.argument_size_in_bytes - batch_bytes,
          "temp_bytes": memory.temp_size_in_bytes,
          "ms_per_step": 1e3 * statistics.median(times[2:]),
@@ -295,6 +307,54 @@ def run_nodes(args):
   return rows
 
 
+def run_tp(args):
+  """The tensor-parallel section: ZeRO over the data axis beside a model axis of 1, 2, 4."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.workers)
+  import optax
+  from jax.sharding import PartitionSpec as P
+  import commopt
+
+  params, loss_fn, batch = problem(args.width)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  specs = {"w0": P(None, "model"), "b0": P("model"), "w1": P("model", None), "b1": None,
+           "w2": None, "b2": None}
+  q8, q4 = _quantizers()
+  rep_args = 4 * 3 * n          # parameters and adam's two moments, float32, replicated
+  rows, base = [], {}
+  for model in (1, 2, 4):
+    if args.workers % model or args.width % model:
+      continue
+    mesh = jax.make_mesh((args.workers // model, model), ("data", "model"))
+    for name, (w, g) in {"dense": (None, None), "qwZ+qgZ": (q8, q4)}.items():
+      zp = commopt.zero_data_parallel(loss_fn, optax.adam(args.lr), mesh, weights=w, grads=g)
+      row = _measure(zp, params, batch, args.steps, specs=specs if model > 1 else None)
+      row = {"setup": name, "data": args.workers // model, "model": model, "params": n, **row}
+      row["data_bytes"] = row["bytes_by_axis"].get("data", 0)
+      row["model_bytes"] = row["bytes_by_axis"].get("model", 0)
+      row["args_vs_share"] = row["args_bytes"] / (rep_args / args.workers)
+      base.setdefault(name, row)
+      row["data_bytes_vs_zero"] = base[name]["data_bytes"] / row["data_bytes"]
+      row["loss_vs_zero"] = row["tail_loss"] / base["dense"]["tail_loss"]
+      rows.append(row)
+  return rows
+
+
+def tp_table(rows):
+  head = ["mesh (data x model)", "setup", "data-axis B", "÷ ZeRO alone", "model-axis B",
+          "args B (÷ repl/W)", "temp B", "ms/step", "tail loss", "loss ÷ ZeRO dense"]
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    out.append("| " + " | ".join([
+        f"{r['data']} x {r['model']}", r["setup"], f"{r['data_bytes']:,}",
+        f"{r['data_bytes_vs_zero']:.2f}x fewer", f"{r['model_bytes']:,}",
+        f"{r['args_bytes']:,} ({r['args_vs_share']:.2f})", f"{r['temp_bytes']:,}",
+        f"{r['ms_per_step']:.1f}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_zero']:.3f}"]) + " |")
+  out.append(f"\n{rows[0]['params']:,} parameters; bytes one device sends per step, by the "
+             "mesh axis its collective spans; arguments: parameters and adam's state.")
+  return "\n".join(out)
+
+
 def nodes_table(rows):
   head = ["setup", "across nodes B (direct)", "÷ dense", "across nodes B (ring)", "÷ dense",
           "total B", "args B", "temp B", "temp − dense B", "ms/step", "tail loss",
@@ -334,8 +394,15 @@ def table(rows, workers):
   return "\n".join(out)
 
 
-def misses(rows, nodes_rows=()):
+def misses(rows, nodes_rows=(), tp_rows=()):
   out = []
+  for r in tp_rows:
+    if r["model"] > 1 and r["data_bytes_vs_zero"] < r["model"] * 0.9:
+      out.append(f"{r['data']} x {r['model']} {r['setup']}: {r['data_bytes_vs_zero']:.2f}x "
+                 f"fewer data-axis bytes than ZeRO alone (target >= 0.9 x {r['model']})")
+    if r["loss_vs_zero"] > 1.2:
+      out.append(f"{r['data']} x {r['model']} {r['setup']}: loss {r['loss_vs_zero']:.3f}x "
+                 "ZeRO alone's dense (target <= 1.2x)")
   if rows:
     both = next(r for r in rows if r["setup"] == "qwZ+qgZ")
     if both["reduction"] < 4.0:
@@ -361,18 +428,21 @@ def main(argv=None):
   rows = run(args) if args.section in ("all", "flat") else []
   nodes_rows = run_nodes(args) if args.section in ("all", "nodes") else []
   feedback_rows = run_feedback(args) if args.section in ("all", "feedback") else []
+  tp_rows = run_tp(args) if args.section in ("all", "tp") else []
   if rows:
     print(table(rows, args.workers))
   if nodes_rows:
     print(nodes_table(nodes_rows))
   if feedback_rows:
     print(feedback_table(feedback_rows))
+  if tp_rows:
+    print(tp_table(tp_rows))
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"args": vars(args), "rows": rows, "nodes": nodes_rows,
-                                 "feedback": feedback_rows}, indent=1))
+                                 "feedback": feedback_rows, "tp": tp_rows}, indent=1))
   print(f"wrote {out}")
-  missed = misses(rows, nodes_rows)
+  missed = misses(rows, nodes_rows, tp_rows)
   for m in missed:
     print("MISSED:", m)
   return 1 if (args.check and missed) else 0

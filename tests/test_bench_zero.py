@@ -73,3 +73,26 @@ def test_bench_zero_feedback(tmp_path):
   assert all(r["tail_loss"] < 0.5 * r["first_loss"] for r in trains), [
       (r["tx"], r["setup"], r["memory"], r["first_loss"], r["tail_loss"]) for r in trains]
   assert "bfloat16" in bench_zero.feedback_table(rows)
+
+
+@pytest.mark.slow
+def test_bench_zero_beside_tensor_parallelism(tmp_path):
+  """The tensor-parallel section: with a model axis of T the data-axis bytes fall about T
+  times (each device moves its block), the model axis carries no parameter (only the
+  row-parallel layer's activations, less than the data axis's dense bytes), the arguments
+  stay about one device's share, and dense trains as ZeRO alone."""
+  args = bench_zero.parse_args(["--section", "tp", "--width", "128", "--steps", "30",
+                                "--out", str(tmp_path / "zero.json")])
+  rows = {(r["model"], r["setup"]): r for r in bench_zero.run_tp(args)}
+  assert set(rows) == {(m, s) for m in (1, 2, 4) for s in ("dense", "qwZ+qgZ")}
+  for (model, setup), r in rows.items():
+    assert r["data_bytes_vs_zero"] >= 0.9 * model, (model, setup, r["data_bytes_vs_zero"])
+    # The replicated last layer and biases are split over the data ranks only: on 2 x 4
+    # this 128-wide model keeps 1.13x one device's share (1.05x at the default width).
+    assert r["args_vs_share"] < (1.1 if model < 4 else 1.2)
+    assert r["tail_loss"] < 0.5 * r["first_loss"]
+    if model > 1:
+      assert 0 < r["model_bytes"] < rows[(1, "dense")]["data_bytes"]
+  assert abs(rows[(2, "dense")]["loss_vs_zero"] - 1) < 1e-3
+  assert not bench_zero.misses([], [], list(rows.values()))
+  assert "2 x 4" in bench_zero.tp_table(list(rows.values()))
