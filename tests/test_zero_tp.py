@@ -17,7 +17,7 @@ Q4 = commopt.int_quant(bits=4, block_size=64, rounding="nearest")
 SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": None}
 
 
-@pytest.fixture(scope="module", params=["explicit", "auto"])
+@pytest.fixture(scope="module", params=["explicit", pytest.param("auto", marks=pytest.mark.slow)])
 def tp_mesh(request):
   """4 data ranks × 2 model ranks, the model axis explicit (jax.make_mesh's default) or
   auto."""
@@ -117,6 +117,7 @@ def test_each_device_moves_only_its_block(tp_mesh):
     assert commopt.wire.total_bytes(model) <= 4 * 8 * 5 * 2   # [8, 5] activations, fwd+bwd
 
 
+@pytest.mark.slow
 def test_quantized_blocks_train_near_dense(tp_mesh):
   params = make_params()
   dense = commopt.zero_data_parallel(loss_fn, optax.adam(1e-2), tp_mesh)
@@ -208,6 +209,7 @@ def test_feedback_on_model_blocks_is_refused():
     zp.shard(make_params(), specs=SPECS)
 
 
+@pytest.mark.slow
 def test_two_data_axes_beside_the_model_axis():
   """HSDP's layout, ZeRO over ("node", "local") and tensor parallel over "model" on a
   2 x 2 x 2 mesh: the hierarchical quantized reduce-scatter (inside the node, then
