@@ -77,11 +77,17 @@ def _cast(x, t):
   return jax.jit(lambda v: v.astype(t.dtype), out_shardings=x.sharding)(x)
 
 
+_UNREADABLE = ("DATA_LOSS", "decompress", "Error reading")
+"""Words of tensorstore's errors for stored bytes it cannot decode (a damaged chunk: which
+one a flipped bit reaches, and whether its checksum or its decompression notices first,
+depends on how the chunks were laid out)."""
+
+
 def _read(where: Where, target):
   try:
     return where.read(target)
   except Exception as e:  # noqa: BLE001
-    if not (isinstance(e, json.JSONDecodeError) or "DATA_LOSS" in str(e)):
+    if not (isinstance(e, json.JSONDecodeError) or any(w in str(e) for w in _UNREADABLE)):
       raise
     raise corrupt(where, f"orbax cannot read its arrays ({brief(e)})") from e
 
