@@ -41,6 +41,7 @@ def test_dtypes_and_none_leaves(name, dtype):
   checks.dtypes_and_none_leaves(make(name), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,opts", CASES, ids=IDS)
 def test_vmap_workers_equal_shard_map_workers(name, opts, mesh):
   checks.vmap_equals_shard_map(make(name, **opts), mesh,
@@ -99,6 +100,7 @@ def test_state_keeps_its_types_through_lax_cond(name):
   checks.cond_state_stability(make(name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_multi_steps_applies_the_mean_of_the_accumulated_inputs(name):
   checks.multi_steps_accumulates(make(name), atol=2e-3 if name in SVD_BASED else 1e-6)
@@ -108,6 +110,7 @@ STATELESS = [n for n in NAMES if base.is_stateless_per_leaf(make(n))]
 CHUNKED = [n for n in STATELESS if "flat_chunks" in make(n).capabilities]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHUNKED)
 def test_two_phase_and_hierarchical_conserve(name, mesh, mesh2d):
   if make(name).error_kind == "direction":
@@ -151,6 +154,7 @@ def _at_defaults(name):
   return make(name, **OPERATING_POINT.get(name, {}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gradients", ["constant", "random"])
 @pytest.mark.parametrize("name", NAMES)
 def test_the_default_residual_stays_bounded(name, gradients):

@@ -147,6 +147,7 @@ _DEADLOCK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_optax_apply_if_finite_deadlocks_without_vma_check():
   # Worker 3 sees a NaN and skips the branch with the all-gather; the other 7
   # wait in it. XLA:CPU's rendezvous gives up (and aborts) after a timeout,

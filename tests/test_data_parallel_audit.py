@@ -114,6 +114,7 @@ def test_training_reduces_loss_and_keeps_replicas_equal(mesh):
     np.testing.assert_array_equal(s, shards[0])
 
 
+@pytest.mark.slow
 def test_equals_simulated_workers(mesh):
   """data_parallel's step equals hand-computed per-worker gradients through vmap workers."""
   tx = optax.chain(commopt.compressed_mean(commopt.top_k(0.05), axis_name="data"), optax.sgd(0.1))

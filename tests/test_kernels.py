@@ -318,7 +318,8 @@ def test_select_top_k_sampled_bracket_and_fallback(n, k):
                                 brute_top_k(ties, k))
 
 
-@pytest.mark.parametrize("n, block", [(1, 32), (95, 32), (1000, 64), (70_001, 1024)])
+@pytest.mark.parametrize("n, block", [(1, 32), (95, 32), pytest.param(1000, 64, marks=pytest.mark.slow),
+                                      pytest.param(70_001, 1024, marks=pytest.mark.slow)])
 def test_first_true_matches_the_reference(n, block):
   """The two-pass compaction gives the scan's indices; empty slots hold n."""
   from commopt._src import base

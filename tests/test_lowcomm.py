@@ -295,8 +295,8 @@ def test_bench_lowcomm_runs_and_states_the_byte_ratios(tmp_path):
   assert (tmp_path / "lowcomm.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("delay,mixing,compressed", [(0, 0.0, False), (1, 0.5, False),
-                                                     (3, 0.5, True)])
+@pytest.mark.parametrize("delay,mixing,compressed", [
+    (0, 0.0, False), (1, 0.5, False), pytest.param(3, 0.5, True, marks=pytest.mark.slow)])
 def test_overlapped_diloco_is_streaming_diloco_run_as_two_programs(delay, mixing, compressed,
                                                                    mesh):
   """The exchange on a thread of its own, merged `delay` steps later, gives streaming DiLoCo's

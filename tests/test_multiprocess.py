@@ -121,6 +121,7 @@ def test_local_batch_in_one_process_is_the_placed_batch(mesh):
 CKPT_WORKER = ROOT / "tests" / "checkpoint_worker.py"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_across_processes_resumes_bit_identically_and_onto_half_the_workers(
     tmp_path):
   env = {"PYTHONPATH": str(ROOT)}

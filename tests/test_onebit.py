@@ -411,6 +411,7 @@ def onebit_lamb_np(grads, params, freeze, lr, wd, max_coeff=10.0, min_coeff=0.01
   return out
 
 
+@pytest.mark.slow
 def test_onebit_lamb_matches_the_transcription(mesh):
   """3 warm-up steps and 4 compressed ones through data_parallel on 8 workers with fixed
   gradients, weight decay and three leaves: one whose trust ratio exceeds max_coeff, one

@@ -32,6 +32,7 @@ def test_top_k_exact_count_selection_and_contraction(shape, k, seed):
   assert float(jnp.sum((x - y) ** 2)) <= (1 - k / d) * float(jnp.sum(x**2)) + 1e-3
 
 
+@pytest.mark.slow
 @given(seed=st.integers(0, 2**31), ratio=st.floats(0.001, 1.0))
 def test_top_k_ratio_contraction(seed, ratio):
   x = jnp.asarray(np.random.default_rng(seed).normal(size=(33, 17)), jnp.float32)

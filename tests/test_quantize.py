@@ -100,6 +100,7 @@ def test_int_quant_stochastic_unbiased_and_nearest_is_not(nbits):
   assert np.any(bias > hoeffding(m / q, M, x.size))
 
 
+@pytest.mark.slow
 def test_adaptive_levels_unbiased():
   x = jnp.asarray(np.random.default_rng(4).standard_t(3, size=64), jnp.float32)
   c = commopt.adaptive_levels(levels=8, bins=64)
@@ -167,6 +168,7 @@ def uniform_grid_variance(x, pts):
   return np.sum((pts[k + 1] - x) * (x - pts[k]))
 
 
+@pytest.mark.slow
 @given(seed=st.integers(0, 2**31))
 @settings(max_examples=10, deadline=None)
 def test_adaptive_levels_beat_uniform_levels(seed):
@@ -179,6 +181,7 @@ def test_adaptive_levels_beat_uniform_levels(seed):
   assert uniform_grid_variance(xs, pts) <= uniform_grid_variance(xs, uniform) * (1 + 1e-4) + 1e-6
 
 
+@pytest.mark.slow
 def test_adaptive_levels_constant_input_is_exact():
   x = jnp.full((40,), 3.5)
   np.testing.assert_array_equal(reconstruct(commopt.adaptive_levels(), x, jax.random.key(0)), x)
@@ -306,6 +309,7 @@ def reference_vote(u):
   return np.sign(np.sum(np.where(np.asarray(u) < 0, -1, 1), axis=0)).astype(np.float32)
 
 
+@pytest.mark.slow
 @given(n=st.integers(1, 17), d=st.integers(1, 100), seed=st.integers(0, 2**31))
 def test_vote_words_equal_sign_of_sum_including_ties(n, d, seed):
   rng = np.random.default_rng(seed)

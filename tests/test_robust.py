@@ -85,6 +85,7 @@ def unflat(vec):
   return {"b": vec[:5], "w": vec[5:].reshape(3, 4)}
 
 
+@pytest.mark.slow
 @settings(max_examples=40)
 @given(n=st.integers(1, 40), d=st.integers(1, 7), seed=st.integers(0, 2**31 - 1),
        ties=st.booleans())

@@ -169,6 +169,7 @@ def test_per_worker_memory_shapes_and_a_state_for_other_workers(mesh2d):
     four.update(updates(0, n=4), jax.tree.map(lambda x: x[:4], state))
 
 
+@pytest.mark.slow
 def test_two_phase_vmap_equals_shard_map(mesh):
   tx = commopt.compressed_mean(commopt.qsgd(), axis_name="data", strategy="two_phase", min_size=0,
                                  error_feedback=True)

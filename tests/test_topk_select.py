@@ -45,7 +45,8 @@ def leaves(n, seed=0):
   return {name: jnp.asarray(v, jnp.float32) for name, v in out.items()}
 
 
-@pytest.mark.parametrize("n", [40_000, 2**17 + 7, 300_000])
+@pytest.mark.parametrize("n", [40_000, pytest.param(2**17 + 7, marks=pytest.mark.slow),
+                               pytest.param(300_000, marks=pytest.mark.slow)])
 def test_histogram_selection_equals_the_reference(n):
   """Below SAMPLE_FROM the radix select, above it the sampled band (and its fallback)."""
   for name, x in leaves(n, n).items():
