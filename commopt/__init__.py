@@ -73,6 +73,8 @@ from commopt.compressors import (
 )
 from commopt.parallel import (
     DataParallel,
+    EagerDiLoCo,
+    eager_diloco,
     OverlappedDataParallel,
     OverlappedDiLoCo,
     overlapped_data_parallel,
@@ -141,6 +143,8 @@ __all__ = [
     "CountSketchState",
     "coordinate_median",
     "data_parallel",
+    "EagerDiLoCo",
+    "eager_diloco",
     "OverlappedDataParallel",
     "OverlappedDiLoCo",
     "overlapped_data_parallel",

@@ -59,6 +59,6 @@ def test_bench_overlap_diloco_measures_every_variants_utilisation(tmp_path):
     pytest.skip(f"the benchmark cannot shape a network here: {report['skipped']}")
   assert namespaces() == before
   derived = report["derived"]
-  assert set(derived) == {"compute", "blocking", "overlapped", "streaming_diloco"}
+  assert set(derived) == {"compute", "blocking", "overlapped", "streaming_diloco", "eager"}
   assert all(0 < d["utilisation"] and d["ms_per_step"] > 0 for d in derived.values())
   assert "Overlapped exchange: utilisation" in (tmp_path / "overlap_diloco.md").read_text()

@@ -7,15 +7,16 @@
 - :func:`zero_data_parallel` / :class:`ZeroDataParallel`: parameters and optimizer
   state sharded over the data axis (ZeRO-3), weights and gradients optionally
   compressed on their way (qwZ, qgZ).
-- :func:`overlapped_data_parallel` / :func:`overlapped_diloco`: host-level drivers
-  whose exchange runs on a thread of its own, beside the next backward pass or inner
-  steps.
+- :func:`overlapped_data_parallel` / :func:`overlapped_diloco` / :func:`eager_diloco`:
+  host-level drivers whose exchange runs on a thread of its own, beside the next backward
+  pass or inner steps.
 - For a hand-written ``shard_map`` step: :func:`local_value_and_grad` (gradients
   that stay on the worker), :meth:`DataParallel.state_specs` (which state
   leaves are per-worker), :func:`stack_workers` / :func:`unstack_workers`.
 """
 
 from commopt.parallel._data_parallel import DataParallel, Layout, data_parallel
+from commopt.parallel._eager import EagerDiLoCo, EagerState, eager_diloco
 from commopt.parallel._layout import local_value_and_grad, stack_workers, unstack_workers
 from commopt.parallel._overlapped import (
     OverlappedDataParallel,
@@ -45,7 +46,7 @@ def __getattr__(name):
   raise AttributeError(f"module 'commopt.parallel' has no attribute {name!r}")
 
 __all__ = ["DataParallel", "Layout", "NnxDataParallel", "NnxTrainState", "OverlappedDiLoCo",
-           "OverlappedState", "overlapped_diloco", "OverlappedDataParallel",
+           "OverlappedState", "overlapped_diloco", "EagerDiLoCo", "EagerState", "eager_diloco", "OverlappedDataParallel",
            "OverlappedDataParallelState", "overlapped_data_parallel", "SFBKernel", "SFBLinear",
            "ResidualLeaf", "ShardedLeaf", "ZeroDataParallel", "ZeroFeedbackState", "data_parallel", "local_value_and_grad",
            "nnx_data_parallel", "sfb_mask", "stack_workers", "unstack_workers",
