@@ -130,7 +130,8 @@ def test_quantized_blocks_train_near_dense(tp_mesh):
 
 def test_stacked_blocks_gathered_layer_by_layer(tp_mesh):
   """gather='manual' over a stack of column-parallel layers (a scan, one layer gathered
-  at a time under remat): the same step as gathering the whole tree first."""
+  at a time under remat): the same step, and the same error memories of a signed
+  reduce-scatter, as gathering the whole tree first."""
   rng = np.random.default_rng(3)
   params = {"layers": rng.normal(size=(3, 8, 8)).astype(np.float32) * 0.4,
             "out": rng.normal(size=(8, 5)).astype(np.float32) * 0.3}
@@ -155,9 +156,9 @@ def test_stacked_blocks_gathered_layer_by_layer(tp_mesh):
   results = []
   for loss, mode in ((step_loss, "step"), (manual_loss, "manual")):
     zp = commopt.zero_data_parallel(loss, optax.adam(1e-2), tp_mesh, gather=mode,
-                                    weights=Q8, grads=Q4)
-    got, _, losses = run(zp, params, 4, specs, stacked={"layers": True, "out": False})
-    results.append((zp.unshard(got), losses))
+                                    weights=Q8, grads=commopt.scaled_sign(), error_feedback=True)
+    got, state, losses = run(zp, params, 4, specs, stacked={"layers": True, "out": False})
+    results.append(((zp.unshard(got), zp.unshard(state.residuals)), losses))
   np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        rtol=1e-5, atol=1e-6),
@@ -201,10 +202,10 @@ def test_bad_specs_are_refused(specs, message):
     zp.shard(params, specs=specs)
 
 
-def test_feedback_on_model_blocks_is_refused():
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-  zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh, grads=commopt.scaled_sign(),
-                                  error_feedback=True)
+def test_hpz_on_model_blocks_is_refused():
+  mesh = jax.make_mesh((2, 2, 2), ("node", "local", "model"))
+  zp = commopt.zero_data_parallel(lambda p, b, g: loss_fn(g(p), b), optax.sgd(0.1), mesh,
+                                  axis_name=("node", "local"), gather="manual", hpz=True)
   with pytest.raises(ValueError, match="sharded over model axes"):
     zp.shard(make_params(), specs=SPECS)
 
@@ -227,3 +228,32 @@ def test_two_data_axes_beside_the_model_axis():
       moved = {d for c in found if c.kind in ("all-gather", "all-to-all") for d in c.dtypes}
       assert moved == {"u32"}
   assert out["quantized"] < 1.05 * out["dense"]
+
+
+def test_error_memories_of_model_blocks_conserve_the_mean_gradient():
+  """error_feedback=True beside a model axis: each worker keeps a memory of its blocks. One
+  sgd(1) step from zero memories: the workers' mean memory is what the payloads did not
+  carry of the mean gradient (the dense step's move minus the signed step's), nonzero; the
+  memories go whole and back (unshard, reshard_state) unchanged."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  params, batch = make_params(), make_batch(0)
+  moved = {}
+  for name, kw in [("dense", {}), ("sign", dict(grads=commopt.scaled_sign(),
+                                                error_feedback=True))]:
+    zp = commopt.zero_data_parallel(loss_fn, optax.sgd(1.0), mesh, **kw)
+    sharded = zp.shard(params, specs=SPECS)
+    state = zp.init(sharded)
+    sharded, state, _ = zp.step(sharded, state, batch)
+    moved[name] = zp.unshard(sharded)
+  memories = zp.unshard(state.residuals)
+  assert memories["w1"].shape == (4, 13, 38)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(memories[k]).mean(axis=0),
+                               np.asarray(moved["sign"][k]) - np.asarray(moved["dense"][k]),
+                               rtol=1e-4, atol=2e-6, err_msg=k)
+  assert float(np.abs(np.asarray(memories["w1"])).max()) > 1e-3
+  back = zp.reshard_state(zp.unshard(state), sharded)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               zp.unshard(back.residuals), memories)
+  sharded, back, losses = zp.step(sharded, back, make_batch(1))
+  assert np.isfinite(np.asarray(losses)).all()

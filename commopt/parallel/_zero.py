@@ -205,10 +205,10 @@ class ZeroDataParallel:
           raise ValueError(f"zero_data_parallel.shard: the spec {tp} of {where} under "
                            "stacked=True shards its layer axis; it must start with None.")
         tp = zt.check(P(*tp[1:]), value.shape[1:], self.mesh, self._data_axes, where)
-      if tp is not None and (self._feedback or self.hpz):
+      if tp is not None and self.hpz:
         raise ValueError(
-            f"zero_data_parallel.shard: {where} is sharded over model axes ({tp}); "
-            "error_feedback and hpz=True run on parameters sharded over the data axes only.")
+            f"zero_data_parallel.shard: {where} is sharded over model axes ({tp}); hpz=True "
+            "runs on parameters sharded over the data axes only.")
       return self._shard_value(value, flag, tp)
 
     treedef = jax.tree.structure(params)
@@ -255,7 +255,8 @@ class ZeroDataParallel:
     template = jax.eval_shape(self._tx.init, sharded)
     if self._feedback:
       template = zr.ZeroFeedbackState(template, jax.tree.map(
-          lambda leaf: zr.ResidualLeaf(None, leaf.shape, self._residual_dtype, leaf.layers),
+          lambda leaf: zr.ResidualLeaf(None, leaf.shape, self._residual_dtype, leaf.layers,
+                                       leaf.tp),
           sharded, is_leaf=_is_sharded))
     slots, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_state_leaf)
     # By path, not by position: a checkpoint restored without a target turns named tuples
@@ -353,7 +354,7 @@ class ZeroDataParallel:
               rows[0], leaf.shape, self.axis_name, key=k, residual=e, **o)
         else:             # its own block over the model axes
           one = lambda rows, e, k, leaf=leaf, o=options: zt.gather(
-              rows[0], leaf.shape, leaf.tp, self.mesh, self.axis_name, key=k, **o)
+              rows[0], leaf.shape, leaf.tp, self.mesh, self.axis_name, key=k, residual=e, **o)
         if leaf.rows.ndim == 3:      # a whole stack: each layer by itself
           keys = None if k is None else jax.random.split(k, leaf.rows.shape[0])
           out.append(jax.vmap(one)(leaf.rows, memory, keys))
@@ -425,10 +426,11 @@ class ZeroDataParallel:
     rows = P(self.axis_name)
     data_specs = jax.tree.map(lambda leaf: zr.spec(self.axis_name, leaf.layers), sharded,
                               is_leaf=_is_sharded)
+    data_memory = data_specs if self._feedback else P()
     local = jax.shard_map(
-        self._local_grads, in_specs=(data_specs, memory_specs,
+        self._local_grads, in_specs=(data_specs, data_memory,
                                      jax.tree.map(lambda _: rows, batch), P()),
-        out_specs=(data_specs, rows, memory_specs), axis_names=set(self._data_axes))
+        out_specs=(data_specs, rows, data_memory), axis_names=set(self._data_axes))
     explicit = zt.explicit_model_axes(self.mesh, self._data_axes)
     if not explicit:
       return local

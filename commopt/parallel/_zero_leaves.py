@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from commopt.comm import _zero as zero_comm
+from commopt.parallel import _zero_tp as zero_tp
 from commopt.parallel._resize import overlap_weights
 
 
@@ -71,13 +71,14 @@ class FedLeaf(ShardedLeaf):
   error memory (``residual``, ``[N, c]`` or ``[L, N, c]``) and its index among the
   parameters (``slot``, static)."""
 
-  def __init__(self, rows, residual, shape, dtype, layers, slot):
-    super().__init__(rows, shape, dtype, layers)
+  def __init__(self, rows, residual, shape, dtype, layers, slot, tp=None):
+    super().__init__(rows, shape, dtype, layers, tp)
     self.residual = residual
     self.slot = slot
 
   def tree_flatten(self):
-    return (self.rows, self.residual), (self.shape, self.dtype.name, self.layers, self.slot)
+    return (self.rows, self.residual), (self.shape, self.dtype.name, self.layers, self.slot,
+                                        self.tp)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -118,7 +119,8 @@ def merge(sharded, residuals):
   """``sharded`` with each leaf carrying its error memory (a tree of :class:`FedLeaf`)."""
   leaves, treedef = jax.tree.flatten(sharded, is_leaf=is_sharded)
   memories = jax.tree.leaves(residuals, is_leaf=is_residual)
-  return treedef.unflatten([FedLeaf(leaf.rows, e.rows, leaf.shape, leaf.dtype, leaf.layers, i)
+  return treedef.unflatten([FedLeaf(leaf.rows, e.rows, leaf.shape, leaf.dtype, leaf.layers, i,
+                                    leaf.tp)
                             for i, (leaf, e) in enumerate(zip(leaves, memories))])
 
 
@@ -128,9 +130,9 @@ def split(fed_grads, residuals, gathered: set):
   :func:`commopt.comm._zero.gather`); a leaf the loss never gathered keeps its memory."""
   fed, treedef = jax.tree.flatten(fed_grads, is_leaf=is_sharded)
   old = jax.tree.leaves(residuals, is_leaf=is_residual)
-  grads = [ShardedLeaf(f.rows, f.shape, f.dtype, f.layers) for f in fed]
-  new = [ResidualLeaf(f.residual if f.slot in gathered else e.rows, e.shape, e.dtype, e.layers)
-         for f, e in zip(fed, old)]
+  grads = [ShardedLeaf(f.rows, f.shape, f.dtype, f.layers, f.tp) for f in fed]
+  new = [ResidualLeaf(f.residual if f.slot in gathered else e.rows, e.shape, e.dtype, e.layers,
+                      e.tp) for f, e in zip(fed, old)]
   return treedef.unflatten(grads), treedef.unflatten(new)
 
 
@@ -141,18 +143,23 @@ def spec(axis_name, layers, model_axes=()) -> P:
   return P(axis_name, *cols) if layers is None else P(None, axis_name, *cols)
 
 
-def _place(rows: np.ndarray, shape, dtype, layers, mesh, axis_name) -> ResidualLeaf:
-  put = jax.device_put(rows, NamedSharding(mesh, spec(axis_name, layers)))
-  return ResidualLeaf(put, shape, dtype, layers)
+def _spec_of(leaf, axis_name) -> P:
+  return spec(axis_name, leaf.layers, zero_tp.axes_of(leaf.tp))
+
+
+def _place(rows: np.ndarray, slot, mesh, axis_name) -> ResidualLeaf:
+  put = jax.device_put(rows.astype(slot.dtype), NamedSharding(mesh, _spec_of(slot, axis_name)))
+  return ResidualLeaf(put, slot.shape, slot.dtype, slot.layers, slot.tp)
 
 
 def zeros_like(leaf, dtype, mesh, axis_name, workers: int) -> ResidualLeaf:
-  """Zero memories for the :class:`ShardedLeaf` ``leaf`` (rows ``[N, c]`` or ``[L, N, c]``)."""
+  """Zero memories for the :class:`ShardedLeaf` ``leaf`` (rows ``[N, c]`` or ``[L, N, c]``;
+  ``[N, T·c]`` beside model axes)."""
   n, c = leaf.rows.shape[-2:]
   lead = () if leaf.layers is None else (leaf.layers,)
-  sharding = NamedSharding(mesh, spec(axis_name, leaf.layers))
+  sharding = NamedSharding(mesh, _spec_of(leaf, axis_name))
   rows = jax.jit(lambda: jnp.zeros(lead + (workers * n, c), dtype), out_shardings=sharding)()
-  return ResidualLeaf(rows, leaf.shape, dtype, leaf.layers)
+  return ResidualLeaf(rows, leaf.shape, dtype, leaf.layers, leaf.tp)
 
 
 def whole(leaf: ResidualLeaf, mesh, workers: int) -> jax.Array:
@@ -162,7 +169,7 @@ def whole(leaf: ResidualLeaf, mesh, workers: int) -> jax.Array:
   rows = jax.device_put(leaf.rows, replicated)
 
   def per_worker(r):            # [W·N, c] -> [W, *shape]
-    return jax.vmap(lambda x: zero_comm.unshard_flat(x, leaf.shape))(
+    return jax.vmap(lambda x: zero_tp.join(x, leaf.shape, leaf.tp, mesh))(
         r.reshape(workers, -1, r.shape[-1]))
   fn = per_worker if leaf.layers is None else (
       lambda r: jnp.swapaxes(jax.vmap(per_worker)(r), 0, 1))
@@ -177,9 +184,10 @@ def from_whole(value, slot: ResidualLeaf, mesh, axis_name, workers: int) -> Resi
   value = np.asarray(jax.device_get(value), np.float64)
   old = value.shape[0]
   value = np.tensordot(overlap_weights(old, workers), value, axes=(1, 0))   # [W, ...]
+  cut = lambda v: zero_tp.cut(v, slot.tp, mesh, workers)
   if slot.layers is None:
-    rows = np.concatenate([zero_comm.shard_flat(v, workers) for v in value])
+    rows = np.concatenate([cut(v) for v in value])
   else:
-    rows = np.stack([np.concatenate([zero_comm.shard_flat(v[layer], workers) for v in value])
+    rows = np.stack([np.concatenate([cut(v[layer]) for v in value])
                      for layer in range(slot.layers)])
-  return _place(rows.astype(slot.dtype), slot.shape, slot.dtype, slot.layers, mesh, axis_name)
+  return _place(rows, slot, mesh, axis_name)

@@ -119,17 +119,21 @@ def join(rows: jax.Array, shape, tp: Optional[P], mesh, dtype=None) -> jax.Array
   return value.reshape(parts + local).transpose(order).reshape(shape)
 
 
-def gather(rows: jax.Array, shape, tp: P, mesh, axis_name, key=None, **options) -> jax.Array:
+def gather(rows: jax.Array, shape, tp: P, mesh, axis_name, key=None, residual=None,
+           **options) -> jax.Array:
   """The leaf of ``shape``, sharded by ``tp`` over the model axes, from this worker's rows
   ``[T·c]`` (inside a ``shard_map`` manual over the data axes ``axis_name``): each model
   rank gathers its own block (:func:`commopt.comm._zero.gather` with ``options``), and the
-  backward pass reduce-scatters each block's gradient the same way."""
+  backward pass reduce-scatters each block's gradient the same way. With ``residual``
+  (this worker's error memory, ``[N, T·c]``) the gradient is sent with it, and its
+  cotangent is the new memory, as :func:`commopt.comm._zero.gather`'s."""
   local = local_shape(shape, tp, mesh)
   model = axes_of(tp)
   row_spec = P(model if len(model) > 1 else model[0])
 
-  def one(r, k):
-    return zero_comm.gather(r, local, axis_name, key=None if key is None else k, **options)
+  def one(r, k, e=None):
+    return zero_comm.gather(r, local, axis_name, key=None if key is None else k, residual=e,
+                            **options)
 
   def opaque(r, k):
     # One trip of a while loop (XLA inlines it): partial evaluation neither hoists nor
@@ -151,12 +155,28 @@ def gather(rows: jax.Array, shape, tp: P, mesh, axis_name, key=None, **options) 
     return jax.shard_map(local_vjp, in_specs=(row_spec, P(), tp), out_specs=row_spec,
                          axis_names=set(model))(r, k, ct)
 
+  def backward_feedback(r, e, k, ct):
+    def local_vjp(r, e, k, ct):
+      return jax.vjp(lambda s, m: one(s, k, m), r, e)[1](ct)
+    memory_spec = P(None, *row_spec)
+    return jax.shard_map(local_vjp, in_specs=(row_spec, memory_spec, P(), tp),
+                         out_specs=(row_spec, memory_spec), axis_names=set(model))(r, e, k, ct)
+
+  k = jnp.zeros((), jnp.uint32) if key is None else key    # unread without a key
+  if residual is None:
+    @jax.custom_vjp
+    def run(r, k):
+      return forward(r, k)
+    run.defvjp(lambda r, k: (forward(r, k), (r, k)),
+               lambda res, ct: (backward(res[0], res[1], ct), None))
+    return run(rows, k)
+
   @jax.custom_vjp
-  def run(r, k):
+  def run_fed(r, e, k):
     return forward(r, k)
-  run.defvjp(lambda r, k: (forward(r, k), (r, k)),
-             lambda res, ct: (backward(res[0], res[1], ct), None))
-  return run(rows, jnp.zeros((), jnp.uint32) if key is None else key)
+  run_fed.defvjp(lambda r, e, k: (forward(r, k), (r, e, k)),
+                 lambda res, ct: (*backward_feedback(*res, ct), None))
+  return run_fed(rows, residual, k)
 
 
 def explicit_model_axes(mesh, data_axes) -> tuple:
