@@ -151,7 +151,7 @@ class ZeroDataParallel:
     return (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
 
   def _spec(self, leaf) -> P:
-    return zr.spec(self.axis_name, leaf.layers, zt.axes_of(leaf.tp))
+    return zr.rows_spec(leaf, self.axis_name)
 
   def _shard_value(self, value: np.ndarray, stacked: bool, tp=None) -> ShardedLeaf:
     """One host value as a :class:`ShardedLeaf` on the mesh (by layer when ``stacked``; its
@@ -403,13 +403,7 @@ class ZeroDataParallel:
     if self._feedback:
       opt_state, residuals = opt_state
     memory_specs = specs if self._feedback else P()
-    if len(self._data_axes) == len(self.mesh.axis_names):
-      local = jax.shard_map(
-          self._local_grads, mesh=self.mesh,
-          in_specs=(specs, memory_specs, jax.tree.map(lambda _: rows, batch), P()),
-          out_specs=(specs, rows, memory_specs))   # rows: a prefix of the losses and every aux
-    else:
-      local = self._data_manual(sharded, specs, memory_specs, batch)
+    local = self._data_manual(sharded, specs, memory_specs, batch)
     grads, losses, memories = local(sharded, residuals, batch, key)
     updates, opt_state = self._tx.update(grads, opt_state, sharded)
     if self._feedback:
@@ -420,18 +414,20 @@ class ZeroDataParallel:
     return optax.apply_updates(sharded, updates), opt_state, losses
 
   def _data_manual(self, sharded, specs, memory_specs, batch):
-    """:meth:`_local_grads` on a mesh with model axes: manual over the data axes only, the
-    model axes left to the compiler (the loss is the global-view tensor-parallel one),
-    inside ``auto_axes`` over the explicit ones (see :mod:`._zero_tp`)."""
+    """:meth:`_local_grads` in a ``shard_map`` manual over the data axes (every axis of a
+    data-only mesh). Model axes beside them are left to the compiler (the loss is the
+    global-view tensor-parallel one), the explicit ones inside ``auto_axes`` (see
+    :mod:`._zero_tp`)."""
     rows = P(self.axis_name)
     data_specs = jax.tree.map(lambda leaf: zr.spec(self.axis_name, leaf.layers), sharded,
                               is_leaf=_is_sharded)
     data_memory = data_specs if self._feedback else P()
-    local = jax.shard_map(
-        self._local_grads, in_specs=(data_specs, data_memory,
-                                     jax.tree.map(lambda _: rows, batch), P()),
-        out_specs=(data_specs, rows, data_memory), axis_names=set(self._data_axes))
     explicit = zt.explicit_model_axes(self.mesh, self._data_axes)
+    local = jax.shard_map(   # (inside auto_axes, the mesh is the context's)
+        self._local_grads, mesh=None if explicit else self.mesh,
+        in_specs=(data_specs, data_memory, jax.tree.map(lambda _: rows, batch), P()),
+        out_specs=(data_specs, rows, data_memory),   # rows: a prefix of the losses and aux
+        axis_names=set(self._data_axes))
     if not explicit:
       return local
     return jax.sharding.auto_axes(local, axes=explicit, out_sharding=(specs, rows, memory_specs))

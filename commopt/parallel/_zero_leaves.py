@@ -143,12 +143,13 @@ def spec(axis_name, layers, model_axes=()) -> P:
   return P(axis_name, *cols) if layers is None else P(None, axis_name, *cols)
 
 
-def _spec_of(leaf, axis_name) -> P:
+def rows_spec(leaf, axis_name) -> P:
+  """:func:`spec` of a :class:`ShardedLeaf` or :class:`ResidualLeaf` (its stack and blocks)."""
   return spec(axis_name, leaf.layers, zero_tp.axes_of(leaf.tp))
 
 
 def _place(rows: np.ndarray, slot, mesh, axis_name) -> ResidualLeaf:
-  put = jax.device_put(rows.astype(slot.dtype), NamedSharding(mesh, _spec_of(slot, axis_name)))
+  put = jax.device_put(rows.astype(slot.dtype), NamedSharding(mesh, rows_spec(slot, axis_name)))
   return ResidualLeaf(put, slot.shape, slot.dtype, slot.layers, slot.tp)
 
 
@@ -157,7 +158,7 @@ def zeros_like(leaf, dtype, mesh, axis_name, workers: int) -> ResidualLeaf:
   ``[N, T·c]`` beside model axes)."""
   n, c = leaf.rows.shape[-2:]
   lead = () if leaf.layers is None else (leaf.layers,)
-  sharding = NamedSharding(mesh, _spec_of(leaf, axis_name))
+  sharding = NamedSharding(mesh, rows_spec(leaf, axis_name))
   rows = jax.jit(lambda: jnp.zeros(lead + (workers * n, c), dtype), out_shardings=sharding)()
   return ResidualLeaf(rows, leaf.shape, dtype, leaf.layers, leaf.tp)
 

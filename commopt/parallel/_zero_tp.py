@@ -149,34 +149,21 @@ def gather(rows: jax.Array, shape, tp: P, mesh, axis_name, key=None, residual=No
     return jax.shard_map(opaque, in_specs=(row_spec, P()), out_specs=tp,
                          axis_names=set(model))(r, k)
 
-  def backward(r, k, ct):
-    def local_vjp(r, k, ct):
-      return jax.vjp(lambda s: one(s, k), r)[1](ct)[0]
-    return jax.shard_map(local_vjp, in_specs=(row_spec, P(), tp), out_specs=row_spec,
-                         axis_names=set(model))(r, k, ct)
+  def backward(r, e, k, ct):
+    """``(the rows' cotangent, the new memory or None)``: each block's reduce-scatter."""
+    memory_spec = P(None, *row_spec)
 
-  def backward_feedback(r, e, k, ct):
     def local_vjp(r, e, k, ct):
       return jax.vjp(lambda s, m: one(s, k, m), r, e)[1](ct)
-    memory_spec = P(None, *row_spec)
     return jax.shard_map(local_vjp, in_specs=(row_spec, memory_spec, P(), tp),
                          out_specs=(row_spec, memory_spec), axis_names=set(model))(r, e, k, ct)
 
-  k = jnp.zeros((), jnp.uint32) if key is None else key    # unread without a key
-  if residual is None:
-    @jax.custom_vjp
-    def run(r, k):
-      return forward(r, k)
-    run.defvjp(lambda r, k: (forward(r, k), (r, k)),
-               lambda res, ct: (backward(res[0], res[1], ct), None))
-    return run(rows, k)
-
   @jax.custom_vjp
-  def run_fed(r, e, k):
+  def run(r, e, k):
     return forward(r, k)
-  run_fed.defvjp(lambda r, e, k: (forward(r, k), (r, e, k)),
-                 lambda res, ct: (*backward_feedback(*res, ct), None))
-  return run_fed(rows, residual, k)
+  run.defvjp(lambda r, e, k: (forward(r, k), (r, e, k)),
+             lambda res, ct: (*backward(*res, ct), None))
+  return run(rows, residual, jnp.zeros((), jnp.uint32) if key is None else key)
 
 
 def explicit_model_axes(mesh, data_axes) -> tuple:
