@@ -299,8 +299,7 @@ def worker(config_path: str, result_path: str) -> None:
   def barrier():
     """Every process here, through the coordination service (not a device collective), so
     that the evaluation's gather never starts while a step's collectives run on another
-    process. (Jobs still abort now and then with gloo's "collective mismatch" inside the
-    first method's steps: not explained yet.)"""
+    process."""
     from jax._src import distributed
     distributed.global_state.client.wait_at_barrier(f"bench_network_{next(barriers)}", 600_000)
 

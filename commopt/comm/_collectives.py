@@ -284,6 +284,46 @@ def psum(tree: Any, axis_name: Optional[str]) -> Any:
   return jax.lax.psum(tree, axis_name)
 
 
+def crosses_processes() -> bool:
+  """Whether this program's collectives run between processes on CPUs (through gloo), where
+  :func:`after` must order them (see there)."""
+  return jax.process_count() > 1 and jax.devices()[0].platform == "cpu"
+
+
+def after(tree: Any, *deps: Any) -> Any:
+  """``tree`` unchanged, but computed only once every leaf of ``deps`` exists.
+
+  Where a collective's input waits for an earlier collective's output, the runtime runs
+  them one after the other. Otherwise XLA:CPU orders two collectives of one program only
+  by when they start, and gloo, which carries them between processes, tells two
+  all-reduces apart only by their order on each link: an all-reduce that does not depend
+  on the one before it can run beside it and take its messages (gloo aborts the job with
+  "Received data size doesn't match expected size" when the sizes differ, and would mix
+  their values when they agree). Every float leaf of ``tree`` is made to read ``deps``:
+  ``x - 0.0``, bit for bit ``x`` (``-0.0`` and NaN included), with the zero computed from
+  the first element of each dependency (``isnan(d) * 0.0``, which the compiler cannot
+  fold), fused into the leaf's producer or consumer. Only where collectives cross
+  processes on CPUs (:func:`crosses_processes`); elsewhere ``tree`` is returned as is. A
+  leaf whose varying axes do not include the dependencies' keeps no dependency (its type
+  must not change).
+  """
+  leaves = [jnp.ravel(d)[0] for d in jax.tree.leaves(deps)
+            if hasattr(d, "dtype") and d.size]
+  if not leaves or not crosses_processes():
+    return tree
+  zero = sum(jnp.isnan(d.astype(jnp.float32)).astype(jnp.float32) for d in leaves) * 0.0
+  over = set(varying_axes(zero))
+
+  def wait(x):
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+      return x
+    if not over <= set(varying_axes(x)):
+      return x
+    return x - zero.astype(x.dtype)
+
+  return jax.tree.map(wait, tree)
+
+
 def pmax(tree: Any, axis_name) -> Any:
   """All-reduce maximum of every leaf (identity locally)."""
   if axis_name is None or axis_name == ():

@@ -64,6 +64,7 @@ def step(dp, layout: Layout, params, opt_state, batch, model_state, key, extra_a
     grads = faults.poison_if_nonfinite(dp, grads, new_ms)
     if layout.reads_value and "value" not in extra_args:
       extra_args = dict(extra_args, value=coll.pmean(loss, axes))
+      grads = coll.after(grads, extra_args["value"])     # the exchange after that mean
     updates, new_state = opt.update(grads, state, params, **extra_args)
     new_params = optax.apply_updates(params, updates)
     if dp.local_params:
@@ -71,8 +72,8 @@ def step(dp, layout: Layout, params, opt_state, batch, model_state, key, extra_a
     else:
       common.check_replicated(dp, new_params)
     if dp.has_state:
-      new_ms = faults.keep_on_skip(dp, common.sync_model_state(dp, new_ms), model_state,
-                                   new_state)
+      new_ms = faults.keep_on_skip(dp, common.sync_model_state(dp, coll.after(new_ms, updates)),
+                                   model_state, new_state)
     metrics = loss[None] if not dp.has_aux else (
         loss[None], jax.tree.map(lambda x: jnp.asarray(x)[None], aux))
     return (new_params, lay.stack_workers(new_state, layout.state_specs, axes), metrics,

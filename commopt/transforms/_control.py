@@ -272,6 +272,8 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   def update_fn(updates, state, params=None, **extra_args):
     with vma.shard_aware():
       finite = _agreed_finite(updates, axis_name)
+    # Every collective of `inner` after the verdict's all-reduce, not beside it.
+    updates = coll.after(updates, finite)
     run = lambda u, inner_state: inner.update(u, inner_state, params, **extra_args)
     if strict:
       # Always run, so every worker runs the same collectives; select after.
