@@ -27,6 +27,7 @@ from commopt.comm._channel import (
 )
 from commopt.comm._shards import model_sharding
 from commopt.comm._collectives import (
+    after,
     all_gather,
     all_gather_tiled,
     all_to_all,
@@ -50,6 +51,7 @@ __all__ = [
     "sum_decoded",
     "sum_decoded_reference",
     "worker_key",
+    "after",
     "all_gather",
     "all_gather_tiled",
     "all_to_all",
