@@ -69,8 +69,9 @@ def _mlp():
 
 
 TXS = {
-    "dense": lambda: optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
-                                 optax.sgd(0.1)),
+    "dense": lambda: optax.chain(
+        commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
+        optax.sgd(0.1)),
     "sign two-phase": lambda: optax.chain(
         commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase",
                                 min_size=0), optax.sgd(0.1)),

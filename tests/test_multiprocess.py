@@ -198,8 +198,8 @@ from digits_cnn import load_digits_flat, mlp_fns
 x, y = load_digits_flat()
 params, loss_fn = mlp_fns(2048)
 mesh = jax.make_mesh((jax.device_count(),), ("data",))
-tx = commopt.diloco(optax.sgd(0.02, momentum=0.9), optax.sgd(1.0), axis_name="data", period=4,
-                    strategy="two_phase", compressor=commopt.int_quant(bits=4))
+tx = commopt.diloco(optax.sgd(0.02, momentum=0.9), optax.sgd(1.0), axis_name="data",
+                    period=4, strategy="two_phase", compressor=commopt.int_quant(bits=4))
 dp = commopt.data_parallel(loss_fn, tx, mesh, local_params=True)
 p, s = dp.place_params(params), dp.init(params)
 for step in range(160):
