@@ -71,7 +71,8 @@ def test_finish_makes_the_workers_agree_under_a_linear_outer_step(mesh):
   run.close()
 
 
-@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "chunk_top_k"])
+@pytest.mark.parametrize("compressed", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["dense", "chunk_top_k"])
 def test_eager_trains_close_to_blocking_diloco(mesh, compressed):
   """8 workers on their own batches, H = 4, the outer step sgd(1.0) (eager's default): the
   eager run's loss falls and stays within 1.3x of DiLoCo's (whose every exchange is waited
