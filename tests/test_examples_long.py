@@ -63,7 +63,7 @@ GUIDE = {
     "from_optax.md": (None, lambda ns, folder: {}, FACTOR * (50 + 50 + 50 + 30)),
     "sharded.md": (None, lambda ns, folder: {}, FACTOR * (30 + 32)),
     "overlap.md": (None, lambda ns, folder: {}, FACTOR * (40 + 40 + 40 + 40)),
-    "zero.md": (None, lambda ns, folder: {}, FACTOR * (40 + 40 + 30 + 30 + 40 + 40)),
+    "zero.md": (None, lambda ns, folder: {}, FACTOR * (40 + 40 + 40 + 30 + 30 + 40 + 40)),
     "lowcomm.md": (None, lambda ns, folder: {}, FACTOR * 3 * 100),
 }
 

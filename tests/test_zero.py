@@ -155,10 +155,12 @@ def test_a_stochastic_compressor_takes_the_step_key(mesh):
   state = zp.init(params)
   with pytest.raises(ValueError, match=r"`grads`=int_quant\(.*\) draws random bits: pass key="):
     zp.step(params, state, make_batch(0))
+  with pytest.raises(ValueError, match=r"PRNG key: .* pass the key by name"):
+    zp.step(params, state, make_batch(0), jax.random.key(0))
   p1, _, _ = zp.step(zp.shard(make_params()), zp.init(params), make_batch(0),
-                     jax.random.key(0))
+                     key=jax.random.key(0))
   p2, _, _ = zp.step(zp.shard(make_params()), zp.init(params), make_batch(0),
-                     jax.random.key(1))
+                     key=jax.random.key(1))
   assert not np.array_equal(np.asarray(p1["w1"].rows), np.asarray(p2["w1"].rows))
 
 

@@ -42,18 +42,25 @@ class StepBody(Protocol):
 # -- the loss -----------------------------------------------------------------------------
 
 def checked_loss(dp, *args, **kwargs):
-  """``loss_fn``, with its output checked against ``has_aux`` / ``has_state``."""
+  """``loss_fn``, with its output checked against ``has_aux`` / ``has_state``.
+
+  The model state (``has_state``: the second argument) is rebuilt here, inside the
+  gradient's trace, where a Flax nnx model merged from it may update its variables
+  (batch statistics, RNG counts): nnx refuses to mutate a variable made at another."""
+  if dp.has_state:
+    args = (args[0], jax.tree.map(lambda x: x, args[1]), *args[2:])
   out = dp.loss_fn(*args, **kwargs)
+  fn = getattr(dp, "NAME", "data_parallel")
   pair = isinstance(out, (tuple, list)) and len(out) == 2
   if (dp.has_aux or dp.has_state) and not pair:
     flags = " and ".join(f for f in ("has_aux=True", "has_state=True") if getattr(dp, f[:-5]))
     want = ("(loss, (new_model_state, aux))" if dp.has_aux and dp.has_state
             else "(loss, new_model_state)" if dp.has_state else "(loss, aux)")
-    raise ValueError(f"data_parallel: with {flags}, `loss_fn` must return {want}; it "
+    raise ValueError(f"{fn}: with {flags}, `loss_fn` must return {want}; it "
                      f"returned {type(out).__name__}.")
   if dp.has_state and dp.has_aux and not (isinstance(out[1], (tuple, list))
                                           and len(out[1]) == 2):
-    raise ValueError("data_parallel: with has_aux=True and has_state=True, `loss_fn` must "
+    raise ValueError(f"{fn}: with has_aux=True and has_state=True, `loss_fn` must "
                      "return (loss, (new_model_state, aux)).")
   return out
 
@@ -87,21 +94,27 @@ def check_replicated(dp, tree, what="the update of parameter"):
 def sync_model_state(dp, new):
   """Inside ``shard_map``: averages model state that differs between workers
   (``model_state_sync='mean'``)."""
-  axes = dp.axes
+  return mean_model_state(new, dp.axes, dp.model_state_sync, dp.num_workers, "data_parallel")
+
+
+def mean_model_state(new, axes, sync: str, workers: int, fn: str):
+  """Inside ``shard_map`` over ``axes``: each floating-point leaf of ``new`` that differs
+  between the ``workers`` averaged over them (one all-reduce each, in float32), the rest
+  as it is; with ``sync="none"`` (or an integer leaf) a leaf that differs is refused."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
   out = []
   for path, x in leaves:
     if not lay.per_worker(x, axes):
       out.append(x)
       continue
-    if dp.model_state_sync == "none" or not jnp.issubdtype(x.dtype, jnp.inexact):
+    if sync == "none" or not jnp.issubdtype(x.dtype, jnp.inexact):
       raise ValueError(
-          f"data_parallel: model state leaf {keystr(path)} ({x.dtype}) differs between "
-          f"workers after the loss, and model_state_sync={dp.model_state_sync!r} "
+          f"{fn}: model state leaf {keystr(path)} ({x.dtype}) differs between "
+          f"workers after the loss, and model_state_sync={sync!r} "
           + ("keeps model state replicated without communicating; use "
-             "model_state_sync='mean' to average it." if dp.model_state_sync == "none"
+             "model_state_sync='mean' to average it." if sync == "none"
              else "can only average floating-point state."))
-    out.append((coll.psum(x.astype(jnp.float32), axes) / dp.num_workers).astype(x.dtype))
+    out.append((coll.psum(x.astype(jnp.float32), axes) / workers).astype(x.dtype))
   return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -17,7 +17,7 @@ replicated answer. The padding stays zero (the gather gives it no gradient).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,20 +29,15 @@ from jax.sharding import PartitionSpec as P
 from commopt._src import base, feedback
 from commopt.comm import _collectives as coll
 from commopt.comm import _zero as zero_comm
+from commopt.parallel import _step_common as common
 from commopt.parallel import _zero_leaves as zr
 from commopt.parallel import _zero_tp as zt
 from commopt.parallel._zero_leaves import ShardedLeaf, is_sharded as _is_sharded
 from commopt.parallel._zero_leaves import is_state_leaf as _is_state_leaf
-from commopt.parallel._resize import path_key
 
 
 _NEVER = 2**31 - 1
 """``optax.apply_if_finite``'s ``max_consecutive_errors``: never apply a non-finite update."""
-
-
-def _path_name(path) -> str:
-  """A tree path as ``a/b/0``, whatever node types spell it (see :func:`_resize.path_key`)."""
-  return "/".join(path_key(path))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,10 +57,13 @@ class ZeroDataParallel:
   gather: str = "step"
   skip_nonfinite: bool = True
   has_aux: bool = False
+  has_state: bool = False
+  model_state_sync: str = "mean"
   hierarchical: bool = False
   hpz: bool = False
   error_feedback: Any = False
   residual_dtype: Any = None
+  NAME: ClassVar[str] = "zero_data_parallel"
 
   def __post_init__(self):
     fn = "zero_data_parallel"
@@ -92,6 +90,8 @@ class ZeroDataParallel:
         if zero_comm.needs_key(c)))
     object.__setattr__(self, "donate", base.check_bool("donate", self.donate, fn=fn))
     object.__setattr__(self, "has_aux", base.check_bool("has_aux", self.has_aux, fn=fn))
+    object.__setattr__(self, "has_state", base.check_bool("has_state", self.has_state, fn=fn))
+    base.check_choice("model_state_sync", self.model_state_sync, ("mean", "none"), fn)
     if base.check_bool("hierarchical", self.hierarchical, fn=fn) and (
         self.grads is None or isinstance(self.axis_name, str) or len(self.axis_name) != 2):
       raise ValueError(
@@ -111,8 +111,9 @@ class ZeroDataParallel:
     # Outside the map, on the sharded rows: the finiteness of every device's rows is one
     # decision of the whole program (the compiler reduces it), so all devices skip together.
     object.__setattr__(self, "_tx", optax.apply_if_finite(self.tx, _NEVER) if skip else self.tx)
+    donated = (0, 1, 3) if self.has_state else (0, 1)
     object.__setattr__(self, "_jitted", jax.jit(self.step_fn,
-                                                donate_argnums=(0, 1) if self.donate else ()))
+                                                donate_argnums=donated if self.donate else ()))
 
   def _configure_feedback(self, fn: str) -> None:
     """``_feedback``: whether workers keep error memories; ``grads`` as error feedback runs
@@ -258,39 +259,8 @@ class ZeroDataParallel:
           lambda leaf: zr.ResidualLeaf(None, leaf.shape, self._residual_dtype, leaf.layers,
                                        leaf.tp),
           sharded, is_leaf=_is_sharded))
-    slots, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_state_leaf)
-    # By path, not by position: a checkpoint restored without a target turns named tuples
-    # into dicts (their keys sorted) and tuples into lists.
-    values = {_path_name(path): value
-              for path, value in jax.tree_util.tree_flatten_with_path(whole_state)[0]}
-    out = []
-    for path, slot in slots:
-      name = _path_name(path)
-      if name not in values:
-        raise ValueError(
-            f"zero_data_parallel.reshard_state: the state has no leaf {name!r}, which "
-            f"tx.init of these parameters has (it has {sorted(values)[:6]}...); it was made "
-            "for another optimizer or other parameters.")
-      value = values[name]
-      if zr.is_residual(slot):
-        lead = () if slot.layers is None else (slot.layers,)
-        if tuple(np.shape(value))[1:] != lead + slot.shape:
-          raise ValueError(
-              f"zero_data_parallel.reshard_state: the error memory {name!r} has shape "
-              f"{tuple(np.shape(value))} where [workers, *{lead + slot.shape}] is expected.")
-        out.append(zr.from_whole(value, slot, self.mesh, self.axis_name, self.workers))
-      elif _is_sharded(slot):
-        if tuple(np.shape(value)) != slot.full_shape:
-          raise ValueError(
-              f"zero_data_parallel.reshard_state: the leaf {name!r} has shape "
-              f"{tuple(np.shape(value))} where its parameter has shape {slot.full_shape}.")
-        out.append(self._shard_value(np.asarray(jax.device_get(value)),
-                                     slot.layers is not None, slot.tp))
-      else:
-        # By the host: a new buffer, never one the caller's state (donated later) holds.
-        out.append(jax.device_put(np.asarray(jax.device_get(value), slot.dtype),
-                                  NamedSharding(self.mesh, P())))
-    return jax.tree.unflatten(treedef, out)
+    return zr.restore_state(template, whole_state, self._shard_value, self.mesh,
+                            self.axis_name, self.workers)
 
   def init(self, sharded):
     """The optimizer state of the sharded parameters, sharded as they are."""
@@ -364,54 +334,71 @@ class ZeroDataParallel:
     gather.remat = self.remat
     return gather
 
-  def _local_grads(self, sharded, residuals, batch, key):
+  def _local_grads(self, sharded, residuals, batch, model_state, key):
     """Inside the map: ``(gradient rows per leaf, this worker's loss [1], new error memories
-    or None)``, the loss as ``(loss [1], aux)`` (each aux leaf with a leading axis of 1)
-    with ``has_aux``."""
+    or None, new model state or None)``, the loss as ``(loss [1], aux)`` (each aux leaf
+    with a leading axis of 1) with ``has_aux``; the model state averaged over the workers
+    (``model_state_sync``)."""
     worker_key = None if key is None else jax.random.fold_in(
         key, coll.axis_index(self.axis_name))
     used = []
     gather = self._gather_fn(worker_key, used)
 
     def loss_of(tree):
+      args = (model_state, batch) if self.has_state else (batch,)
       if self.gather == "manual":
-        return self.loss_fn(tree, batch, gather)
-      return self.loss_fn(gather(tree), batch)
+        return common.checked_loss(self, tree, *args, gather)
+      return common.checked_loss(self, gather(tree), *args)
 
     tree = sharded if residuals is None else zr.merge(sharded, residuals)
-    out, grads = jax.value_and_grad(loss_of, has_aux=self.has_aux)(tree)
+    out, grads = jax.value_and_grad(loss_of, has_aux=self.has_aux or self.has_state)(tree)
     memories = None
     if residuals is not None:
       grads, memories = zr.split(grads, residuals, {slot for slot, _ in used})
-    if not self.has_aux:
-      return grads, jnp.reshape(out, (1,)), memories
-    loss, aux = out
-    return grads, (jnp.reshape(loss, (1,)),
-                   jax.tree.map(lambda a: jnp.asarray(a)[None], aux)), memories
+    loss, aux, new_ms = common.split_out(self, out)
+    if self.has_state:   # after the gradients' collectives (their order across processes)
+      new_ms = common.mean_model_state(coll.after(new_ms, grads), self._data_axes,
+                                       self.model_state_sync, self.workers, self.NAME)
+    loss = jnp.reshape(loss, (1,))
+    if self.has_aux:
+      loss = (loss, jax.tree.map(lambda a: jnp.asarray(a)[None], aux))
+    return grads, loss, memories, new_ms
 
-  def step_fn(self, sharded, opt_state, batch, key=None):
+  def step_fn(self, sharded, opt_state, batch, model_state=None, key=None):
     """The pure step: ``(sharded params, opt_state, per-worker losses [N])`` after one update
-    (``(losses, aux)`` with ``has_aux``, every aux leaf with a leading worker axis).
+    (``(losses, aux)`` with ``has_aux``, every aux leaf with a leading worker axis), and
+    ``(sharded params, opt_state, model_state, losses)`` with ``has_state``: the model state
+    (replicated) as the workers' losses left it, averaged, and kept on a skipped step.
 
     ``batch`` leaves are split over the data axis on their leading dimension; ``key`` (a
     PRNG key, replicated) is needed only by compressors that draw random bits. It runs
     inside the caller's own ``jax.jit`` or ``lax.scan`` (the tests scan it over steps);
     on a mesh with explicit axes, call that function inside ``jax.set_mesh(mesh)``."""
+    _check_model_state(self, model_state)
     specs = jax.tree.map(self._spec, sharded, is_leaf=_is_sharded)
-    rows = P(self.axis_name)
     residuals = None
     if self._feedback:
       opt_state, residuals = opt_state
     memory_specs = specs if self._feedback else P()
     local = self._data_manual(sharded, specs, memory_specs, batch)
-    grads, losses, memories = local(sharded, residuals, batch, key)
+    grads, losses, memories, new_ms = local(sharded, residuals, batch, model_state, key)
+    if self.has_state and self.skip_nonfinite:
+      # A non-finite model state (the same mean on every device) skips the step too.
+      ok = jnp.isfinite(_nonfinite_flag(new_ms))
+      grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), grads)
     updates, opt_state = self._tx.update(grads, opt_state, sharded)
+    keep = lambda new, old: jax.tree.map(
+        lambda n, o: jnp.where(opt_state.last_finite, n, o), new, old)
     if self._feedback:
       if self.skip_nonfinite:    # a skipped step keeps its memories too
-        memories = jax.tree.map(lambda new, old: jnp.where(opt_state.last_finite, new, old),
-                                memories, residuals)
+        memories = keep(memories, residuals)
       opt_state = zr.ZeroFeedbackState(opt_state, memories)
-    return optax.apply_updates(sharded, updates), opt_state, losses
+    new_params = optax.apply_updates(sharded, updates)
+    if not self.has_state:
+      return new_params, opt_state, losses
+    if self.skip_nonfinite:
+      new_ms = keep(new_ms, model_state)
+    return new_params, opt_state, new_ms, losses
 
   def _data_manual(self, sharded, specs, memory_specs, batch):
     """:meth:`_local_grads` in a ``shard_map`` manual over the data axes (every axis of a
@@ -425,12 +412,13 @@ class ZeroDataParallel:
     explicit = zt.explicit_model_axes(self.mesh, self._data_axes)
     local = jax.shard_map(   # (inside auto_axes, the mesh is the context's)
         self._local_grads, mesh=None if explicit else self.mesh,
-        in_specs=(data_specs, data_memory, jax.tree.map(lambda _: rows, batch), P()),
-        out_specs=(data_specs, rows, data_memory),   # rows: a prefix of the losses and aux
+        in_specs=(data_specs, data_memory, jax.tree.map(lambda _: rows, batch), P(), P()),
+        out_specs=(data_specs, rows, data_memory, P()),  # rows: a prefix of losses and aux
         axis_names=set(self._data_axes))
     if not explicit:
       return local
-    return jax.sharding.auto_axes(local, axes=explicit, out_sharding=(specs, rows, memory_specs))
+    return jax.sharding.auto_axes(local, axes=explicit,
+                                  out_sharding=(specs, rows, memory_specs, P()))
 
   def local_batch(self, batch):
     """The global batch from this process's rows of it (multi-process runs): one array
@@ -446,17 +434,26 @@ class ZeroDataParallel:
   def _place_batch(self, batch):
     return jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
 
-  def lower(self, sharded, opt_state, batch, key=None):
+  def _place_model_state(self, model_state):
+    _check_model_state(self, model_state)
+    if model_state is None:
+      return None
+    return jax.device_put(model_state, NamedSharding(self.mesh, P()))
+
+  def lower(self, sharded, opt_state, batch, model_state=None, key=None):
     """The jitted step lowered for these arguments (for :func:`commopt.wire.hlo_collectives`
     and ``.compile().memory_analysis()``)."""
     batch = self._place_batch(batch)
+    model_state = self._place_model_state(model_state)
     with jax.set_mesh(self.mesh):
-      return self._jitted.lower(sharded, opt_state, batch, key)
+      return self._jitted.lower(sharded, opt_state, batch, model_state, key)
 
-  def step(self, sharded, opt_state, batch, key=None):
+  def step(self, sharded, opt_state, batch, model_state=None, key=None):
     """One jitted step (see :meth:`step_fn`); the batch is placed over the data axis (in a
-    multi-process run pass :meth:`local_batch`'s global arrays)."""
+    multi-process run pass :meth:`local_batch`'s global arrays) and the model state
+    (``has_state``) replicated. With ``donate`` the model state is consumed too."""
     self._check_sharded(sharded, "step")
+    model_state = self._place_model_state(model_state)
     if key is None and self._keyed:
       raise ValueError(
           f"zero_data_parallel.step: {' and '.join(self._keyed)} draws random bits: pass "
@@ -464,14 +461,35 @@ class ZeroDataParallel:
           "process), or use rounding='nearest'.")
     batch = self._place_batch(batch)
     with jax.set_mesh(self.mesh):
-      return self._jitted(sharded, opt_state, batch, key)
+      return self._jitted(sharded, opt_state, batch, model_state, key)
+
+
+def _check_model_state(zp, model_state) -> None:
+  if zp.has_state and model_state is None:
+    raise ValueError("zero_data_parallel: has_state=True needs `model_state` in every step.")
+  if not zp.has_state and model_state is not None:
+    hint = ""
+    if any(jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+           for x in jax.tree.leaves(model_state)):
+      hint = (" It is a PRNG key: the step's fourth argument is the model state, so pass "
+              "the key by name, step(params, state, batch, key=key).")
+    raise ValueError(
+        "zero_data_parallel: `model_state` was given but has_state=False; pass "
+        "has_state=True and a loss_fn(params, model_state, batch) -> (loss, new_model_state)."
+        + hint)
+
+
+def _nonfinite_flag(tree):
+  from commopt.transforms._control import nonfinite_flag
+  return nonfinite_flag(tree)
 
 
 def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
                        weights: Optional[base.Compressor] = None,
                        grads: Optional[base.Compressor] = None,
                        gather: str = "step", skip_nonfinite: bool = True,
-                       has_aux: bool = False, hierarchical: bool = False,
+                       has_aux: bool = False, has_state: bool = False,
+                       model_state_sync: str = "mean", hierarchical: bool = False,
                        hpz: bool = False, error_feedback=False, residual_dtype=None,
                        donate: bool = True) -> ZeroDataParallel:
   """Fully sharded data parallelism (ZeRO-3) with commopt's own gathers and scatters.
@@ -512,11 +530,19 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
     weights: None (dense all-gather) or a stateless compressor for the weight gather.
     grads: None (dense reduce-scatter) or a stateless compressor for the gradients.
     gather: ``"step"`` (every leaf gathered before ``loss_fn``) or ``"manual"``.
-    skip_nonfinite: skip the update (parameters and optimizer state kept) when any
-      gradient is not finite, on every device together (``optax.apply_if_finite``
+    skip_nonfinite: skip the update (parameters, optimizer state and model state kept)
+      when any gradient or the new model state is not finite, on every device together (``optax.apply_if_finite``
       around ``tx``, on the sharded rows; its state counts the skips).
     has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(losses, aux)``
       in place of the losses, every aux leaf stacked over the workers.
+    has_state: ``loss_fn(params, model_state, batch)`` (``..., batch, gather)`` with
+      ``gather="manual"``) returns ``(loss, new_model_state)`` (``(loss,
+      (new_model_state, aux))`` with ``has_aux``): mutable model state such as batch
+      statistics, replicated, which ``step(..., model_state=)`` takes and returns as
+      ``(params, opt_state, model_state, losses)``.
+    model_state_sync: ``"mean"`` averages each floating-point leaf of the new model state
+      that differs between workers (one dense all-reduce each; model state is small);
+      ``"none"`` refuses model state that differs between workers.
     hierarchical: with ``grads`` and ``axis_name=(slow, fast)`` (nodes, devices in a
       node), the gradient is reduce-scattered in two encoded stages, inside each node and
       then across nodes (ZeRO++'s hierarchical qgZ): each coordinate is encoded twice, and
@@ -567,5 +593,6 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
   return ZeroDataParallel(loss_fn, tx, mesh, axis_name=axis_name, weights=weights,
                           grads=grads, donate=donate, gather=gather,
                           skip_nonfinite=skip_nonfinite, has_aux=has_aux,
+                          has_state=has_state, model_state_sync=model_state_sync,
                           hierarchical=hierarchical, hpz=hpz,
                           error_feedback=error_feedback, residual_dtype=residual_dtype)

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from commopt.parallel import _zero_tp as zero_tp
-from commopt.parallel._resize import overlap_weights
+from commopt.parallel._resize import overlap_weights, path_key
 
 
 class _Rows:
@@ -192,3 +192,48 @@ def from_whole(value, slot: ResidualLeaf, mesh, axis_name, workers: int) -> Resi
     rows = np.stack([np.concatenate([cut(v[layer]) for v in value])
                      for layer in range(slot.layers)])
   return _place(rows, slot, mesh, axis_name)
+
+
+def _path_name(path) -> str:
+  """A tree path as ``a/b/0``, whatever node types spell it (see :func:`_resize.path_key`)."""
+  return "/".join(path_key(path))
+
+
+def restore_state(template, whole_state, shard_value, mesh, axis_name, workers: int):
+  """``ZeroDataParallel.reshard_state``: the leaves of ``whole_state`` (a whole state, by
+  path) placed as the slots of ``template`` (``tx.init``'s shapes, with residual slots):
+  sharded leaves by ``shard_value(value, stacked, tp)``, memories by :func:`from_whole`,
+  the rest replicated."""
+  slots, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_state_leaf)
+  # By path, not by position: a checkpoint restored without a target turns named tuples
+  # into dicts (their keys sorted) and tuples into lists.
+  values = {_path_name(path): value
+            for path, value in jax.tree_util.tree_flatten_with_path(whole_state)[0]}
+  out = []
+  for path, slot in slots:
+    name = _path_name(path)
+    if name not in values:
+      raise ValueError(
+          f"zero_data_parallel.reshard_state: the state has no leaf {name!r}, which "
+          f"tx.init of these parameters has (it has {sorted(values)[:6]}...); it was made "
+          "for another optimizer or other parameters.")
+    value = values[name]
+    if is_residual(slot):
+      lead = () if slot.layers is None else (slot.layers,)
+      if tuple(np.shape(value))[1:] != lead + slot.shape:
+        raise ValueError(
+            f"zero_data_parallel.reshard_state: the error memory {name!r} has shape "
+            f"{tuple(np.shape(value))} where [workers, *{lead + slot.shape}] is expected.")
+      out.append(from_whole(value, slot, mesh, axis_name, workers))
+    elif is_sharded(slot):
+      if tuple(np.shape(value)) != slot.full_shape:
+        raise ValueError(
+            f"zero_data_parallel.reshard_state: the leaf {name!r} has shape "
+            f"{tuple(np.shape(value))} where its parameter has shape {slot.full_shape}.")
+      out.append(shard_value(np.asarray(jax.device_get(value)), slot.layers is not None,
+                             slot.tp))
+    else:
+      # By the host: a new buffer, never one the caller's state (donated later) holds.
+      out.append(jax.device_put(np.asarray(jax.device_get(value), slot.dtype),
+                                NamedSharding(mesh, P())))
+  return jax.tree.unflatten(treedef, out)
