@@ -9,7 +9,7 @@ state gathered to the host. The test runs the same cases in one process
 import sys
 
 CASES = ("identity", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical", "zero",
-         "zero_quantized")
+         "zero_quantized", "zero_state")
 STEPS = 3
 
 
@@ -69,8 +69,17 @@ def run_zero(case: str, local_rows):
 
   mesh = jax.make_mesh((8,), ("data",))
   q = case == "zero_quantized"
+
+  def loss(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w"]) - b["y"]) ** 2)
+
+  def state_loss(p, ms, b):   # a running mean of each worker's activations: model state
+    h = b["x"] @ p["w"]
+    return loss(p, b), {"mean": 0.9 * ms["mean"] + 0.1 * jnp.mean(h, 0)}
+
+  has_state = case == "zero_state"
   zp = commopt.zero_data_parallel(
-      lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w"]) - b["y"]) ** 2), optax.adam(1e-2), mesh,
+      state_loss if has_state else loss, optax.adam(1e-2), mesh, has_state=has_state,
       weights=commopt.int_quant(bits=8, rounding="nearest") if q else None,
       grads=commopt.int_quant(bits=4, rounding="nearest") if q else None)
   rng = np.random.default_rng(1)
@@ -78,10 +87,14 @@ def run_zero(case: str, local_rows):
   y = np.tanh(x[:, :20]).astype(np.float32)
   sharded = zp.shard({"w": jnp.asarray(rng.normal(size=(64, 20)) * 0.1, jnp.float32)})
   state = zp.init(sharded)
+  ms = {"mean": jnp.zeros(20)} if has_state else None
   for _ in range(STEPS):
-    sharded, state, _ = zp.step(sharded, state, zp.local_batch({"x": local_rows(x),
-                                                                 "y": local_rows(y)}))
-  return multihost_utils.process_allgather((zp.unshard(sharded), state), tiled=True)
+    batch = zp.local_batch({"x": local_rows(x), "y": local_rows(y)})
+    if has_state:
+      sharded, state, ms, _ = zp.step(sharded, state, batch, ms)
+    else:
+      sharded, state, _ = zp.step(sharded, state, batch)
+  return multihost_utils.process_allgather((zp.unshard(sharded), state, ms), tiled=True)
 
 
 def flat(tree):
