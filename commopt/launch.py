@@ -55,21 +55,17 @@ or from a shell::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import queue
 import signal
 import socket
 import stat
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 from typing import Optional, Sequence
 
 from commopt._src import base
+from commopt._src.process_group import TAIL_LINES, ProcessGroup, ProcessResult  # noqa: F401
 
 ENV_PROCESS_ID = "COMMOPT_PROCESS_ID"
 ENV_NUM_PROCESSES = "COMMOPT_NUM_PROCESSES"
@@ -82,9 +78,6 @@ ENV_ATTEMPT = "COMMOPT_ATTEMPT"
 """Set by :func:`supervise`: which start of the job this is (0 the first, then one more per
 restart); read it with :func:`attempt`."""
 
-TAIL_LINES = 30
-"""Lines of a failed process's output that :class:`LaunchError`'s message ends with."""
-
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
 
@@ -96,18 +89,6 @@ class LaunchError(RuntimeError):
     super().__init__(message)
     self.results = results
     self.first_failed = first_failed
-
-
-@dataclasses.dataclass
-class ProcessResult:
-  """One launched process: its id, exit code (negative: ended by that signal) and output;
-  whether the launcher ended it (after another's failure, or past the timeout) and
-  whether it was asked to stop (``stop_after``)."""
-  process_id: int
-  returncode: Optional[int]
-  output: str
-  ended_by_launch: bool = False
-  asked_to_stop: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +116,18 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
            timeout: float = 600.0, grace: float = 1.0, stop_grace: float = 10.0,
            heartbeat_timeout: int = 20, coordinator: Optional[str] = None,
            env: Optional[dict] = None, python: str = sys.executable,
-           echo: bool = False, stop_after: Optional[float] = None) -> list[ProcessResult]:
+           echo: bool = False, stop_after: Optional[float] = None, nodes: int = 1,
+           node_rank: int = 0) -> list[ProcessResult]:
   """Runs ``python argv...`` as ``processes`` processes of one ``jax.distributed`` job.
+
+  On several machines (``nodes > 1``) run it once on each, with the same
+  ``processes``, ``nodes`` and ``coordinator`` and its own ``node_rank``: the
+  job's ``nodes * processes`` processes are numbered node by node (node ``r``
+  runs processes ``r * processes`` to ``(r + 1) * processes - 1``), and
+  process 0, on node 0, hosts the coordinator. Each launcher ends the
+  processes of its own machine; those of another machine notice a failure
+  through ``jax.distributed`` (its heartbeat, or the collective that fails)
+  and end with an error, which ends their launcher's run in turn.
 
   Each process runs in a session of its own (so a terminal's Ctrl-C reaches
   only the launcher, which then ends them) and dies with the launcher (see the
@@ -157,7 +148,8 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
       ``SIGTERM`` or Ctrl-C sends ``SIGKILL`` at once.
     heartbeat_timeout: ``jax.distributed``'s heartbeat timeout in the processes.
     coordinator: ``host:port`` of process 0's coordinator (default: a free
-      local port).
+      local port); with ``nodes > 1`` it is required: an address of node 0 that
+      every node reaches, and a port free there.
     env: extra environment variables for every process.
     python: the interpreter.
     echo: print each process's output as it ends.
@@ -166,9 +158,12 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
       receives as a request; ``SIGKILL`` after ``stop_grace``); those that
       then exit 0 end the run normally, marked ``asked_to_stop``. None (the
       default) never asks.
+    nodes: how many machines run the job (>= 1), each with a launcher of its own.
+    node_rank: which of them this one is (``0 <= node_rank < nodes``).
 
   Returns:
-    One :class:`ProcessResult` per process, in process order, all exit code 0.
+    One :class:`ProcessResult` per process of this machine, in process order (their
+    ``process_id`` is the job's), all exit code 0.
 
   Raises:
     LaunchError: a process exited non-zero (the others are ended at once), or
@@ -177,8 +172,16 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
     KeyboardInterrupt: the launcher received ``SIGTERM`` or ``SIGINT``; every
       process was ended first.
   """
-  for name, value in (("processes", processes), ("heartbeat_timeout", heartbeat_timeout)):
+  for name, value in (("processes", processes), ("heartbeat_timeout", heartbeat_timeout),
+                      ("nodes", nodes)):
     base.check_positive_int(name, value, fn="launch")
+  if not isinstance(node_rank, int) or isinstance(node_rank, bool) or not 0 <= node_rank < nodes:
+    raise ValueError(f"launch: `node_rank` must be an integer in [0, nodes={nodes}), got "
+                     f"{node_rank!r}.")
+  if nodes > 1 and not coordinator:
+    raise ValueError(f"launch: with nodes={nodes}, `coordinator` must be node 0's "
+                     "'host:port' (an address every node reaches, a free port there); got "
+                     f"{coordinator!r}.")
   if devices_per_process is not None:
     base.check_positive_int("devices_per_process", devices_per_process, fn="launch")
   base.check_number("timeout", timeout, fn="launch", low=0, what="a positive number of seconds")
@@ -189,10 +192,21 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
     base.check_number(name, value, fn="launch", low=0, low_open=False,
                       what="a number of seconds >= 0")
   coordinator = coordinator or f"127.0.0.1:{free_port()}"
-  run = _Run(processes)
+  total = nodes * processes
+
+  def env_of(process_id: int, read_end: int) -> dict:
+    child = dict(os.environ, **(env or {}))
+    child.update({ENV_PROCESS_ID: str(process_id), ENV_NUM_PROCESSES: str(total),
+                  ENV_COORDINATOR: coordinator, ENV_HEARTBEAT: str(heartbeat_timeout),
+                  ENV_LAUNCHER_PID: str(os.getpid()), ENV_LAUNCHER_FD: str(read_end)})
+    if devices_per_process is not None:
+      child[ENV_LOCAL_DEVICES] = str(devices_per_process)
+    return child
+
+  run = ProcessGroup(processes, first_id=node_rank * processes, total=total)
   with run.catching_signals():
     try:
-      run.start(argv, python, env, coordinator, devices_per_process, heartbeat_timeout)
+      run.start(argv, python, env_of)
       reason = run.watch(timeout, grace, stop_grace, stop_after)
     finally:
       run.close()   # every process ended and reaped; the launcher's pipe end closed
@@ -216,159 +230,6 @@ def __getattr__(name):
 def attempt() -> int:
   """Which start of a :func:`supervise` job this process belongs to (0 the first; 0 alone)."""
   return int(os.environ.get(ENV_ATTEMPT, "0"))
-
-
-class _Run:
-  """The processes of one :func:`launch`, their logs and their ends."""
-
-  def __init__(self, n: int):
-    self.n = n
-    self.procs: list[subprocess.Popen] = []
-    self.logs = []
-    self.done: list[threading.Event] = []
-    self.exits: queue.Queue = queue.Queue()   # process ids, in the order they ended
-    self.ended: set[int] = set()              # the ones the launcher ended
-    self.signal: Optional[int] = None         # what ended the launcher
-    self.forced = False                       # ended twice
-    self.pipe: Optional[int] = None           # the write end the processes watch
-    self.asked: set[int] = set()              # the ones asked to stop (stop_after)
-    self.first_failed: Optional[int] = None
-
-  @contextlib.contextmanager
-  def catching_signals(self):
-    """While the run lasts, SIGTERM and SIGINT to the launcher end the run (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-      yield
-      return
-    previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-      yield
-    finally:
-      for s, handler in previous.items():
-        # None: a handler not set from Python, which cannot be put back.
-        signal.signal(s, signal.SIG_DFL if handler is None else handler)
-    if self.signal is not None:
-      raise KeyboardInterrupt(f"launch: ended by signal {self.signal}")
-
-  def _on_signal(self, signum, frame):
-    if self.signal is None:
-      self.signal = signum
-    else:
-      self.forced = True   # a second signal: SIGKILL without waiting out the grace
-
-  def start(self, argv, python, env, coordinator, devices_per_process, heartbeat_timeout):
-    # The launcher keeps the write end and never writes; when it dies, however
-    # it dies, the processes read end-of-file and end (initialize's watchdog).
-    read_end, self.pipe = os.pipe()
-    try:
-      for i in range(self.n):
-        if self.signal is not None:
-          return
-        child_env = dict(os.environ, **(env or {}))
-        child_env.update({ENV_PROCESS_ID: str(i), ENV_NUM_PROCESSES: str(self.n),
-                          ENV_COORDINATOR: coordinator, ENV_HEARTBEAT: str(heartbeat_timeout),
-                          ENV_LAUNCHER_PID: str(os.getpid()), ENV_LAUNCHER_FD: str(read_end)})
-        if devices_per_process is not None:
-          child_env[ENV_LOCAL_DEVICES] = str(devices_per_process)
-        log = tempfile.TemporaryFile(prefix=f"commopt-launch-{i}-")   # gone with the launcher
-        self.logs.append(log)
-        p = subprocess.Popen([python, *argv], env=child_env, stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True,
-                             pass_fds=(read_end,))
-        self.procs.append(p)
-        self.done.append(threading.Event())
-        threading.Thread(target=self._reap, args=(i,), daemon=True,
-                         name=f"commopt-launch-reap-{i}").start()
-    finally:
-      os.close(read_end)
-
-  def _reap(self, i: int) -> None:
-    self.procs[i].wait()
-    self.done[i].set()
-    self.exits.put(i)
-
-  def watch(self, timeout: float, grace: float, stop_grace: float,
-            stop_after: Optional[float] = None):
-    """Waits for the run to end, ending it early where needed; returns why it failed, or None."""
-    began = time.monotonic()
-    deadline = began + timeout
-    finished = 0
-    while finished < len(self.procs):
-      if self.signal is not None:
-        self.end(range(self.n), stop_grace)
-        return None
-      if stop_after is not None and not self.asked and time.monotonic() - began > stop_after:
-        self.asked.update(i for i in range(self.n) if not self.done[i].is_set())
-        self.end(sorted(self.asked), stop_grace, asked=True)   # then read their exits
-      try:
-        i = self.exits.get(timeout=0.05)
-      except queue.Empty:
-        if time.monotonic() > deadline:
-          self.end(range(self.n), grace)
-          return (f"the run exceeded its timeout of {timeout:g} s; every process was "
-                        f"ended.{self._tails(range(self.n), lines=10)}")
-        continue
-      finished += 1
-      if self.procs[i].returncode != 0:
-        self.first_failed = i
-        self.end(range(self.n), grace)
-        return self._failure(i)
-    if self.signal is not None:   # arrived while the last process ended
-      self.end(range(self.n), stop_grace)
-    return None
-
-  def end(self, ids, grace: float, asked: bool = False) -> None:
-    """SIGTERM to the processes ``ids`` still running (``asked``: a request to stop, which does
-    not count as ending them); SIGKILL to those left after ``grace``."""
-    running = [i for i in ids if i < len(self.procs) and not self.done[i].is_set()]
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-      for i in running:
-        if not (asked and sig == signal.SIGTERM):
-          self.ended.add(i)
-        try:
-          os.killpg(self.procs[i].pid, sig)   # the process and anything it started
-        except (ProcessLookupError, PermissionError):
-          pass
-      until = time.monotonic() + wait
-      while (time.monotonic() < until and not all(self.done[i].is_set() for i in running)
-             and not (sig == signal.SIGTERM and self.forced)):
-        time.sleep(0.02)
-      running = [i for i in running if not self.done[i].is_set()]
-      if not running:
-        return
-
-  def close(self) -> None:
-    self.end(range(self.n), 0.0)   # a no-op unless an error left processes running
-    if self.pipe is not None:
-      os.close(self.pipe)
-      self.pipe = None
-
-  def output(self, i: int) -> str:
-    fd = self.logs[i].fileno()
-    return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", errors="replace")
-
-  def results(self) -> list[ProcessResult]:
-    out = [ProcessResult(i, p.returncode, self.output(i), ended_by_launch=i in self.ended,
-                         asked_to_stop=i in self.asked) for i, p in enumerate(self.procs)]
-    for log in self.logs:
-      log.close()
-    return out
-
-  def _failure(self, first: int) -> str:
-    codes = ", ".join(
-        f"process {i} (code {p.returncode}{', ended by launch' if i in self.ended else ''})"
-        for i, p in enumerate(self.procs) if p.returncode != 0)
-    return (f"process {first} of {self.n} failed first; exit codes: {codes} (negative codes: "
-            f"ended by that signal).{self._tails([first], lines=TAIL_LINES)}")
-
-  def _tails(self, ids, lines: int) -> str:
-    parts = []
-    for i in ids:
-      tail = self.output(i).splitlines()[-lines:]
-      text = "\n".join(tail)[-4000:]
-      parts.append(f"\n--- last lines of process {i} ---\n{text}" if tail
-                   else f"\n--- process {i} printed nothing ---")
-    return "".join(parts)
 
 
 # -- inside a launched process ---------------------------------------------------------
@@ -559,7 +420,8 @@ def _exit_after(hook):
 
 
 def main(argv=None) -> int:
-  """``python -m commopt.launch --processes N [--cpu-devices D] [--supervise] script [args]``."""
+  """``python -m commopt.launch --processes N [--cpu-devices D] [--supervise] script [args]``;
+  on each of several machines, ``--nodes M --node-rank R --coordinator HOST:PORT`` too."""
   import argparse
   p = argparse.ArgumentParser(prog="python -m commopt.launch", description=main.__doc__)
   p.add_argument("--processes", type=int, required=True)
@@ -571,6 +433,12 @@ def main(argv=None) -> int:
   p.add_argument("--stop-grace", type=float, default=10.0,
                  help="seconds from SIGTERM to SIGKILL when the launcher is ended (SIGTERM, "
                       "Ctrl-C): what a process that polls launch.should_stop() has to save")
+  p.add_argument("--nodes", type=int, default=1,
+                 help="machines running the job, each with a launcher of its own")
+  p.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0 to nodes-1")
+  p.add_argument("--coordinator", default=None,
+                 help="HOST:PORT of node 0's coordinator, reachable from every node "
+                      "(default, one node: a free local port)")
   from commopt import elastic
   elastic.add_arguments(p)
   p.add_argument("script")
@@ -579,12 +447,16 @@ def main(argv=None) -> int:
   argv = [args.script, *args.args]
   common = dict(devices_per_process=args.cpu_devices, timeout=args.timeout, grace=args.grace,
                 stop_grace=args.stop_grace)
+  nodes = dict(nodes=args.nodes, node_rank=args.node_rank, coordinator=args.coordinator)
   try:
+    if args.supervise and args.nodes != 1:
+      raise ValueError("launch: --supervise restarts the job on this machine's processes; it "
+                       f"does not run across machines (got --nodes {args.nodes}).")
     if args.supervise:
       outputs = elastic.from_arguments(argv, args, common)
     else:
       outputs = [(f"process {r.process_id}", r.output)
-                 for r in launch(argv, args.processes, **common)]
+                 for r in launch(argv, args.processes, **common, **nodes)]
   except (LaunchError, ValueError) as e:
     print(e, file=sys.stderr)
     return 1

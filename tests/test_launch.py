@@ -266,3 +266,97 @@ def test_a_run_past_its_timeout_is_ended(out):
   assert time.monotonic() - t0 < 6
   assert all(r.returncode is not None for r in err.value.results)
   assert all_gone(pids_in(out), 1)
+
+
+# Every process's id, and a sum over every device of the job.
+JOINS = """
+import pathlib, sys
+from commopt import launch
+ctx = launch.initialize()
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import multihost_utils
+mesh = jax.make_mesh((jax.device_count(),), ("d",))
+ids = multihost_utils.process_allgather(np.array([ctx.process_id]))
+total = jax.jit(lambda x: x.sum())(multihost_utils.host_local_array_to_global_array(
+    np.full((jax.local_device_count(),), ctx.process_id + 1.0), mesh, jax.P("d")))
+print(f"process {ctx.process_id} of {ctx.num_processes}: ids {sorted(ids.ravel().tolist())} "
+      f"sum {float(total)}", flush=True)
+"""
+
+
+def _node_one(coordinator: str, devices: int, *argv) -> subprocess.Popen:
+  """Node 1 of two, two processes of ``devices`` CPU devices each, from the command line."""
+  return subprocess.Popen(
+      [sys.executable, "-m", "commopt.launch", "--nodes", "2", "--node-rank", "1",
+       "--coordinator", coordinator, "--processes", "2", "--cpu-devices", str(devices),
+       "--timeout", "120", *argv],
+      env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_launchers_run_one_job_as_two_nodes(tmp_path):
+  """Two launchers, node 0 here and node 1 from the command line, each with two processes of
+  two devices: one job of four processes numbered node by node, a sum over all 8 devices."""
+  script = tmp_path / "joins.py"
+  script.write_text(JOINS)
+  coordinator = f"127.0.0.1:{launch.free_port()}"
+  other = _node_one(coordinator, 2, str(script))
+  try:
+    here = launch.launch([str(script)], 2, devices_per_process=2, nodes=2, node_rank=0,
+                         coordinator=coordinator, timeout=120, env={"PYTHONPATH": str(ROOT)})
+    out, _ = other.communicate(timeout=120)
+  finally:
+    other.kill()
+  assert other.returncode == 0, out
+  assert [r.process_id for r in here] == [0, 1]
+  want = "ids [0, 1, 2, 3] sum 20.0"           # 2 devices each of processes 1..4
+  for r in here:
+    assert f"process {r.process_id} of 4: {want}" in r.output
+  for i in (2, 3):
+    assert f"--- process {i} ---\n" in out and f"process {i} of 4: {want}" in out
+
+
+def test_nodes_need_a_coordinator_and_a_rank_in_range():
+  with pytest.raises(ValueError, match=r"nodes=2, `coordinator` must be node 0's 'host:port'"):
+    launch.launch(["x.py"], 2, nodes=2, node_rank=1)
+  with pytest.raises(ValueError, match=r"`node_rank` must be an integer in \[0, nodes=2\), got 2"):
+    launch.launch(["x.py"], 2, nodes=2, node_rank=2, coordinator="127.0.0.1:1")
+  with pytest.raises(ValueError, match="`nodes` must be"):
+    launch.launch(["x.py"], 2, nodes=0)
+  assert launch.main(["--processes", "1", "--nodes", "2", "--coordinator", "h:1",
+                      "--supervise", "x.py"]) == 1
+
+
+# Process 3 raises once every process has joined; the others wait for it in a barrier.
+NODE_FAILS = """
+import os, pathlib, sys
+from commopt import launch
+ctx = launch.initialize()
+from jax.experimental import multihost_utils
+(pathlib.Path(sys.argv[1]) / f"{ctx.process_id}.pid").write_text(str(os.getpid()))
+multihost_utils.sync_global_devices("joined")
+if ctx.process_id == 3:
+  raise RuntimeError("process 3 broke")
+multihost_utils.sync_global_devices("never")
+"""
+
+
+def test_a_failure_on_one_node_ends_the_other_nodes_run(tmp_path):
+  """Process 3 (node 1) raises once every process has joined: node 1's launcher reports it,
+  and node 0's processes, waiting for it in a barrier, fail through jax.distributed, so
+  node 0's run ends too, with an error, in bounded time."""
+  script = tmp_path / "fails.py"
+  script.write_text(NODE_FAILS)
+  coordinator = f"127.0.0.1:{launch.free_port()}"
+  other = _node_one(coordinator, 1, str(script), str(tmp_path))
+  began = time.monotonic()
+  try:
+    with pytest.raises(launch.LaunchError, match=r"process [01] of 4 failed first"):
+      launch.launch([str(script), str(tmp_path)], 2, devices_per_process=1, nodes=2,
+                    node_rank=0, coordinator=coordinator, timeout=120, heartbeat_timeout=5,
+                    env={"PYTHONPATH": str(ROOT)})
+    out, _ = other.communicate(timeout=120)
+  finally:
+    other.kill()
+    kill_own(pids_in(tmp_path), tmp_path)
+  assert time.monotonic() - began < 90
+  assert other.returncode == 1 and "process 3 of 4 failed first" in out, out
