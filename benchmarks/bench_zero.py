@@ -123,6 +123,7 @@ def stacked_problem(width, layers, seed=0):
   import jax
   import jax.numpy as jnp
   import numpy as np
+  import commopt
   rng = np.random.default_rng(seed)
   params = {"embed": jnp.asarray(rng.normal(size=(64, width)) / 8, jnp.float32),
             "layers": {"w": jnp.asarray(rng.normal(size=(layers, width, width))
@@ -132,13 +133,16 @@ def stacked_problem(width, layers, seed=0):
   _, _, batch = problem(width, seed)
 
   def loss_fn(p, b, gather):
-    h = jnp.tanh(b["x"] @ gather(p["embed"]))
+    head = gather(p["head"])
+    # The loop after the head's gather, and its backward before the head's reduce-scatter:
+    # across CPU processes two collectives of one step must not run side by side.
+    h = commopt.comm.after(jnp.tanh(b["x"] @ gather(p["embed"])), head)
     def block(h, rows):
       layer = gather(rows)
       return h + jnp.tanh(h @ layer["w"] + layer["b"]), None
     body = gather.remat(block)
     h, _ = jax.lax.scan(body, h, p["layers"])
-    return jnp.mean((h @ gather(p["head"]) - b["y"]) ** 2)
+    return jnp.mean((h @ head - b["y"]) ** 2)
 
   return params, loss_fn, batch
 
@@ -149,20 +153,19 @@ def _quantizers():
           commopt.int_quant(bits=4, block_size=2048, rounding="nearest"))
 
 
-def _measure(zp, params, batch, steps, stacked=None, local=None, specs=None):
-  """One setup's row: bytes by kind from the compiled step (and across nodes, when
-  ``local`` devices make a node; by mesh axis), memory per device, step time and losses."""
-  import jax
+def sent_bytes(hlo_text: str, mesh, local=None):
+  """``(by kind, by mesh axes, across nodes direct, across nodes ring)``: the bytes one device
+  sends per run of the compiled step ``hlo_text`` (a scan body's collectives once per
+  iteration), with logical device ``d`` on node ``d // local`` (``local``: devices per node;
+  None: no node counts). Direct: each peer sent its share itself, the shares to other nodes
+  counted; ring: a collective's ring, devices ordered by node, crosses once per node."""
   import numpy as np
   import commopt
-  sharded = zp.shard(params, stacked=stacked, specs=specs)
-  state = zp.init(sharded)
-  compiled = zp.lower(sharded, state, batch(0)).compile()
   by_kind, by_axis, direct, ring = {}, {}, 0.0, 0.0
-  for c in commopt.wire.parse_hlo(compiled.as_text()):
+  for c in commopt.wire.parse_hlo(hlo_text):
     by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes * c.trips
-    coords = np.array([np.unravel_index(d, zp.mesh.devices.shape) for d in c.replica_groups[0]])
-    axes = "+".join(a for i, a in enumerate(zp.mesh.axis_names) if len(set(coords[:, i])) > 1)
+    coords = np.array([np.unravel_index(d, mesh.devices.shape) for d in c.replica_groups[0]])
+    axes = "+".join(a for i, a in enumerate(mesh.axis_names) if len(set(coords[:, i])) > 1)
     by_axis[axes] = by_axis.get(axes, 0) + c.sent_bytes * c.trips
     if local is not None:     # logical device d sits on node d // local
       group = c.replica_groups[0]
@@ -170,6 +173,18 @@ def _measure(zp, params, batch, steps, stacked=None, local=None, specs=None):
       peers_away = sum(d // local != group[0] // local for d in group)
       direct += c.sent_bytes * c.trips * peers_away / max(1, len(group) - 1)
       ring += c.sent_bytes * c.trips * (nodes / len(group) if nodes > 1 else 0.0)
+  return by_kind, by_axis, direct, ring
+
+
+def _measure(zp, params, batch, steps, stacked=None, local=None, specs=None):
+  """One setup's row: bytes by kind from the compiled step (and across nodes, when
+  ``local`` devices make a node; by mesh axis), memory per device, step time and losses."""
+  import jax
+  import numpy as np
+  sharded = zp.shard(params, stacked=stacked, specs=specs)
+  state = zp.init(sharded)
+  compiled = zp.lower(sharded, state, batch(0)).compile()
+  by_kind, by_axis, direct, ring = sent_bytes(compiled.as_text(), zp.mesh, local)
   memory = compiled.memory_analysis()
   losses, times = [], []
   for step in range(steps):

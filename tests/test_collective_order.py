@@ -118,3 +118,65 @@ def test_after_is_the_identity_bit_for_bit(ordered):
     got = jax.jit(lambda t, d: coll.after(t, d))(tree, dep)
     for k in tree:
       assert_same_bits(np.asarray(got[k]), np.asarray(tree[k]))
+
+
+def test_after_orders_the_backward_pass_too(ordered):
+  """Differentiated, ``after(x, d)`` gives ``d`` a zero cotangent computed from ``x``'s: the
+  gradient is unchanged bit for bit, and what computes ``d`` runs backward after what reads
+  ``x``."""
+  def f(x, d):
+    return jnp.sum(jnp.sin(coll.after(x, jnp.cos(d)))) + jnp.sum(d * d)
+
+  x, d = jnp.linspace(-1.0, 1.0, 8), jnp.linspace(0.5, 2.0, 8)
+  gx, gd = jax.jit(jax.grad(f, argnums=(0, 1)))(x, d)
+  assert_same_bits(np.asarray(gx), np.asarray(jnp.cos(x)))
+  assert_same_bits(np.asarray(gd), np.asarray(2 * d))
+  # In the backward computation, d's cotangent reads x's (the isnan of its first element).
+  text = str(jax.make_jaxpr(jax.grad(f, argnums=1))(x, d))
+  assert text.count("is_finite") + text.count(" ne ") >= 2, text
+
+
+def _stacked_zero(order: bool):
+  """zero_data_parallel gathering a stack of layers one at a time under a scan, the head
+  gathered outside it (ordered before the loop by ``after``, or not)."""
+  layers = 3
+  rng = np.random.default_rng(0)
+  params = {"embed": jnp.asarray(rng.normal(size=(8, 32)) / 3, jnp.float32),
+            "layers": {"w": jnp.asarray(rng.normal(size=(layers, 32, 32)) / 12, jnp.float32)},
+            "head": jnp.asarray(rng.normal(size=(32, 4)) / 6, jnp.float32)}
+
+  def loss_fn(p, b, gather):
+    head = gather(p["head"])
+    h = jnp.tanh(b["x"] @ gather(p["embed"]))
+    if order:
+      h = commopt.comm.after(h, head)
+    body = gather.remat(lambda h, rows: (h + jnp.tanh(h @ gather(rows)["w"]), None))
+    h, _ = jax.lax.scan(body, h, p["layers"])
+    return jnp.mean((h @ head - b["y"]) ** 2)
+
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh, gather="manual",
+                                  skip_nonfinite=False)
+  sharded = zp.shard(params, stacked={"embed": False, "layers": True, "head": False})
+  batch = {"x": rng.normal(size=(16, 8)).astype(np.float32),
+           "y": rng.normal(size=(16, 4)).astype(np.float32)}
+  return zp.lower(sharded, zp.init(sharded), batch).compile().as_text()
+
+
+def _beside_a_loop(hlo: str) -> list:
+  """(collective, loop) pairs of ENTRY where neither waits for the other: a collective at
+  the top level that can run beside a loop whose body has collectives of its own."""
+  entry = _entry(hlo)
+  loops = [n for n, (line, _) in entry.items() if " while(" in line]
+  tops = [n for n, (line, _) in entry.items() if COLLECTIVE.search(line)]
+  return [(c, w) for c in tops for w in loops
+          if c not in _reads(entry, w) and w not in _reads(entry, c)]
+
+
+def test_a_gather_outside_a_scan_is_ordered_with_its_loops_by_after(ordered):
+  """ZeRO-3 with one layer gathered at a time: the head's gather and its gradient's
+  reduce-scatter sit outside the scan's loops. Without ``after`` they can run beside a
+  loop's gathers (two-node runs aborted on a collective mismatch); with it each waits for
+  the loops or they for it."""
+  assert _beside_a_loop(_stacked_zero(order=False))
+  assert not _beside_a_loop(_stacked_zero(order=True))

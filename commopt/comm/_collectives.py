@@ -306,22 +306,55 @@ def after(tree: Any, *deps: Any) -> Any:
   processes on CPUs (:func:`crosses_processes`); elsewhere ``tree`` is returned as is. A
   leaf whose varying axes do not include the dependencies' keeps no dependency (its type
   must not change).
+
+  Differentiated, the order holds in the backward pass too, reversed: the dependencies'
+  cotangents (zeros added to them) are computed after the leaf's, so the collectives that
+  produced ``deps`` have their backward collectives run after those of what reads ``tree``
+  (for a leaf whose varying axes are the dependencies'). E.g. a weight gathered outside a
+  ``lax.scan`` whose body gathers too: ``h = after(h, w)`` before the scan orders the
+  gather of ``w`` before the loop, and its gradient's reduce-scatter after the loop's.
   """
   leaves = [jnp.ravel(d)[0] for d in jax.tree.leaves(deps)
             if hasattr(d, "dtype") and d.size]
   if not leaves or not crosses_processes():
     return tree
-  zero = sum(jnp.isnan(d.astype(jnp.float32)).astype(jnp.float32) for d in leaves) * 0.0
-  over = set(varying_axes(zero))
+  first = sum(d.astype(jnp.float32) for d in leaves)
+  over = set(varying_axes(first))
 
   def wait(x):
     if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
       return x
     if not over <= set(varying_axes(x)):
       return x
-    return x - zero.astype(x.dtype)
+    if over == set(varying_axes(x)):
+      return _after_both_ways(x, first)
+    return x - _zero_of(first).astype(x.dtype)
 
   return jax.tree.map(wait, tree)
+
+
+def _zero_of(d):
+  """``0.0`` (float32) that the compiler computes from ``d``: ``isnan(d) * 0.0``."""
+  return jnp.isnan(d).astype(jnp.float32) * 0.0
+
+
+@jax.custom_vjp
+def _after_both_ways(x, d):
+  """``x - 0.0`` computed after ``d`` (a float32 scalar); in the backward pass ``d``'s
+  cotangent, a zero, is computed after ``x``'s, so what computes ``d`` runs backward after
+  what reads ``x`` (the reverse order, as consistent)."""
+  return x - _zero_of(d).astype(x.dtype)
+
+
+def _after_fwd(x, d):
+  return _after_both_ways(x, d), None
+
+
+def _after_bwd(_, ct):
+  return ct, _zero_of(jnp.ravel(ct)[0].astype(jnp.float32))
+
+
+_after_both_ways.defvjp(_after_fwd, _after_bwd)
 
 
 def pmax(tree: Any, axis_name) -> Any:
