@@ -468,6 +468,31 @@ def pmean(x: Any, axis_name: Optional[str]) -> Any:
   return jax.tree.map(finish, jax.lax.psum(sent, axis_name), x)
 
 
+_BITS = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def as_bits(move, x):
+  """``move(x)`` for a collective that moves values without arithmetic (a gather, an
+  all-to-all), a float narrower than 32 bits moved as unsigned integers of its width, bit
+  for bit: XLA:CPU widens bfloat16 gathers to float32 and 8-bit float ones to float16
+  when it compiles (twice the bytes); integers it moves as they are. Differentiated, the
+  tangent moves as ``move`` moves floats."""
+  if not (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize in _BITS):
+    return move(x)
+  return _moved_as_bits(move, x)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _moved_as_bits(move, x):
+  bits = move(jax.lax.bitcast_convert_type(x, _BITS[x.dtype.itemsize]))
+  return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+@_moved_as_bits.defjvp
+def _moved_as_bits_jvp(move, primals, tangents):
+  return _moved_as_bits(move, primals[0]), move(tangents[0])
+
+
 def all_to_all(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
   """Row ``j`` of ``x`` (``[N, ...]``) goes to worker ``j``; row ``w`` of the result came from worker ``w``.
 
@@ -476,7 +501,7 @@ def all_to_all(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
   if axis_name is None:
     return x
   _record("all-to-all", x, axis_name)
-  return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=False)
+  return as_bits(lambda v: jax.lax.all_to_all(v, axis_name, 0, 0, tiled=False), x)
 
 
 def psum_scatter(x: jax.Array, axis_name: Optional[str]) -> jax.Array:
@@ -521,8 +546,8 @@ def all_gather(tree: Any, axis_name) -> Any:
   def gather(x):
     _record("all-gather", x, axis_name)
     if axis_name in varying_axes(x):
-      return _all_gather_invariant(x, axis_name)
-    return jax.lax.all_gather(x, axis_name)
+      return as_bits(lambda v: _all_gather_invariant(v, axis_name), x)
+    return as_bits(lambda v: jax.lax.all_gather(v, axis_name), x)
 
   return jax.tree.map(gather, tree)
 
@@ -538,7 +563,7 @@ def all_gather_varying(x: jax.Array, axis_name) -> jax.Array:
   if axis_name is None:
     return x[None]
   _record("all-gather", x, axis_name)
-  return jax.lax.all_gather(x, axis_name)
+  return as_bits(lambda v: jax.lax.all_gather(v, axis_name), x)
 
 
 def all_gather_tiled(x, axis_name, axis: int):
@@ -555,5 +580,5 @@ def all_gather_tiled(x, axis_name, axis: int):
     return x
   _record("all-gather", x, axis_name)
   if axis_name in varying_axes(x):
-    return _all_gather_invariant(x, axis_name, axis=axis, tiled=True)
-  return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+    return as_bits(lambda v: _all_gather_invariant(v, axis_name, axis=axis, tiled=True), x)
+  return as_bits(lambda v: jax.lax.all_gather(v, axis_name, axis=axis, tiled=True), x)
