@@ -518,9 +518,10 @@ def hlo_collectives(fn, *args, stage: str = "auto", **kwargs) -> list[Collective
     *args: its arguments, placed as it expects them.
     stage: ``"compiled"`` (after XLA's passes, what runs), ``"lowered"``
       (before backend passes) or ``"auto"``. XLA:CPU widens 16-bit float
-      collectives to f32 when it compiles (GPUs keep them narrow), so
+      all-reduces to f32 when it compiles (GPUs keep them narrow), so
       ``"auto"`` reads the lowered program on CPU when a collective moves a
-      16-bit float, and the compiled one otherwise.
+      16-bit float, and the compiled one otherwise. (commopt's gathers and
+      all-to-alls move narrow floats as unsigned integers of their width.)
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
