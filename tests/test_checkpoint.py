@@ -111,8 +111,9 @@ def _server_vectors(state):
 
 
 @pytest.mark.parametrize("case,old,new", [
-    ("scaled_sign", (8,), (4,)), ("scaled_sign", (4,), (8,)), ("scaled_sign", (8,), (3,)),
-    ("top_k/two_phase", (8,), (4,)), ("top_k/two_phase", (4,), (6,)),
+    ("scaled_sign", (8,), (4,)), pytest.param("scaled_sign", (4,), (8,), marks=pytest.mark.slow),
+    ("scaled_sign", (8,), (3,)), ("top_k/two_phase", (8,), (4,)),
+    pytest.param("top_k/two_phase", (4,), (6,), marks=pytest.mark.slow),
     ("dgc", (8,), (4,)), ("hierarchical", (2, 4), (1, 4))])
 def test_restoring_onto_another_number_of_workers_keeps_what_error_feedback_owes(
     case, old, new, tmp_path):

@@ -297,6 +297,7 @@ def test_select_top_k_all_equal_and_bf16():
   assert values.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, k", [(131_072, 1), (131_075, 131), (200_003, 2_000), (300_007, 30_000)])
 def test_select_top_k_sampled_bracket_and_fallback(n, k):
   """Large leaves: a sample bounds the k-th key, two passes count and write the candidates,

@@ -233,6 +233,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("twice", [False, True])
 def test_a_process_that_does_not_stop_is_killed_after_stop_grace(out, twice):
   """SIGKILL after ``--stop-grace``; at once when the launcher is ended a second time."""

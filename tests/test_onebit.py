@@ -242,6 +242,7 @@ def _assert_bitwise_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 8])
 def test_zero_one_adam_matches_the_transcription(n):
   """24 steps through data_parallel on n workers, each with fixed gradients: variance

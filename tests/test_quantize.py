@@ -190,6 +190,7 @@ def test_adaptive_levels_constant_input_is_exact():
 # --- Bit packing ---------------------------------------------------------------
 
 
+@settings(max_examples=10)
 @given(width=st.integers(1, 32), n=st.integers(1, 200), seed=st.integers(0, 2**31))
 def test_bit_pack_round_trip_every_width(width, n, seed):
   codes = np.random.default_rng(seed).integers(0, 2**width, size=n, dtype=np.uint64)

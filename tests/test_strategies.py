@@ -202,6 +202,7 @@ def mlp_batch():
           "y": jnp.asarray(rng.integers(0, 10, size=64))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,options,at_least", [
     ("scaled_sign", {}, 25), ("top_k", {"ratio": 0.01}, 40)])
 def test_two_phase_audit_keeps_the_ratio_at_8_workers(mesh, name, options, at_least):

@@ -110,10 +110,12 @@ def run(compressor, updates, mesh, steps=3, **options):
 
 @pytest.mark.parametrize("make, options", [
     (lambda: commopt.top_k(0.05), {}),
-    (lambda: commopt.top_k(k=3), {}),
+    pytest.param(lambda: commopt.top_k(k=3), {}, marks=pytest.mark.slow),
     (lambda: commopt.top_k(0.05, value_dtype="bfloat16"), {}),
-    (lambda: commopt.top_k(0.05), {"error_feedback": False}),
-    (lambda: commopt.top_k(0.05), {"residual_dtype": "bfloat16"}),
+    pytest.param(lambda: commopt.top_k(0.05), {"error_feedback": False},
+                 marks=pytest.mark.slow),
+    pytest.param(lambda: commopt.top_k(0.05), {"residual_dtype": "bfloat16"},
+                 marks=pytest.mark.slow),
     (lambda: commopt.random_k(0.05, shared_seed=False), {}),
     (lambda: commopt.compressors.make("variance_balanced", ratio=0.05), {}),
 ], ids=["top_k", "k", "bf16_values", "no_feedback", "bf16_residual", "random_k",

@@ -359,6 +359,7 @@ def test_sharded_over_two_mesh_axes(mesh2d, mesh):
     commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh2d, axis_name=("node", "x"))
 
 
+@pytest.mark.slow
 def test_hierarchical_gradients_cross_the_slow_axis_less(mesh2d):
   """hierarchical=True on ("node", "local"): the encoded chunks that cross nodes are 4x
   fewer (one per node, not one per device), the mean gradient is close to the flat one,
