@@ -7,6 +7,7 @@ at the end is killed by pid (only processes these tests started).
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -360,4 +361,7 @@ def test_a_failure_on_one_node_ends_the_other_nodes_run(tmp_path):
     other.kill()
     kill_own(pids_in(tmp_path), tmp_path)
   assert time.monotonic() - began < 90
-  assert other.returncode == 1 and "process 3 of 4 failed first" in out, out
+  # Node 1's launcher names process 3, or process 2 when 2's broken connection ends it
+  # first: which exit it reads first is a race.
+  assert other.returncode == 1 and re.search(r"process [23] of 4 failed first", out), out
+  assert "process 3 broke" in out or "process 3 (code 1" in out, out
