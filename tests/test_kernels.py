@@ -173,7 +173,8 @@ def test_sign_feedback_checks_its_arguments():
 
 
 @pytest.mark.parametrize("block_size", [None, 256])
-@pytest.mark.parametrize("impl", [("xla", False), ("pallas", True)])
+@pytest.mark.parametrize("impl", [("xla", False),
+                                  pytest.param(("pallas", True), marks=pytest.mark.slow)])
 def test_compressed_mean_fuses_error_feedback_bit_for_bit(block_size, impl):
   """compressed_mean(scaled_sign) runs encode_feedback (one fused op) where the residual
   and the update are float32; its means and residuals equal the separate steps'. Eight
@@ -319,7 +320,8 @@ def test_select_top_k_sampled_bracket_and_fallback(n, k):
                                 brute_top_k(ties, k))
 
 
-@pytest.mark.parametrize("n, block", [(1, 32), (95, 32), pytest.param(1000, 64, marks=pytest.mark.slow),
+@pytest.mark.parametrize("n, block", [(1, 32), pytest.param(95, 32, marks=pytest.mark.slow),
+                                      pytest.param(1000, 64, marks=pytest.mark.slow),
                                       pytest.param(70_001, 1024, marks=pytest.mark.slow)])
 def test_first_true_matches_the_reference(n, block):
   """The two-pass compaction gives the scan's indices; empty slots hold n."""

@@ -487,6 +487,7 @@ def test_the_pure_step_runs_inside_a_users_jit_and_scan(mesh):
                                                        atol=1e-6), zp.unshard(q), zp.unshard(p))
 
 
+@pytest.mark.slow   # the BatchNorm model of test_zero_state.py covers nnx in the default tier
 def test_an_nnx_model_trains_through_split_and_merge(mesh):
   """A Flax nnx model: its nnx.Param state sharded, the loss merging it back. The same
   training as the same weights in a plain dict, and nnx.update writes the result back."""

@@ -98,6 +98,7 @@ def test_a_skipped_step_keeps_the_memories(mesh):
                zp.unshard(state.residuals), before)
 
 
+@pytest.mark.slow
 def test_layer_by_layer_memories_restore_onto_another_number_of_devices(mesh, tmp_path):
   """A stack gathered one layer at a time keeps one memory per layer and worker; saved
   whole with orbax and restored onto 4 devices, the mean memory over workers (what error
