@@ -284,6 +284,12 @@ def main(argv=None) -> int:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   reason = cannot_shape()
+  if reason is None:
+    try:                                   # namespaces and a veth pair of our own, or why not
+      with Nodes():
+        pass
+    except subprocess.CalledProcessError as e:
+      reason = f"cannot build two namespaces joined by a veth pair: {e.stderr.strip() or e}"
   if reason is not None:
     print(f"bench_nodes: skipped, {reason}")
     (out / "nodes.json").write_text(json.dumps({"skipped": reason}))
