@@ -38,6 +38,7 @@ from commopt.parallel import _layout as lay
 from commopt.parallel import _layout_probe as probe
 from commopt.parallel import _placement as place
 from commopt.parallel import _replicated_step, _shard_local_step, _tensor_parallel_step
+from commopt.parallel import _step_common as common
 from commopt.parallel._layout_probe import Layout
 from commopt.parallel._step_common import StepBody
 
@@ -326,12 +327,7 @@ class DataParallel:
       where every aux leaf gains a leading ``[num_workers]`` axis. No
       collective is spent on metrics.
     """
-    if self.has_state and model_state is None:
-      raise ValueError("data_parallel: has_state=True needs `model_state` in every step.")
-    if not self.has_state and model_state is not None:
-      raise ValueError(
-          "data_parallel: `model_state` was given but has_state=False; pass has_state=True "
-          "and a loss_fn(params, model_state, batch) -> (loss, new_model_state).")
+    common.check_model_state(self, model_state)
     layout = place.checked_layout(self, params, opt_state)
     params = place.put(self.mesh, params, place.param_specs(self, layout))
     opt_state = place.put(self.mesh, opt_state, layout.state_specs)

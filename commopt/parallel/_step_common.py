@@ -41,6 +41,23 @@ class StepBody(Protocol):
 
 # -- the loss -----------------------------------------------------------------------------
 
+def check_model_state(dp, model_state) -> None:
+  """A ValueError unless ``model_state`` is given exactly when ``dp.has_state`` (a PRNG key
+  given in its place is named as one: the key goes by name)."""
+  fn = getattr(dp, "NAME", "data_parallel")
+  if dp.has_state and model_state is None:
+    raise ValueError(f"{fn}: has_state=True needs `model_state` in every step.")
+  if not dp.has_state and model_state is not None:
+    hint = ""
+    if any(jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+           for x in jax.tree.leaves(model_state)):
+      hint = (" It is a PRNG key: the step's fourth argument is the model state, so pass "
+              "the key by name, step(params, state, batch, key=key).")
+    raise ValueError(
+        f"{fn}: `model_state` was given but has_state=False; pass has_state=True and a "
+        "loss_fn(params, model_state, batch) -> (loss, new_model_state)." + hint)
+
+
 def checked_loss(dp, *args, **kwargs):
   """``loss_fn``, with its output checked against ``has_aux`` / ``has_state``.
 

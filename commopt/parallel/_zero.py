@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from commopt._src import base, feedback
 from commopt.comm import _collectives as coll
 from commopt.comm import _zero as zero_comm
+from commopt.parallel import _faults as faults
 from commopt.parallel import _step_common as common
 from commopt.parallel import _zero_leaves as zr
 from commopt.parallel import _zero_tp as zt
@@ -374,7 +375,7 @@ class ZeroDataParallel:
     PRNG key, replicated) is needed only by compressors that draw random bits. It runs
     inside the caller's own ``jax.jit`` or ``lax.scan`` (the tests scan it over steps);
     on a mesh with explicit axes, call that function inside ``jax.set_mesh(mesh)``."""
-    _check_model_state(self, model_state)
+    common.check_model_state(self, model_state)
     specs = jax.tree.map(self._spec, sharded, is_leaf=_is_sharded)
     residuals = None
     if self._feedback:
@@ -382,22 +383,18 @@ class ZeroDataParallel:
     memory_specs = specs if self._feedback else P()
     local = self._data_manual(sharded, specs, memory_specs, batch)
     grads, losses, memories, new_ms = local(sharded, residuals, batch, model_state, key)
-    if self.has_state and self.skip_nonfinite:
-      # A non-finite model state (the same mean on every device) skips the step too.
-      ok = jnp.isfinite(_nonfinite_flag(new_ms))
-      grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), grads)
+    # A non-finite model state (the same mean on every device) skips the step too.
+    grads = faults.poison_if_nonfinite(self, grads, new_ms)
     updates, opt_state = self._tx.update(grads, opt_state, sharded)
-    keep = lambda new, old: jax.tree.map(
-        lambda n, o: jnp.where(opt_state.last_finite, n, o), new, old)
+    new_ms = faults.keep_on_skip(self, new_ms, model_state, opt_state)
     if self._feedback:
       if self.skip_nonfinite:    # a skipped step keeps its memories too
-        memories = keep(memories, residuals)
+        memories = jax.tree.map(lambda new, old: jnp.where(opt_state.last_finite, new, old),
+                                memories, residuals)
       opt_state = zr.ZeroFeedbackState(opt_state, memories)
     new_params = optax.apply_updates(sharded, updates)
     if not self.has_state:
       return new_params, opt_state, losses
-    if self.skip_nonfinite:
-      new_ms = keep(new_ms, model_state)
     return new_params, opt_state, new_ms, losses
 
   def _data_manual(self, sharded, specs, memory_specs, batch):
@@ -435,7 +432,7 @@ class ZeroDataParallel:
     return jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
 
   def _place_model_state(self, model_state):
-    _check_model_state(self, model_state)
+    common.check_model_state(self, model_state)
     if model_state is None:
       return None
     return jax.device_put(model_state, NamedSharding(self.mesh, P()))
@@ -462,26 +459,6 @@ class ZeroDataParallel:
     batch = self._place_batch(batch)
     with jax.set_mesh(self.mesh):
       return self._jitted(sharded, opt_state, batch, model_state, key)
-
-
-def _check_model_state(zp, model_state) -> None:
-  if zp.has_state and model_state is None:
-    raise ValueError("zero_data_parallel: has_state=True needs `model_state` in every step.")
-  if not zp.has_state and model_state is not None:
-    hint = ""
-    if any(jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
-           for x in jax.tree.leaves(model_state)):
-      hint = (" It is a PRNG key: the step's fourth argument is the model state, so pass "
-              "the key by name, step(params, state, batch, key=key).")
-    raise ValueError(
-        "zero_data_parallel: `model_state` was given but has_state=False; pass "
-        "has_state=True and a loss_fn(params, model_state, batch) -> (loss, new_model_state)."
-        + hint)
-
-
-def _nonfinite_flag(tree):
-  from commopt.transforms._control import nonfinite_flag
-  return nonfinite_flag(tree)
 
 
 def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
