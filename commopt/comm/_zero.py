@@ -225,21 +225,44 @@ def _stage_feedback(x: jax.Array, residual: jax.Array, n: int, axis, weights, gr
   return run(x, residual)
 
 
-def _gather_hpz(shard: jax.Array, axes, weights, grads, key) -> jax.Array:
-  """The flat leaf (``[N·c]``, owner ``j = node·L + local``) in two stages, ZeRO++'s hpZ:
-  across ``slow`` each device gathers the shards of the owners that share its local index
-  (encoded by ``weights``): its part of the node's secondary partition, ``[nodes, c]``,
-  named :data:`HPZ_NAME`; then inside the node (``fast``, dense) the whole leaf. The
-  gradient comes back the other way: a mean inside the node, then across nodes (both
-  encoded by ``grads`` when given)."""
-  slow, fast = axes
-  local = coll.axis_size(fast)
-  keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
-  secondary = _stage(shard, slow, weights, grads, (keys[0], keys[1]))      # [nodes, c]
-  secondary = checkpoint_name(secondary, HPZ_NAME)
+def _hpz_keys(key) -> list:
+  return [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
+
+
+def hpz_secondary(shard: jax.Array, axes, weights, grads, key) -> jax.Array:
+  """hpZ's first stage: across ``slow`` each device gathers the shards (``[c]``, padding
+  zeroed) of the owners that share its local index (encoded by ``weights``), its part of
+  the node's secondary partition, ``[nodes, c]``; the backward pass takes the mean across
+  nodes (encoded by ``grads`` when given)."""
+  keys = _hpz_keys(key)
+  return _stage(shard, axes[0], weights, grads, (keys[0], keys[1]))
+
+
+def hpz_whole(secondary: jax.Array, axes, grads, key) -> jax.Array:
+  """hpZ's second stage: the flat leaf (``[N·c]``, owner ``j = node·L + local``) from this
+  device's part of the secondary partition (``[nodes, c]``), gathered inside the node
+  (``fast``, dense); the backward pass takes the mean inside the node."""
+  local = coll.axis_size(axes[1])
   nodes, c = secondary.shape
-  whole = _stage(secondary.reshape(-1), fast, None, grads, (None, keys[2]))   # [L, nodes·c]
-  return whole.reshape(local, nodes, c).transpose(1, 0, 2).reshape(-1)
+  whole = _stage(secondary.reshape(-1), axes[1], None, grads, (None, _hpz_keys(key)[2]))
+  return whole.reshape(local, nodes, c).transpose(1, 0, 2).reshape(-1)    # from [L, nodes·c]
+
+
+def _gather_hpz(shard: jax.Array, axes, weights, grads, key) -> jax.Array:
+  """The flat leaf in two stages, ZeRO++'s hpZ (:func:`hpz_secondary`, then
+  :func:`hpz_whole`), the secondary partition between them named :data:`HPZ_NAME`. The
+  gradient comes back the other way: a mean inside the node, then across nodes."""
+  secondary = checkpoint_name(hpz_secondary(shard, axes, weights, grads, key), HPZ_NAME)
+  return hpz_whole(secondary, axes, grads, key)
+
+
+def mask_padding(shard: jax.Array, n: int, axis_name) -> jax.Array:
+  """``shard`` (``[c]``) with the coordinates past the leaf's ``n`` zeroed: the padding gets
+  no gradient, whatever a compressor sends for the zeros there (a sign sends ±scale), so
+  global norms see none of it."""
+  c = shard.shape[0]
+  own = coll.axis_index(axis_name) * c + jnp.arange(c) < n
+  return jnp.where(own, shard, jnp.zeros_like(shard))
 
 
 def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
@@ -273,11 +296,7 @@ def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
   """
   shape = tuple(shape)
   n = int(np.prod(shape, dtype=np.int64))
-  # The padding of this worker's part is zero and gets no gradient, whatever a compressor
-  # sends for the zeros there (a sign sends ±scale), so global norms see none of it.
-  c = shard.shape[0]
-  own = coll.axis_index(axis_name) * c + jnp.arange(c) < n
-  shard = jnp.where(own, shard, jnp.zeros_like(shard))
+  shard = mask_padding(shard, n, axis_name)
   if hpz:
     return unshard_flat(_gather_hpz(shard, axis_name, weights, grads, key), shape, shard.dtype)
   keys = (None, None) if key is None else (jax.random.fold_in(key, 0),

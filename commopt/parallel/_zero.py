@@ -207,10 +207,6 @@ class ZeroDataParallel:
           raise ValueError(f"zero_data_parallel.shard: the spec {tp} of {where} under "
                            "stacked=True shards its layer axis; it must start with None.")
         tp = zt.check(P(*tp[1:]), value.shape[1:], self.mesh, self._data_axes, where)
-      if tp is not None and self.hpz:
-        raise ValueError(
-            f"zero_data_parallel.shard: {where} is sharded over model axes ({tp}); hpz=True "
-            "runs on parameters sharded over the data axes only.")
       return self._shard_value(value, flag, tp)
 
     treedef = jax.tree.structure(params)
@@ -529,7 +525,8 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
       weights more per device, kept from the forward pass for the backward, whose gathers
       then stay inside the node. The forward pass gathers across ``slow`` (encoded by
       ``weights``) and then inside ``fast`` (dense); the gradient goes inside the node and
-      then across (both encoded by ``grads``, as ``hierarchical=True``).
+      then across (both encoded by ``grads``, as ``hierarchical=True``). Beside model
+      axes each model rank's block has its own part of the partition.
     error_feedback: False (default), True or ``"auto"``, as in ``compressed_mean``: each
       worker keeps what its encoded gradient chunks have not carried yet, per parameter,
       and adds it to the next step's gradient (an unbiased ``grads`` runs as ``C/(1+ω)``).

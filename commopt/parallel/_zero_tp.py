@@ -33,6 +33,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, PartitionSpec as P
 
 from commopt.comm import _zero as zero_comm
@@ -119,6 +120,43 @@ def join(rows: jax.Array, shape, tp: Optional[P], mesh, dtype=None) -> jax.Array
   return value.reshape(parts + local).transpose(order).reshape(shape)
 
 
+def _blockwise(f, x, e, k, in_spec, out_spec, out_shape, model):
+  """``f(x, k, e)`` on this device's block (inside a ``shard_map`` manual over the model
+  axes ``model``), differentiable in ``x`` and ``e``: one ``custom_vjp`` around a forward
+  and a backward map (see the module), so autodiff keeps only ``x``, ``e`` and ``k``. ``x``
+  is flat, ``in_spec`` over the model axes; ``e`` (None, or ``[N, ·]`` sharded like ``x``
+  on its second dimension) gets its cotangent from ``f``'s own backward pass."""
+  def opaque(x, k):
+    # One trip of a while loop (XLA inlines it): partial evaluation neither hoists nor
+    # splits what is inside, so no residual leaves this map (see the module).
+    first = jax.lax.slice(x, (0,), (1,)).reshape(())
+    out = jnp.broadcast_to(first - first, out_shape)     # no constant: nothing known here
+    def body(carry):
+      i, x, _ = carry
+      return i + 1, x, f(x, k, None)
+    return jax.lax.while_loop(lambda c: c[0] < 1, body, (0, x, out))[2]
+
+  def forward(x, k):
+    return jax.shard_map(opaque, in_specs=(in_spec, P()), out_specs=out_spec,
+                         axis_names=set(model))(x, k)
+
+  def backward(x, e, k, ct):
+    """``(x's cotangent, e's cotangent or None)``: each block's backward pass."""
+    memory_spec = P(None, *in_spec)
+
+    def local_vjp(x, e, k, ct):
+      return jax.vjp(lambda s, m: f(s, k, m), x, e)[1](ct)
+    return jax.shard_map(local_vjp, in_specs=(in_spec, memory_spec, P(), out_spec),
+                         out_specs=(in_spec, memory_spec), axis_names=set(model))(x, e, k, ct)
+
+  @jax.custom_vjp
+  def run(x, e, k):
+    return forward(x, k)
+  run.defvjp(lambda x, e, k: (forward(x, k), (x, e, k)),
+             lambda res, ct: (*backward(*res, ct), None))
+  return run(x, e, k)
+
+
 def gather(rows: jax.Array, shape, tp: P, mesh, axis_name, key=None, residual=None,
            **options) -> jax.Array:
   """The leaf of ``shape``, sharded by ``tp`` over the model axes, from this worker's rows
@@ -126,44 +164,36 @@ def gather(rows: jax.Array, shape, tp: P, mesh, axis_name, key=None, residual=No
   rank gathers its own block (:func:`commopt.comm._zero.gather` with ``options``), and the
   backward pass reduce-scatters each block's gradient the same way. With ``residual``
   (this worker's error memory, ``[N, T·c]``) the gradient is sent with it, and its
-  cotangent is the new memory, as :func:`commopt.comm._zero.gather`'s."""
+  cotangent is the new memory, as :func:`commopt.comm._zero.gather`'s. With ``hpz`` the
+  two stages are two maps, and the secondary partition between them (``[T·nodes·c]``,
+  sharded like the rows) is named :data:`commopt.comm._zero.HPZ_NAME` outside them, so a
+  body rematerialised under :data:`~commopt.comm._zero.HPZ_POLICY` keeps it."""
   local = local_shape(shape, tp, mesh)
   model = axes_of(tp)
   row_spec = P(model if len(model) > 1 else model[0])
+  k_in = jnp.zeros((), jnp.uint32) if key is None else key
+  k_of = lambda k: None if key is None else k
+  if options.pop("hpz", False):
+    weights, grads = options.get("weights"), options.get("grads")
+    n = math.prod(local)
+    nodes = mesh.shape[axis_name[0]]
+    c = rows.shape[0] // math.prod(splits(tp, len(shape), mesh))
 
-  def one(r, k, e=None):
-    return zero_comm.gather(r, local, axis_name, key=None if key is None else k, residual=e,
-                            **options)
+    def first(r, k, e):
+      r = zero_comm.mask_padding(r, n, axis_name)
+      return zero_comm.hpz_secondary(r, axis_name, weights, grads, k_of(k)).reshape(-1)
 
-  def opaque(r, k):
-    # One trip of a while loop (XLA inlines it): partial evaluation neither hoists nor
-    # splits what is inside, so no residual leaves this map (see the module).
-    first = jax.lax.slice(r, (0,), (1,)).reshape(())
-    out = jnp.broadcast_to(first - first, local)     # no constant: nothing known here
-    def body(carry):
-      i, r, _ = carry
-      return i + 1, r, one(r, k)
-    return jax.lax.while_loop(lambda c: c[0] < 1, body, (0, r, out))[2]
+    def second(s, k, e):
+      flat = zero_comm.hpz_whole(s.reshape(nodes, c), axis_name, grads, k_of(k))
+      return zero_comm.unshard_flat(flat, local, rows.dtype)
 
-  def forward(r, k):
-    return jax.shard_map(opaque, in_specs=(row_spec, P()), out_specs=tp,
-                         axis_names=set(model))(r, k)
+    secondary = _blockwise(first, rows, None, k_in, row_spec, row_spec, (nodes * c,), model)
+    secondary = checkpoint_name(secondary, zero_comm.HPZ_NAME)
+    return _blockwise(second, secondary, None, k_in, row_spec, tp, local, model)
 
-  def backward(r, e, k, ct):
-    """``(the rows' cotangent, the new memory or None)``: each block's reduce-scatter."""
-    memory_spec = P(None, *row_spec)
-
-    def local_vjp(r, e, k, ct):
-      return jax.vjp(lambda s, m: one(s, k, m), r, e)[1](ct)
-    return jax.shard_map(local_vjp, in_specs=(row_spec, memory_spec, P(), tp),
-                         out_specs=(row_spec, memory_spec), axis_names=set(model))(r, e, k, ct)
-
-  @jax.custom_vjp
-  def run(r, e, k):
-    return forward(r, k)
-  run.defvjp(lambda r, e, k: (forward(r, k), (r, e, k)),
-             lambda res, ct: (*backward(*res, ct), None))
-  return run(rows, residual, jnp.zeros((), jnp.uint32) if key is None else key)
+  def one(r, k, e):
+    return zero_comm.gather(r, local, axis_name, key=k_of(k), residual=e, **options)
+  return _blockwise(one, rows, residual, k_in, row_spec, tp, local, model)
 
 
 def explicit_model_axes(mesh, data_axes) -> tuple:
