@@ -71,6 +71,12 @@ def parse_args(argv=None):
   p.add_argument("--demo-combine", default="senders", choices=("mean", "senders"),
                  help="DeMo's mean of the gathered coefficients: over all workers or over "
                       "each coefficient's senders")
+  p.add_argument("--demo-k", type=int, default=32,
+                 help="DeMo's DCT coefficients sent per tile")
+  p.add_argument("--demo-chunk", type=int, default=64, help="DeMo's tile side")
+  p.add_argument("--demo-min-size", type=int, default=None,
+                 help="DeMo's smallest leaf sent compressed (smaller ones are averaged "
+                      "dense, with no momentum; default: commopt's)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
   args = p.parse_args(argv)
@@ -126,6 +132,9 @@ def make(method: str, args, setting, params):
   if method == "DeMo":
     return commopt.demo(schedule(setting["demo_lr"], steps), axis_name="data",
                         decay=args.demo_decay, combine=args.demo_combine,
+                        k=args.demo_k, chunk=args.demo_chunk,
+                        **({} if args.demo_min_size is None else
+                           {"min_size": args.demo_min_size}),
                         weight_decay=1e-4), False
   inner = adamw() if not method.startswith("MuLoCo") else muon(
       lr, consistent_rms=0.2, weight_decay=1e-4, adam_weight_decay=1e-4,

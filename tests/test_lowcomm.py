@@ -295,6 +295,20 @@ def test_bench_lowcomm_runs_and_states_the_byte_ratios(tmp_path):
   assert (tmp_path / "lowcomm.png").stat().st_size > 0
 
 
+def test_bench_lowcomm_passes_demos_knobs_through(monkeypatch):
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import bench_lowcomm
+  seen = []
+  monkeypatch.setattr(commopt, "demo", lambda lr, **kw: seen.append(kw) or optax.identity())
+  setting = bench_lowcomm.SETTINGS["lm"]
+  for argv in ([], ["--demo-k", "48", "--demo-chunk", "32", "--demo-min-size", "0"]):
+    bench_lowcomm.make("DeMo", bench_lowcomm.parse_args(argv), setting, {})
+  assert (seen[0]["k"], seen[0]["chunk"], "min_size" in seen[0]) == (32, 64, False)
+  assert (seen[1]["k"], seen[1]["chunk"], seen[1]["min_size"]) == (48, 32, 0)
+
+
 @pytest.mark.parametrize("delay,mixing,compressed", [
     (0, 0.0, False), (1, 0.5, False), pytest.param(3, 0.5, True, marks=pytest.mark.slow)])
 def test_overlapped_diloco_is_streaming_diloco_run_as_two_programs(delay, mixing, compressed,
