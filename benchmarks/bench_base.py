@@ -27,6 +27,9 @@ CPU devices (on a GPU host, its GPUs); ``processes``, ``--workers``
 processes of one CPU device each, connected by ``jax.distributed`` over gloo
 (started by :func:`commopt.launch.launch`). ``--check`` exits 1 when the
 identity step costs more than ``TARGET`` times the fastest plain step.
+``--host-memory system`` measures with the C library's own malloc settings, under
+which every step maps and faults in its large temporaries afresh (the default,
+``reuse``, is what :func:`commopt.launch.launch` gives its processes).
 
     python benchmarks/bench_base.py                     # both layouts, ~3 min on 2 cores
     python benchmarks/bench_base.py --layouts processes --workers 4 --check
@@ -60,6 +63,10 @@ def parse_args(argv=None):
   p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                  help="wall: seconds per step; cpu: this process's CPU seconds per step "
                       "(the work done, steadier on a shared machine; devices layout only)")
+  p.add_argument("--host-memory", default="reuse", choices=("reuse", "system"),
+                 help="reuse: malloc keeps freed memory (commopt.launch.reuse_host_memory in "
+                      "this process; the launcher's default for the processes); system: the C "
+                      "library's defaults (each step maps its large temporaries afresh)")
   p.add_argument("--check", action="store_true",
                  help=f"exit 1 when identity costs more than {TARGET}x plain")
   p.add_argument("--timeout", type=float, default=900, help="seconds for the process layout")
@@ -201,6 +208,9 @@ def measure(mesh, params, loss_fn, batch, n_steps: int, rounds: int, log=print,
 
 
 def run_devices(args) -> dict:
+  if args.host_memory == "reuse":
+    from commopt import launch
+    launch.reuse_host_memory()
   import jax
   jax.config.update("jax_num_cpu_devices", args.workers)   # the CPU backend only
   workers = args.workers if jax.default_backend() == "cpu" else len(jax.devices())
@@ -241,7 +251,8 @@ def run_processes(args) -> dict:
     result = pathlib.Path(tmp) / "result.json"
     argv = [__file__, "--worker", str(result), "--rows", str(args.rows), "--steps",
             str(args.steps), "--rounds", str(args.rounds)]
-    launch.launch(argv, processes=args.workers, devices_per_process=1, timeout=args.timeout)
+    launch.launch(argv, processes=args.workers, devices_per_process=1, timeout=args.timeout,
+                  host_memory=args.host_memory)
     return json.loads(result.read_text())
 
 
@@ -271,6 +282,7 @@ def main(argv=None) -> int:
   path = out / f"base_{jax.default_backend()}.json"
   meta = {"jax": jax.__version__, "backend": jax.default_backend(), "workers": args.workers,
           "rows": args.rows, "steps": args.steps, "rounds": args.rounds, "clock": args.clock,
+          "host_memory": args.host_memory,
           "python": platform.python_version(), "target": TARGET}
   path.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
   print(f"wrote {path}; identity within {TARGET}x of plain: "

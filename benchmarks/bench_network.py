@@ -165,6 +165,9 @@ def parse_args(argv=None):
   p.add_argument("--lr", type=float, default=0.02)
   p.add_argument("--target-loss", type=float, default=0.3)
   p.add_argument("--timeout", type=float, default=1800, help="seconds per launched job")
+  p.add_argument("--host-memory", default="reuse", choices=("reuse", "system"),
+                 help="the launcher's host_memory for both sides' processes (reuse: malloc "
+                      "keeps freed memory; system: the C library's defaults)")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
   p.add_argument("--from-json", default=None,
                  help="re-render the table and plot of an earlier run's network.json "
@@ -496,7 +499,7 @@ def launch_job(ns: Namespace, processes: int, cfg: dict, timeout: float, script:
     config, result = pathlib.Path(tmp, "config.json"), pathlib.Path(tmp, "result.json")
     config.write_text(json.dumps(cfg))
     argv = ["ip", "netns", "exec", ns.name, sys.executable, "-m", "commopt.launch",
-            "--processes", str(processes),
+            "--processes", str(processes), "--host-memory", cfg.get("host_memory", "reuse"),
             *(["--cpu-devices", str(cpu_devices)] if cpu_devices else []),
             "--timeout", str(timeout), *script, str(config), str(result)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -656,7 +659,7 @@ def main(argv=None) -> int:
   import jax
   meta["jax"] = jax.__version__
   cfg = {k: getattr(args, k) for k in ("methods", "steps", "compute_steps", "hidden", "batch",
-                                       "lr", "target_loss")}
+                                       "lr", "target_loss", "host_memory")}
   results: dict = {}
   failed: dict = {}
   t0 = time.perf_counter()

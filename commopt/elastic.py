@@ -50,7 +50,7 @@ def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
               devices_per_process: Optional[int] = None, timeout: float = 3600.0,
               grace: float = 1.0, stop_grace: float = 30.0, heartbeat_timeout: int = 20,
               env: Optional[dict] = None, python: str = sys.executable,
-              say=None) -> list[Attempt]:
+              say=None, host_memory: str = "reuse") -> list[Attempt]:
   """Runs ``argv`` as :func:`launch` does, and restarts it on the workers left when one dies.
 
   A supervisor on top of :func:`launch`: when processes fail (a crash, a
@@ -96,6 +96,7 @@ def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
     env: extra environment variables; :data:`ENV_ATTEMPT` is added.
     python: the interpreter.
     say: where progress lines go (None: printed, flushed).
+    host_memory: as :func:`~commopt.launch.launch`'s.
 
   Returns:
     Every :class:`Attempt`, in order; the last one ended normally.
@@ -136,7 +137,8 @@ def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
       results = launch(argv, n, devices_per_process=devices_per_process, timeout=left,
                        grace=grace, stop_grace=stop_grace, heartbeat_timeout=heartbeat_timeout,
                        env=dict(env or {}, **{ENV_ATTEMPT: str(len(attempts))}), python=python,
-                       stop_after=rejoin_after if n < processes else None)
+                       stop_after=rejoin_after if n < processes else None,
+                       host_memory=host_memory)
       error = None
     except LaunchError as e:
       results, error = e.results, e

@@ -65,6 +65,7 @@ import threading
 from typing import Optional, Sequence
 
 from commopt._src import base
+from commopt._src import host_memory as _host_memory
 from commopt._src.process_group import TAIL_LINES, ProcessGroup, ProcessResult  # noqa: F401
 
 ENV_PROCESS_ID = "COMMOPT_PROCESS_ID"
@@ -117,7 +118,7 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
            heartbeat_timeout: int = 20, coordinator: Optional[str] = None,
            env: Optional[dict] = None, python: str = sys.executable,
            echo: bool = False, stop_after: Optional[float] = None, nodes: int = 1,
-           node_rank: int = 0) -> list[ProcessResult]:
+           node_rank: int = 0, host_memory: str = "reuse") -> list[ProcessResult]:
   """Runs ``python argv...`` as ``processes`` processes of one ``jax.distributed`` job.
 
   On several machines (``nodes > 1``) run it once on each, with the same
@@ -160,6 +161,11 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
       default) never asks.
     nodes: how many machines run the job (>= 1), each with a launcher of its own.
     node_rank: which of them this one is (``0 <= node_rank < nodes``).
+    host_memory: ``"reuse"`` (the default): each process's glibc ``malloc`` keeps the
+      memory it frees (``MALLOC_MMAP_MAX_=0``, ``MALLOC_TRIM_THRESHOLD_`` at its
+      largest in its environment), so a step's temporaries are not mapped and faulted in
+      afresh at every step (see :func:`reuse_host_memory`), unless the environment
+      already holds a malloc setting of yours; ``"system"``: the C library's defaults.
 
   Returns:
     One :class:`ProcessResult` per process of this machine, in process order (their
@@ -191,11 +197,13 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
   for name, value in (("grace", grace), ("stop_grace", stop_grace)):
     base.check_number(name, value, fn="launch", low=0, low_open=False,
                       what="a number of seconds >= 0")
+  memory_env = _host_memory.env_for({**os.environ, **(env or {})},
+                                    _host_memory.check_mode(host_memory, "launch"))
   coordinator = coordinator or f"127.0.0.1:{free_port()}"
   total = nodes * processes
 
   def env_of(process_id: int, read_end: int) -> dict:
-    child = dict(os.environ, **(env or {}))
+    child = dict(os.environ, **memory_env, **(env or {}))
     child.update({ENV_PROCESS_ID: str(process_id), ENV_NUM_PROCESSES: str(total),
                   ENV_COORDINATOR: coordinator, ENV_HEARTBEAT: str(heartbeat_timeout),
                   ENV_LAUNCHER_PID: str(os.getpid()), ENV_LAUNCHER_FD: str(read_end)})
@@ -217,6 +225,20 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
   if reason is not None:
     raise LaunchError(f"launch: {reason}", results, run.first_failed)
   return results
+
+
+def reuse_host_memory() -> bool:
+  """Keeps the memory this process frees for its next allocations (glibc ``malloc``: no
+  ``mmap`` for large requests, no trimming), from now on; what :func:`launch` asks for in
+  its processes by default (``host_memory="reuse"``). Call it first thing in a
+  one-process program on CPUs.
+
+  XLA:CPU allocates a step's temporary buffers at every execution and frees them at its
+  end; by default glibc maps each large one afresh and unmaps it at ``free``, so every step
+  faults its pages in again. The process then keeps its peak heap for its lifetime. Returns
+  False (with one log line) where the C library is not glibc or refuses.
+  """
+  return _host_memory.reuse()
 
 
 def __getattr__(name):
@@ -439,6 +461,10 @@ def main(argv=None) -> int:
   p.add_argument("--coordinator", default=None,
                  help="HOST:PORT of node 0's coordinator, reachable from every node "
                       "(default, one node: a free local port)")
+  p.add_argument("--host-memory", default="reuse", choices=_host_memory.MODES,
+                 help="reuse: each process's malloc keeps the memory it frees (no mmap, no "
+                      "trimming), unless a MALLOC_* or GLIBC_TUNABLES setting of yours is set; "
+                      "system: the C library's defaults")
   from commopt import elastic
   elastic.add_arguments(p)
   p.add_argument("script")
@@ -446,7 +472,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   argv = [args.script, *args.args]
   common = dict(devices_per_process=args.cpu_devices, timeout=args.timeout, grace=args.grace,
-                stop_grace=args.stop_grace)
+                stop_grace=args.stop_grace, host_memory=args.host_memory)
   nodes = dict(nodes=args.nodes, node_rank=args.node_rank, coordinator=args.coordinator)
   try:
     if args.supervise and args.nodes != 1:

@@ -7,6 +7,7 @@ at the end is killed by pid (only processes these tests started).
 
 import os
 import pathlib
+import platform
 import re
 import signal
 import subprocess
@@ -365,3 +366,35 @@ def test_a_failure_on_one_node_ends_the_other_nodes_run(tmp_path):
   # first: which exit it reads first is a race.
   assert other.returncode == 1 and re.search(r"process [23] of 4 failed first", out), out
   assert "process 3 broke" in out or "process 3 (code 1" in out, out
+
+
+# -- host memory ------------------------------------------------------------------------
+
+PRINTS_MALLOC = "import os; print(os.environ.get('MALLOC_MMAP_MAX_'), " \
+                "os.environ.get('MALLOC_TRIM_THRESHOLD_'))"
+
+
+@pytest.mark.parametrize("mode,extra,want", [
+    ("reuse", {}, "0 2147483647"),
+    ("system", {}, "None None"),
+    ("reuse", {"MALLOC_ARENA_MAX": "2"}, "None None"),     # a setting of the user's own
+])
+def test_the_host_memory_setting_reaches_every_process(tmp_path, mode, extra, want):
+  script = tmp_path / "malloc.py"
+  script.write_text(PRINTS_MALLOC)
+  results = launch.launch([str(script)], 2, host_memory=mode, env=extra, timeout=120)
+  assert [r.output.strip() for r in results] == [want, want]
+
+
+def test_the_host_memory_setting_from_the_command_line(tmp_path, capsys):
+  script = tmp_path / "malloc.py"
+  script.write_text(PRINTS_MALLOC)
+  assert launch.main(["--processes", "1", "--host-memory", "system", str(script)]) == 0
+  assert "None None" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="`host_memory` must be one of .*'fast'"):
+    launch.launch([str(script)], 1, host_memory="fast")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_reuse_host_memory_sets_glibc_in_this_process():
+  assert launch.reuse_host_memory() is True
