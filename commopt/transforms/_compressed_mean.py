@@ -488,9 +488,9 @@ def compressed_mean(
       them, per dtype, into flat buffers of at most that many bytes, one
       all-reduce each (as PyTorch DDP's buckets; a larger leaf alone); ``None``
       sends them as one all-reduce of the tuple of leaves, which XLA runs as
-      one collective in one process; ``"auto"`` (the default) builds 1 MB
-      buffers only where a tuple would cost one collective per leaf, on
-      XLA:CPU across processes (:mod:`commopt.comm._buckets` says why 1 MB).
+      one collective in one process; ``"auto"`` (the default) builds 25 MB
+      buffers (PyTorch DDP's) only where a tuple would cost one collective per
+      leaf, on XLA:CPU across processes (:mod:`commopt.comm._buckets`).
     residual_decay: β in ``p = u + β·e``, in [0, 1]: 1 (the default) keeps
       every unsent part until it is sent; below 1 the residual is a decaying
       accumulator, as DeMo's momentum (0.999) and SparseLoCo's error
