@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from commopt._src import base
@@ -32,3 +33,18 @@ def compresses(compressor: base.Compressor, shape, dtype, min_size: int,
   """
   size = base.leaf_size(shape) if size is None else size
   return size >= max(min_size, 1) and bool(compressor.accepts(tuple(shape), dtype))
+
+
+def concat_flat(parts: list) -> jax.Array:
+  """``jnp.concatenate`` of 1-D ``parts`` of one dtype, each written into its place in one
+  buffer (``dynamic_update_slice``). XLA:CPU runs that as in-place copies, and a
+  concatenation as one loop that picks an operand per element: packing a 16 MB leaf with
+  two small ones took 1.1 ms against the concatenation's 12.7 ms (one CPU device)."""
+  if len(parts) == 1:
+    return parts[0]
+  out = jnp.zeros((sum(p.shape[0] for p in parts),), parts[0].dtype)
+  at = 0
+  for p in parts:
+    out = jax.lax.dynamic_update_slice(out, p, (at,))
+    at += p.shape[0]
+  return out

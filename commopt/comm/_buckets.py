@@ -27,13 +27,13 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from commopt._src import base
+from commopt._src import base, tree
 from commopt.comm import _collectives as coll
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """The largest flat buffer :func:`mean` builds by default: 25 MB, PyTorch DDP's bucket. The
-leaves are packed by :func:`_pack`; packed by a concatenation, XLA:CPU took about a
-hundred times a copy's time for a leaf of a few MB (a 1 MB cap was the default then: the
+leaves are packed by :func:`commopt._src.tree.concat_flat`; packed by a concatenation,
+XLA:CPU took about a hundred times a copy's time for a leaf of a few MB (a 1 MB cap was the default then: the
 2-process dense step of ``bench_network.py`` at 1 Gbit/s took 713 ms with 25 MB buckets
 and 78 ms with 1 MB). Across 4 gloo processes (``bench_base.py --layouts processes``) the
 identity step without a skip took 56.8 ms with 25 MB buckets against 72.0 ms with 1 MB,
@@ -90,19 +90,6 @@ def _chunks(xs: list, idx: list[int], cap: int) -> list[list[int]]:
   return out
 
 
-def _pack(parts: list) -> jax.Array:
-  """``parts`` (flat, one dtype) in order in one buffer, each written into its place
-  (``dynamic_update_slice``). XLA:CPU runs that as in-place copies, and a concatenation
-  as one loop that picks an operand per element: packing a 16 MB leaf with two small
-  ones took 1.1 ms against the concatenation's 12.7 ms (one device)."""
-  out = jnp.zeros((sum(p.shape[0] for p in parts),), parts[0].dtype)
-  at = 0
-  for p in parts:
-    out = jax.lax.dynamic_update_slice(out, p, (at,))
-    at += p.shape[0]
-  return out
-
-
 def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
          bucket_bytes: Optional[int]) -> list:
   """The mean of each of ``xs`` over ``axis_name``, by ``dense_mean(tree, axis_name)``
@@ -119,7 +106,7 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
       continue
     for run in _chunks(xs, idx, bucket_bytes):
       parts = [jnp.ravel(xs[i]) for i in run]
-      flat = dense_mean(_pack(parts) if len(parts) > 1 else parts[0], axis_name)
+      flat = dense_mean(tree.concat_flat(parts), axis_name)
       at = 0
       for i in run:
         n = math.prod(xs[i].shape)

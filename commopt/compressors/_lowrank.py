@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base, vma
+from commopt._src import base, tree, vma
 from commopt.compressors._registry import register
 
 View = Union[str, Callable[[tuple[int, ...]], tuple[int, int]]]
@@ -317,7 +317,7 @@ def _packed_mean(xs: list, channel) -> list:
     if len(idx) == 1:
       out[idx[0]] = channel.mean(xs[idx[0]])
       continue
-    flat = channel.mean(jnp.concatenate([xs[i].reshape(-1) for i in idx]))
+    flat = channel.mean(tree.concat_flat([xs[i].reshape(-1) for i in idx]))
     start = 0
     for i in idx:
       out[i] = flat[start:start + xs[i].size].reshape(xs[i].shape)

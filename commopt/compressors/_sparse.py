@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from commopt import kernels
-from commopt._src import base
+from commopt._src import base, tree
 from commopt.kernels import first_true  # noqa: F401  (re-exported: the compaction kernel)
 
 
@@ -231,7 +231,7 @@ def _globalise(compressor: base.Compressor, leaf_k, pick, value_dtype) -> base.C
 
   def encode_tree(xs, key):
     dtype = jnp.result_type(*[x.dtype for x in xs])
-    flat = jnp.concatenate([x.reshape(-1).astype(dtype) for x in xs])
+    flat = tree.concat_flat([x.reshape(-1).astype(dtype) for x in xs])
     indices, values = pick(flat, sum(leaf_k(x.shape) for x in xs), key)
     return {"values": values.astype(value_dtype or dtype), "indices": indices}
 

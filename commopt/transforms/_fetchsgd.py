@@ -148,7 +148,7 @@ def fetch_sgd(learning_rate: Union[float, optax.Schedule], k: int, rows: int, co
     leaves, paths, treedef = _flat_leaves(updates)
     sizes = sizes_of(leaves, paths, "an update")
     seeds = sketch_seeds(jax.random.PRNGKey(seed), rows)
-    flat = jnp.concatenate([leaf.reshape(-1).astype(jnp.float32)
+    flat = tree.concat_flat([leaf.reshape(-1).astype(jnp.float32)
                             for leaf, size in zip(leaves, sizes) if size])
     table = coll.pmean(sketch(flat, seeds, cols), axis_name)
     s_u = momentum * state.momentum + table
