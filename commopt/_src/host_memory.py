@@ -3,8 +3,9 @@
 XLA:CPU allocates a step's temporary buffers at every execution and frees them at its end.
 glibc's ``malloc`` serves a large request by ``mmap`` and unmaps it at ``free``, and trims
 the heap's free top back to the system, so each step faults every page of its large
-temporaries in again (a 16 MB gradient buffer written by a matrix product took 3.6 ms
-against 0.8 ms in a reused one, in the guide's Performance page). Two of glibc's own
+temporaries in again (a matrix product writing a 16 MB gradient took 3.6 ms into a fresh
+buffer against 0.8 ms in the hand-written step; whole steps are measured in the guide's
+Performance page). Two of glibc's own
 settings keep such memory in the process: no ``mmap`` for large requests
 (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD`` at its largest). The process
 then keeps its peak heap for its lifetime, as a GPU runtime's caching allocator does.
