@@ -165,7 +165,8 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
       memory it frees (``MALLOC_MMAP_MAX_=0``, ``MALLOC_TRIM_THRESHOLD_`` at its
       largest in its environment), so a step's temporaries are not mapped and faulted in
       afresh at every step (see :func:`reuse_host_memory`), unless the environment
-      already holds a malloc setting of yours; ``"system"``: the C library's defaults.
+      already holds a malloc setting of yours (a ``MALLOC_*`` variable, a
+      ``glibc.malloc.*`` tunable); ``"system"``: the C library's defaults.
 
   Returns:
     One :class:`ProcessResult` per process of this machine, in process order (their
@@ -463,8 +464,8 @@ def main(argv=None) -> int:
                       "(default, one node: a free local port)")
   p.add_argument("--host-memory", default="reuse", choices=_host_memory.MODES,
                  help="reuse: each process's malloc keeps the memory it frees (no mmap, no "
-                      "trimming), unless a MALLOC_* or GLIBC_TUNABLES setting of yours is set; "
-                      "system: the C library's defaults")
+                      "trimming), unless a MALLOC_* variable or glibc.malloc tunable of yours "
+                      "is set; system: the C library's defaults")
   from commopt import elastic
   elastic.add_arguments(p)
   p.add_argument("script")

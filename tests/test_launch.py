@@ -374,19 +374,29 @@ PRINTS_MALLOC = "import os; print(os.environ.get('MALLOC_MMAP_MAX_'), " \
                 "os.environ.get('MALLOC_TRIM_THRESHOLD_'))"
 
 
+def _without_malloc_settings(monkeypatch):
+  for key in [k for k in os.environ if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES"]:
+    monkeypatch.delenv(key, raising=False)
+
+
 @pytest.mark.parametrize("mode,extra,want", [
     ("reuse", {}, "0 2147483647"),
     ("system", {}, "None None"),
     ("reuse", {"MALLOC_ARENA_MAX": "2"}, "None None"),     # a setting of the user's own
+    ("reuse", {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, "None None"),
+    ("reuse", {"GLIBC_TUNABLES": "glibc.rtld.optional_static_tls=512"}, "0 2147483647"),
 ])
-def test_the_host_memory_setting_reaches_every_process(tmp_path, mode, extra, want):
+def test_the_host_memory_setting_reaches_every_process(tmp_path, monkeypatch, mode, extra,
+                                                       want):
+  _without_malloc_settings(monkeypatch)
   script = tmp_path / "malloc.py"
   script.write_text(PRINTS_MALLOC)
   results = launch.launch([str(script)], 2, host_memory=mode, env=extra, timeout=120)
   assert [r.output.strip() for r in results] == [want, want]
 
 
-def test_the_host_memory_setting_from_the_command_line(tmp_path, capsys):
+def test_the_host_memory_setting_from_the_command_line(tmp_path, capsys, monkeypatch):
+  _without_malloc_settings(monkeypatch)
   script = tmp_path / "malloc.py"
   script.write_text(PRINTS_MALLOC)
   assert launch.main(["--processes", "1", "--host-memory", "system", str(script)]) == 0
@@ -397,4 +407,8 @@ def test_the_host_memory_setting_from_the_command_line(tmp_path, capsys):
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_reuse_host_memory_sets_glibc_in_this_process():
-  assert launch.reuse_host_memory() is True
+  # In a process of its own: the setting lasts for the process's lifetime.
+  code = "from commopt import launch; print(launch.reuse_host_memory())"
+  out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]

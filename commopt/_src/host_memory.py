@@ -8,7 +8,9 @@ buffer against 0.8 ms in the hand-written step; whole steps are measured in the 
 Performance page). Two of glibc's own
 settings keep such memory in the process: no ``mmap`` for large requests
 (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD`` at its largest). The process
-then keeps its peak heap for its lifetime, as a GPU runtime's caching allocator does.
+then keeps its peak heap for its lifetime, as a GPU runtime's caching allocator does
+(glibc still maps a request of more than its heap size, 64 MB, made from a thread other
+than the main one). The environment variables pass on to the processes a script starts.
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ MODES = ("reuse", "system")
 ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 """The environment that asks glibc, at a process's start, for what :func:`reuse` sets."""
 
-USER_KEYS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
-             "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
-"""Settings of the user's own: where any is set, the launcher adds none."""
+
+
+def users_own(parent: Mapping[str, str]) -> bool:
+  """Whether ``parent`` holds a malloc setting of the user's: a ``MALLOC_*`` variable, or a
+  ``glibc.malloc.*`` tunable in ``GLIBC_TUNABLES``."""
+  return (any(k.startswith("MALLOC_") for k in parent)
+          or "glibc.malloc." in parent.get("GLIBC_TUNABLES", ""))
+
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4     # <malloc.h>
 _log = logging.getLogger("commopt")
@@ -39,7 +46,7 @@ def check_mode(mode, fn: str) -> str:
 def env_for(parent: Mapping[str, str], mode: str) -> dict:
   """The variables a launched process gets for ``mode`` (none for ``"system"``, or where
   ``parent`` already holds a malloc setting of the user's)."""
-  if mode == "system" or any(k in parent for k in USER_KEYS):
+  if mode == "system" or users_own(parent):
     return {}
   return dict(ENV)
 

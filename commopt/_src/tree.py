@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base
+from commopt._src import base, vma
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements than this are sent dense by default."""
@@ -42,7 +42,9 @@ def concat_flat(parts: list) -> jax.Array:
   two small ones took 1.1 ms against the concatenation's 12.7 ms (one CPU device)."""
   if len(parts) == 1:
     return parts[0]
-  out = jnp.zeros((sum(p.shape[0] for p in parts),), parts[0].dtype)
+  axes = frozenset().union(*(vma.varying_axes(p) for p in parts))
+  out = vma.vary(jnp.zeros((sum(p.shape[0] for p in parts),), parts[0].dtype),
+                 tuple(sorted(axes)))
   at = 0
   for p in parts:
     out = jax.lax.dynamic_update_slice(out, p, (at,))

@@ -31,13 +31,14 @@ from commopt._src import base, tree
 from commopt.comm import _collectives as coll
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""The largest flat buffer :func:`mean` builds by default: 25 MB, PyTorch DDP's bucket. The
-leaves are packed by :func:`commopt._src.tree.concat_flat`; packed by a concatenation,
-XLA:CPU took about a hundred times a copy's time for a leaf of a few MB (a 1 MB cap was the default then: the
-2-process dense step of ``bench_network.py`` at 1 Gbit/s took 713 ms with 25 MB buckets
-and 78 ms with 1 MB). Across 4 gloo processes (``bench_base.py --layouts processes``) the
-identity step without a skip took 56.8 ms with 25 MB buckets against 72.0 ms with 1 MB,
-the hand-written whole-model flat step 59.4 ms."""
+"""The largest flat buffer :func:`mean` builds by default: 25 MB, PyTorch DDP's bucket.
+The leaves are packed by :func:`commopt._src.tree.concat_flat`. Packed by a
+concatenation, XLA:CPU took about a hundred times a copy's time for a leaf of a few MB
+(a 1 MB cap was the default then: the 2-process dense step of ``bench_network.py`` at
+1 Gbit/s took 713 ms with 25 MB buckets and 78 ms with 1 MB). Across 4 gloo processes
+(``bench_base.py --layouts processes``, both packed in place) the identity step without a
+skip took 56.8 ms with 25 MB buckets against 72.0 ms with 1 MB, the hand-written
+whole-model flat step 59.4 ms."""
 
 
 def flat_by_default() -> bool:

@@ -18,8 +18,9 @@ sharded by ``tp``. Two limits of nested maps in JAX 0.10 shape the code: a value
 partial evaluation moves from inside a nested map to outside (a residual of autodiff, or
 a loop-invariant value a ``scan`` hoists) gets a spec the lowering rejects. So the gather
 and its backward pass are one ``custom_vjp`` around two maps (autodiff keeps only the
-rows), and the forward map's body is one trip of a ``while_loop`` whose carries all come
-from its inputs (partial evaluation neither splits nor hoists it; XLA inlines the trip).
+rows; with hpZ, two such gathers, and the secondary partition between them), and the
+forward map's body is one trip of a ``while_loop`` whose carries all come from its inputs
+(partial evaluation neither splits nor hoists it; XLA inlines the trip).
 With explicit model axes the data-manual map runs inside ``jax.sharding.auto_axes`` over
 them: a map manual over only some axes of an explicit mesh gathers its inputs over the
 others at its boundary (both directions, a full copy of every leaf).
@@ -176,12 +177,13 @@ def gather(rows: jax.Array, shape, tp: P, mesh, axis_name, key=None, residual=No
   if options.pop("hpz", False):
     weights, grads = options.get("weights"), options.get("grads")
     n = math.prod(local)
-    nodes = mesh.shape[axis_name[0]]
+    nodes = math.prod(mesh.shape[a] for a in _entry_axes(axis_name[0]))
     c = rows.shape[0] // math.prod(splits(tp, len(shape), mesh))
 
     def first(r, k, e):
       r = zero_comm.mask_padding(r, n, axis_name)
-      return zero_comm.hpz_secondary(r, axis_name, weights, grads, k_of(k)).reshape(-1)
+      secondary = zero_comm.hpz_secondary(r, axis_name, weights, grads, k_of(k))
+      return secondary.reshape(-1).astype(r.dtype)
 
     def second(s, k, e):
       flat = zero_comm.hpz_whole(s.reshape(nodes, c), axis_name, grads, k_of(k))
