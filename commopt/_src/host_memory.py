@@ -5,9 +5,8 @@ glibc's ``malloc`` serves a large request by ``mmap`` and unmaps it at ``free``,
 the heap's free top back to the system, so each step faults every page of its large
 temporaries in again (a matrix product writing a 16 MB gradient took 3.6 ms into a fresh
 buffer against 0.8 ms in the hand-written step; whole steps are measured in the guide's
-Performance page). Two of glibc's own
-settings keep such memory in the process: no ``mmap`` for large requests
-(``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD`` at its largest). The process
+Performance page). Two of glibc's own settings keep such memory in the process: no
+``mmap`` for large requests (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD`` at its largest). The process
 then keeps its peak heap for its lifetime, as a GPU runtime's caching allocator does
 (glibc still maps a request of more than its heap size, 64 MB, made from a thread other
 than the main one). The environment variables pass on to the processes a script starts.
@@ -21,9 +20,13 @@ from typing import Mapping
 
 MODES = ("reuse", "system")
 
-ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4     # <malloc.h>
+_NEVER_TRIM = 2**31 - 1                     # mallopt's largest (an int)
+
+ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(_NEVER_TRIM)}
 """The environment that asks glibc, at a process's start, for what :func:`reuse` sets."""
 
+_log = logging.getLogger("commopt")
 
 
 def users_own(parent: Mapping[str, str]) -> bool:
@@ -31,10 +34,6 @@ def users_own(parent: Mapping[str, str]) -> bool:
   ``glibc.malloc.*`` tunable in ``GLIBC_TUNABLES``."""
   return (any(k.startswith("MALLOC_") for k in parent)
           or "glibc.malloc." in parent.get("GLIBC_TUNABLES", ""))
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4     # <malloc.h>
-_log = logging.getLogger("commopt")
 
 
 def check_mode(mode, fn: str) -> str:
@@ -61,7 +60,7 @@ def reuse() -> bool:
     _log.info("commopt: this C library has no mallopt; host memory is left as it is.")
     return False
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-  ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+  ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
   if not ok:
     _log.info("commopt: mallopt refused the host-memory settings; left as they are.")
   return ok

@@ -225,8 +225,8 @@ def _stage_feedback(x: jax.Array, residual: jax.Array, n: int, axis, weights, gr
   return run(x, residual)
 
 
-def _hpz_keys(key) -> list:
-  return [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
+def _fold(key, i: int):
+  return None if key is None else jax.random.fold_in(key, i)
 
 
 def hpz_secondary(shard: jax.Array, axes, weights, grads, key) -> jax.Array:
@@ -234,8 +234,7 @@ def hpz_secondary(shard: jax.Array, axes, weights, grads, key) -> jax.Array:
   zeroed) of the owners that share its local index (encoded by ``weights``), its part of
   the node's secondary partition, ``[nodes, c]``; the backward pass takes the mean across
   nodes (encoded by ``grads`` when given)."""
-  keys = _hpz_keys(key)
-  return _stage(shard, axes[0], weights, grads, (keys[0], keys[1]))
+  return _stage(shard, axes[0], weights, grads, (_fold(key, 0), _fold(key, 1)))
 
 
 def hpz_whole(secondary: jax.Array, axes, grads, key) -> jax.Array:
@@ -244,7 +243,7 @@ def hpz_whole(secondary: jax.Array, axes, grads, key) -> jax.Array:
   (``fast``, dense); the backward pass takes the mean inside the node."""
   local = coll.axis_size(axes[1])
   nodes, c = secondary.shape
-  whole = _stage(secondary.reshape(-1), axes[1], None, grads, (None, _hpz_keys(key)[2]))
+  whole = _stage(secondary.reshape(-1), axes[1], None, grads, (None, _fold(key, 2)))
   return whole.reshape(local, nodes, c).transpose(1, 0, 2).reshape(-1)    # from [L, nodes·c]
 
 
@@ -299,8 +298,7 @@ def gather(shard: jax.Array, shape, axis_name, *, weights=None, grads=None,
   shard = mask_padding(shard, n, axis_name)
   if hpz:
     return unshard_flat(_gather_hpz(shard, axis_name, weights, grads, key), shape, shard.dtype)
-  keys = (None, None) if key is None else (jax.random.fold_in(key, 0),
-                                          jax.random.fold_in(key, 1))
+  keys = (_fold(key, 0), _fold(key, 1))
   if residual is not None:
     return unshard_flat(_stage_feedback(shard, residual, n, axis_name, weights, grads, keys),
                         shape, shard.dtype)
