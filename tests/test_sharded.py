@@ -108,6 +108,31 @@ def test_each_device_sends_the_payload_of_its_shard(name):
   assert not gathers, [c.line for c in gathers]
 
 
+def test_flat_buckets_of_model_shards_move_each_shard_once():
+  """identity's dense leaves packed into flat buckets on 2 x 4: the shards of w1 and w2
+  (varying over "model") share one bucket, b (replicated over it) has its own; over the
+  data axis each device moves its shards' bytes once, and the step is the tuple
+  all-reduce's bit for bit."""
+  mesh = tp_mesh()
+  steps = {}
+  for bucket_bytes in (None, 2**20):
+    params = placed(mesh, TP)
+    dp = commopt.data_parallel(loss_fn, sgd_tx(commopt.compressors.identity(),
+                                               bucket_bytes=bucket_bytes), mesh, donate=False)
+    state = dp.init(params)
+    audit = wire.hlo_collectives(dp, params, state, batch())
+    if bucket_bytes:
+      shards = sum(np.prod(s.shape) * 4 for s in local_shapes(mesh, TP).values())
+      assert bytes_over(audit, data_groups(mesh)) == shards
+      reduces = [c for c in audit if c.kind == "all-reduce" and "f32" in c.dtypes
+                 and {tuple(sorted(g)) for g in c.replica_groups} <= data_groups(mesh)]
+      # Two flat buffers (XLA combines them into one all-reduce in one process).
+      assert sum(len(c.dtypes) for c in reduces) == 2, [c.line for c in reduces]
+    steps[bucket_bytes] = dp.step(params, state, batch())[0]
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               steps[None], steps[2**20])
+
+
 def test_whole_leaves_on_request_and_for_a_tx_that_reduces_a_leaf():
   mesh = tp_mesh()
   params = placed(mesh, TP)
