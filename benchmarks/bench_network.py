@@ -104,6 +104,9 @@ METHODS = {
     # label: (registry name, options, strategy, error feedback)
     "dense": ("identity", {}, "auto", False),
     "cast(bf16)": ("cast", {"dtype": "bfloat16"}, "auto", True),
+    # DDP's fp16 hook as commopt runs it: float16 chunks (moved as 16-bit words) to their
+    # owners, summed there in float32, the float16 means gathered back; no residual, as the hook.
+    "cast(fp16)/two_phase": ("cast", {"dtype": "float16"}, "two_phase", False),
     "scaled_sign/gather": ("scaled_sign", {}, "gather", True),
     "scaled_sign/two_phase": ("scaled_sign", {}, "two_phase", True),
     "top_k(0.01)/gather": ("top_k", {"ratio": 0.01}, "gather", True),

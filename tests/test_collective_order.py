@@ -95,6 +95,32 @@ def test_every_collective_of_the_exchange_waits_for_the_verdict(name, ordered):
   assert others, collectives
   for n in others:
     assert verdict[0] in _reads(entry, n), f"{n} does not wait for {verdict[0]}"
+  assert not _side_by_side(entry)
+
+
+def _side_by_side(entry: dict) -> list:
+  """Pairs of ENTRY's collectives neither of which waits for the other."""
+  names = [n for n, (line, _) in entry.items() if COLLECTIVE.search(line)]
+  return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+          if a not in _reads(entry, b) and b not in _reads(entry, a)]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_buckets_run_one_after_the_other(ordered, skip):
+  """Several flat buckets in one step: each all-reduce waits for the one before it. Left
+  independent, XLA combines small ones into one tuple all-reduce and may run large ones
+  beside each other, which gloo would mix."""
+  params, loss_fn, batch = _mlp()
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data",
+                                           bucket_bytes=1024), optax.sgd(0.1))
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  dp = commopt.data_parallel(loss_fn, tx, mesh, skip_nonfinite=skip)
+  p, s = dp.place_params(params), dp.init(params)
+  entry = _entry(dp.lower(p, s, batch).compile().as_text())
+  buckets = [n for n, (line, _) in entry.items()
+             if re.search(r"= f32\[\d+\]\S* all-reduce\(", line)]
+  assert len(buckets) == 3, [entry[n][0] for n in entry if "all-reduce(" in entry[n][0]]
+  assert not _side_by_side(entry)
 
 
 def test_without_processes_the_program_is_unchanged():

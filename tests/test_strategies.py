@@ -8,7 +8,7 @@ import pytest
 
 import commopt
 from commopt import wire
-from commopt.comm._strategies import to_words
+from commopt.comm._words import to_words
 
 N = 8
 AXES = ("node", "local")
@@ -184,6 +184,40 @@ def test_two_phase_vmap_equals_shard_map(mesh):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", [pytest.param("scaled_sign", marks=pytest.mark.slow), "qsgd"])
+def test_two_phase_packs_every_leaf_into_one_all_to_all_and_one_all_gather(
+    mesh, monkeypatch, name):
+  """Three compressed leaves cross in one all-to-all and one all-gather of uint32 words
+  (their payloads end to end), and every output and memory is, bit for bit, what each
+  leaf exchanged on its own gives (stochastic rounding included: the keys are the same)."""
+  from commopt.comm import _words
+  from commopt.transforms import _compressed_mean
+
+  def run():
+    tx = commopt.compressed_mean(commopt.compressors.make(name), axis_name="data",
+                                 strategy="two_phase", min_size=0, error_feedback=True)
+    sm = commopt.testing.shard_map_workers(tx, mesh, "data")
+    state = sm.init(params_like())
+    outs = []
+    for step in range(2):
+      out, state = sm.update(updates(40 + step), state)
+      outs.append(out)
+    audit = wire.hlo_collectives(sm.update, updates(42), state, stage="lowered")
+    return jax.tree.map(np.asarray, (outs, state)), sorted(c.kind for c in audit)
+
+  packed, packed_kinds = run()
+  together = _words.run_together
+  monkeypatch.setattr(_compressed_mean._words, "run_together",
+                      lambda exchanges, axis, around: [
+                          together([e], axis, lambda _, i=i: around(i))[0]
+                          for i, e in enumerate(exchanges)])
+  alone, alone_kinds = run()
+  assert packed_kinds == ["all-gather", "all-to-all"]
+  assert alone_kinds == ["all-gather"] * 3 + ["all-to-all"] * 3
+  for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(alone)):
+    commopt.testing.assert_same_bits(a, b)
+
+
 def mlp_params():
   rng = np.random.default_rng(0)
   return {"w1": jnp.asarray(rng.normal(size=(1024, 512)) * 0.03, jnp.float32),
@@ -215,8 +249,8 @@ def test_two_phase_audit_keeps_the_ratio_at_8_workers(mesh, name, options, at_le
     results[strategy] = wire.hlo_collectives(dp, params, dp.init(params), mlp_batch())
   audit = results["two_phase"]
   packed = [col for col in audit if col.kind in ("all-to-all", "all-gather")]
-  # Two compressed leaves (the weights): one all-to-all and one all-gather each.
-  assert sorted(col.kind for col in packed) == ["all-gather"] * 2 + ["all-to-all"] * 2
+  # Two compressed leaves (the weights), packed: one all-to-all and one all-gather for both.
+  assert sorted(col.kind for col in packed) == ["all-gather", "all-to-all"]
   assert all(set(col.dtypes) == {"u32"} for col in packed)
   dense_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
   dense_sent = 2 * (N - 1) / N * dense_bytes
@@ -275,8 +309,8 @@ def test_hierarchical_compressed_bytes_cross_only_the_slow_axis(mesh2d, inner):
   # Everything else across nodes: packed words (and the f32 scales), never a
   # float array of the shard's size.
   packed = [col for col in slow if col.kind != "all-reduce"]
-  assert packed and any("u32" in col.dtypes for col in packed)
-  assert all(d == "u32" or np.prod(shape) <= 2 for col in packed
+  assert packed and any(d in ("u8", "u32") for col in packed for d in col.dtypes)
+  assert all(d in ("u8", "u32") or np.prod(shape) <= 2 for col in packed
              for d, shape in zip(col.dtypes, col.shapes)), packed
   # Inside a node: the dense reduce-scatter and all-gather of "w", and the dense leaves.
   assert {col.kind for col in fast} == {"reduce-scatter", "all-gather", "all-reduce"}
@@ -327,6 +361,7 @@ def is_cm_state(x):
   return isinstance(x, commopt.CompressedMeanState)
 
 
+@pytest.mark.slow
 def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
   params = {"w": jnp.zeros((32, 4)), "b": jnp.zeros((4,))}
   rng = np.random.default_rng(5)

@@ -98,8 +98,14 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
 
   ``bucket_bytes``: the cap of one flat buffer, or None to reduce each group's
   leaves as one tuple all-reduce.
+
+  Each flat buffer's all-reduce waits for the one before it (:func:`coll.after`, where
+  collectives cross processes on CPUs): left independent, XLA combines small buffers
+  back into one tuple all-reduce (one gloo collective per operand again) and may run
+  large ones beside each other, whose messages gloo would mix.
   """
   out: list = [None] * len(xs)
+  prev = ()
   for idx in _groups(xs):
     if bucket_bytes is None:
       for i, y in zip(idx, dense_mean([xs[i] for i in idx], axis_name)):
@@ -107,7 +113,8 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
       continue
     for run in _chunks(xs, idx, bucket_bytes):
       parts = [jnp.ravel(xs[i]) for i in run]
-      flat = dense_mean(tree.concat_flat(parts), axis_name)
+      flat = dense_mean(coll.after(tree.concat_flat(parts), prev), axis_name)
+      prev = flat
       at = 0
       for i in run:
         n = math.prod(xs[i].shape)

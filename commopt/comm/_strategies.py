@@ -36,62 +36,9 @@ import numpy as np
 from commopt._src import base, tree
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
-from commopt.comm._channel import Channel, exchange, sum_decoded
+from commopt.comm._channel import Channel, exchange, gather_rounds, sum_decoded
+from commopt.comm._words import Send, payload_words, run_together, to_bytes, to_words
 from commopt.compressors import _sparse
-
-
-# ---------------------------------------------------------------------------
-# One uint32 buffer per payload, so each phase is a single collective.
-
-
-def to_words(payload: Any, batch_dims: int = 0) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
-  """Lays every array of ``payload`` end to end in one uint32 buffer.
-
-  Args:
-    payload: a pytree of arrays sharing ``batch_dims`` leading dimensions.
-    batch_dims: 0 or 1.
-
-  Returns:
-    ``(words, unpack)``: ``words`` is ``[*batch, W]`` uint32, the payload's
-    bytes padded to whole words; ``unpack(words)`` restores the pytree (for
-    any leading batch shape ``words`` has by then).
-  """
-  leaves, treedef = jax.tree.flatten(payload)
-  lead = leaves[0].shape[:batch_dims]
-  parts, metas = [], []
-  for leaf in leaves:
-    inner = leaf.shape[batch_dims:]
-    raw = jax.lax.bitcast_convert_type(leaf, jnp.uint8) if leaf.dtype != jnp.uint8 else leaf
-    raw = raw.reshape(lead + (-1,))
-    parts.append(raw)
-    metas.append((inner, leaf.dtype, raw.shape[-1]))
-  raw = jnp.concatenate(parts, axis=-1)
-  total = raw.shape[-1]
-  pad = -total % 4
-  raw = jnp.pad(raw, [(0, 0)] * batch_dims + [(0, pad)])
-  words = jax.lax.bitcast_convert_type(raw.reshape(lead + (-1, 4)), jnp.uint32)
-
-  def unpack(w):
-    batch = w.shape[:-1]
-    raw = jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(batch + (-1,))
-    out, offset = [], 0
-    for inner, dtype, nbytes in metas:
-      chunk = raw[..., offset:offset + nbytes]
-      offset += nbytes
-      itemsize = np.dtype(dtype).itemsize
-      if itemsize > 1:
-        chunk = chunk.reshape(batch + tuple(inner) + (itemsize,))
-        out.append(jax.lax.bitcast_convert_type(chunk, dtype))
-      else:
-        out.append(jax.lax.bitcast_convert_type(chunk.reshape(batch + tuple(inner)), dtype))
-    return jax.tree.unflatten(treedef, out)
-
-  return words, unpack
-
-
-def payload_words(compressor: base.Compressor, n: int, dtype) -> int:
-  """uint32 words of one packed payload of ``n`` coordinates (see :func:`to_words`)."""
-  return -(-compressor.payload_bits((n,), dtype) // 32)
 
 
 def check_chunks(compressor: base.Compressor, fn: str, strategy: str):
@@ -160,7 +107,15 @@ def store_part(part: jax.Array, memory: jax.Array, n: int, workers: int, index) 
 
 def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Array], key,
               axis_name, size=None) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
-  """Compressed all-reduce in two phases (all-to-all, then all-gather).
+  """Compressed all-reduce of one leaf in two phases: :func:`two_phase_rounds` run alone."""
+  return run_together([two_phase_rounds(compressor, p, memory, key, axis_name, size)],
+                      axis_name)[0]
+
+
+def two_phase_rounds(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Array],
+                     key, axis_name, size=None):
+  """Compressed all-reduce in two phases (all-to-all, then all-gather), as the two rounds
+  of an exchange :func:`run_together` packs with other leaves' (a generator).
 
   Worker ``w`` splits its flat input ``p`` (``n`` coordinates, zero-padded to
   ``N·c``) into ``N`` chunks of ``c``, encodes each, and an all-to-all sends
@@ -179,7 +134,7 @@ def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Ar
     size: how many leading coordinates of ``p`` hold data (default all ``n``;
       may be traced): the chunk mean and the memory are zero past it.
 
-  Returns:
+  Returns (as the generator's value):
     ``(mean [n] float32, local [n], new memory or None)``, the memory in the
     layout it was given.
   """
@@ -195,7 +150,7 @@ def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Ar
   local = jax.vmap(decode)(payloads).reshape(-1)[:n].astype(p.dtype)
 
   words, unpack = to_words(payloads, batch_dims=1)
-  received = coll.all_to_all(words, axis_name)
+  received = yield Send("all-to-all", words)
   me = coll.axis_index(axis_name)
   start = me * c
   valid = (start + jnp.arange(c)) < (n if size is None else size)
@@ -214,7 +169,7 @@ def two_phase(compressor: base.Compressor, p: jax.Array, memory: Optional[jax.Ar
     new_memory = store_part(kept, memory, n, workers, me)
 
   words2, unpack2 = to_words(payload)
-  gathered = coll.all_gather(words2, axis_name)
+  gathered = yield Send("all-gather", words2)
   mean = jax.vmap(decode)(unpack2(gathered)).reshape(-1)[:n]
   return mean, local, new_memory
 
@@ -392,8 +347,16 @@ _SPARSE = _sparse._VALUES_CODEC[0]
 
 
 def _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name) -> LeafResult:
+  """:meth:`Strategy.reduce` of a payload decoded by :data:`_SPARSE`: :func:`_sparse_rounds`
+  run alone."""
+  return run_together([_sparse_rounds(compressor, u, residual, memory, cstate, key,
+                                      axis_name)], axis_name)[0]
+
+
+def _sparse_rounds(compressor, u, residual, memory, cstate, key, axis_name):
   """:meth:`Strategy.reduce` of a payload decoded by :data:`_SPARSE`, bit for bit, in
-  fewer passes over the leaf: 32-bit values travel with their indices in one all-gather;
+  fewer passes over the leaf, as one all-gather round (a generator, see
+  :func:`run_together`): the values travel with their indices in one buffer of bytes;
   on the CPU the workers' payloads are added in one scatter-add (XLA:CPU applies its
   updates in order: worker after worker, as :func:`sum_decoded`); the residual
   ``p − decode(payload)`` is a scatter-subtract of the values sent from ``p`` (``p``, the
@@ -402,12 +365,8 @@ def _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name) -> L
   x = p.astype(u.dtype)
   payload, cstate = compressor.encode(x, cstate, key)
   values, indices = payload["values"], payload["indices"]
-  gathered = coll.all_gather(payload if values.dtype.itemsize != 4 else jnp.concatenate(
-      [jax.lax.bitcast_convert_type(values, jnp.uint32), indices.astype(jnp.uint32)]), axis_name)
-  if values.dtype.itemsize == 4:
-    k = values.shape[0]
-    gathered = {"values": jax.lax.bitcast_convert_type(gathered[:, :k], values.dtype),
-                "indices": gathered[:, k:].astype(jnp.int32)}
+  raw, unpack = to_bytes(payload)
+  gathered = unpack((yield Send("all-gather", raw)))
   add = lambda acc, pl: compressor.add_decoded(acc, pl, cstate, x)
   zeros = jnp.zeros(x.shape, jnp.float32)
   total = (add(zeros, jax.tree.map(lambda t: t.reshape(-1), gathered))
@@ -454,18 +413,37 @@ class Gather(Strategy):
     return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=False)
 
   def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
-    """As :meth:`Strategy.reduce`, with a values-and-indices payload (:func:`_sparse_reduce`)
-    or a fused encoding (``encode_feedback``, float32 only) exchanged and its residual
-    written by fewer passes over the leaf."""
-    if (compressor.encode_feedback is not None and compressor.reduce is None
-        and residual is not None and u.dtype == residual.dtype == jnp.float32):
-      payload, new_residual, cstate = compressor.encode_feedback(u, residual, cstate, key)
-      mean, _ = _send(compressor, payload, cstate, u, axis_name, linear=False)
-      return LeafResult(out=mean.astype(u.dtype), residual=new_residual, memory=memory,
-                        state=cstate)
-    if axis_name is None or compressor.reduce is not None or compressor.decode is not _SPARSE:
+    return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
+                                            axis_name)], axis_name)[0]
+
+  def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
+    """:meth:`Strategy.reduce` as an exchange whose all-gather :func:`run_together` packs
+    with the other leaves' (a generator; ``compressed_mean`` runs every leaf's together):
+    a values-and-indices payload (:func:`_sparse_rounds`) or a fused encoding
+    (``encode_feedback``, float32 only) has its residual written by fewer passes over
+    the leaf. A compressor with its own protocol runs it at once."""
+    if axis_name is None or compressor.reduce is not None:
       return super().reduce(compressor, u, residual, memory, cstate, key, axis_name)
-    return _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name)
+    fused = (compressor.encode_feedback is not None and residual is not None
+             and u.dtype == residual.dtype == jnp.float32)
+    if not fused and compressor.decode is _SPARSE:
+      return (yield from _sparse_rounds(compressor, u, residual, memory, cstate, key,
+                                        axis_name))
+    if fused:
+      like = u
+      payload, new_residual, cstate = compressor.encode_feedback(u, residual, cstate, key)
+    else:
+      p = compensate(u, residual)
+      like = p.astype(u.dtype)
+      payload, cstate = compressor.encode(like, cstate, key)
+    mean, local = yield from gather_rounds(
+        payload, lambda pl: compressor.decode(pl, cstate, like), axis_name,
+        lambda acc, pl: compressor.add_decoded(acc, pl, cstate, like))
+    if residual is not None and not fused:
+      new_residual = remember(p, local)
+    return LeafResult(out=mean.astype(u.dtype),
+                      residual=None if residual is None else new_residual,
+                      memory=memory, state=cstate)
 
   def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
     kind = compressor.reduce_collective if compressor.reduce is not None else "all-gather"
@@ -487,6 +465,20 @@ class TwoPhase(Strategy):
   def exchange(self, compressor, x, memory, cstate, key, axis_name, size=None):
     mean, local, memory = two_phase(compressor, x.reshape(-1), memory, key, axis_name, size)
     return mean.reshape(x.shape), local.reshape(x.shape), memory, cstate
+
+  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
+    return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
+                                            axis_name)], axis_name)[0]
+
+  def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
+    """:meth:`reduce` as an exchange whose rounds :func:`run_together` packs with the other
+    leaves' (a generator; ``compressed_mean`` runs every leaf's together)."""
+    p = compensate(u, residual)
+    mean, local, memory = yield from two_phase_rounds(
+        compressor, p.astype(u.dtype).reshape(-1), memory, key, axis_name)
+    return LeafResult(out=mean.reshape(u.shape).astype(u.dtype),
+                      residual=None if residual is None else remember(p, local.reshape(u.shape)),
+                      memory=memory, state=cstate)
 
   def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
     n, workers = base.leaf_size(shape), sizes[axis_name]

@@ -32,7 +32,7 @@ import numpy as np
 from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.comm._channel import sum_decoded
-from commopt.comm._strategies import to_words
+from commopt.comm._words import to_words
 
 
 def shard_len(n: int, workers: int) -> int:

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from commopt._src import base, feedback, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
-from commopt.comm import _buckets, _plan, _shards, _strategies
+from commopt.comm import _buckets, _plan, _shards, _strategies, _words
 from commopt.comm._channel import Channel, exchange, leaf_specs, worker_key
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
@@ -306,15 +306,33 @@ def _naming(leaves: _Leaves, i: int):
 
 
 def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new):
-  """Each compressed leaf through the strategy on its own (see :func:`_reduce_tree_wide`)."""
+  """Each compressed leaf through the strategy (see :func:`_reduce_tree_wide`): on its own,
+  or, for a strategy whose exchange runs in rounds (``reduce_rounds``: two-phase), every
+  leaf's rounds together, one collective a round (:func:`_words.run_together`)."""
   new_res, new_cs, new_servers = new
-  for i in compressed:
-    with leaf_specs((leaves.specs[i],)), _naming(leaves, i):
-      result = cfg.reduction.reduce(
-          cfg.compressor, leaves.updates[i],
-          leaves.residuals[i] if cfg.error_feedback else None,
-          None if tree.is_node(leaves.memories[i]) else leaves.memories[i],
-          leaves.cstates[i], _leaf_key(cfg, wkey, i, leaves.updates[i]), cfg.axis_name)
+
+  def args(i):
+    return (cfg.compressor, leaves.updates[i],
+            leaves.residuals[i] if cfg.error_feedback else None,
+            None if tree.is_node(leaves.memories[i]) else leaves.memories[i],
+            leaves.cstates[i], _leaf_key(cfg, wkey, i, leaves.updates[i]), cfg.axis_name)
+
+  def around(i):
+    stack = contextlib.ExitStack()
+    stack.enter_context(leaf_specs((leaves.specs[compressed[i]],)))
+    stack.enter_context(_naming(leaves, compressed[i]))
+    return stack
+
+  rounds = getattr(cfg.reduction, "reduce_rounds", None)
+  if rounds is not None:
+    results = _words.run_together([rounds(*args(i)) for i in compressed], cfg.axis_name,
+                                  around)
+  else:
+    results = []
+    for j in range(len(compressed)):
+      with around(j):
+        results.append(cfg.reduction.reduce(*args(compressed[j])))
+  for i, result in zip(compressed, results):
     out[i] = result.out
     if cfg.error_feedback:
       new_res[i] = result.residual
