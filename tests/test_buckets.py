@@ -64,7 +64,7 @@ def _mean_in_shard_map(mesh, bucket_bytes, grads):
   return host_copy(run(jax.device_put(grads, jax.sharding.NamedSharding(mesh, P("data")))))
 
 
-@pytest.mark.parametrize("bucket_bytes", [4, 1024, 10**9])
+@pytest.mark.parametrize("bucket_bytes", [pytest.param(4, marks=pytest.mark.slow), 1024, 10**9])
 def test_flat_buckets_equal_the_tuple_all_reduce_bit_for_bit(mesh, bucket_bytes):
   # The same pre-scaled sum and division on every element, however the leaves are
   # packed: buffers of one leaf each (4 bytes: every leaf alone), of a few leaves, of all.
@@ -74,6 +74,7 @@ def test_flat_buckets_equal_the_tuple_all_reduce_bit_for_bit(mesh, bucket_bytes)
                    _mean_in_shard_map(mesh, None, grads))
 
 
+@pytest.mark.slow
 def test_flat_buckets_train_like_the_tuple_all_reduce(mesh):
   # In a step the compiler lays out the gradients' producers differently when they feed
   # a concatenation, so the two agree to float rounding, not bit for bit.

@@ -3,6 +3,8 @@
 import importlib.util
 import pathlib
 
+import pytest
+
 import commopt
 from commopt.testing import checks
 
@@ -16,6 +18,7 @@ def load():
   return module
 
 
+@pytest.mark.slow
 def test_a_new_compressor_is_one_short_file_and_one_registration(mesh, mesh2d):
   lines = EXAMPLE.read_text().splitlines()
   assert len(lines) < 50

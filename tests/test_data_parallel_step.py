@@ -336,6 +336,7 @@ def test_model_state_arguments(mesh):
     commopt.data_parallel(loss_fn, sign_sgd(), mesh, donate="yes")
 
 
+@pytest.mark.slow
 def test_tensor_parallel_keys_and_nnx_state_match_the_flat_mesh():
   mesh, tp = tp_mesh_and_params()
   flat = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])

@@ -156,6 +156,7 @@ def test_sigterm_ends_the_processes_at_once(out):
     proc.kill()
 
 
+@pytest.mark.slow
 def test_sigterm_lets_every_process_save_at_the_same_step(out):
   script = out / "saves.py"
   script.write_text(SAVES)

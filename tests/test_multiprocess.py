@@ -89,6 +89,7 @@ def test_initialize_alone_is_one_process():
 MULTIHOST = "python -m commopt.launch --processes 2 --cpu-devices 4 examples/multihost.py"
 
 
+@pytest.mark.slow
 def test_the_readme_multihost_recipe_trains_across_two_processes():
   import re
   import subprocess

@@ -548,6 +548,7 @@ def _masked_run(tx, steps, *, zero_rows, seed=0):
 
 
 @pytest.mark.parametrize("name", list(MASK_FREEZE))
+@pytest.mark.slow
 def test_an_exp_avg_mask_of_ones_changes_nothing(name):
   """Masks of ones (float32 for w, bool for b) give the unmasked run's parameters and state
   bit for bit, across the freeze (and 0/1 Adam's 1-bit, local and synchronising steps)."""
@@ -601,6 +602,7 @@ def test_exp_avg_mask_makes_zero_one_adams_synchronisations_undo_the_masked_move
 
 
 @pytest.mark.parametrize("name", list(MASK_FREEZE))
+@pytest.mark.slow
 def test_exp_avg_mask_stops_the_drift_of_coordinates_without_gradients(name):
   """DeepSpeed's case: rows whose gradient is always 0 (position embeddings past the trained
   sequence length). Without the mask the 1-bit exchanges (which cannot send an exact 0)

@@ -171,6 +171,7 @@ def test_start_iter_plans_the_leaf_dense_for_a_compressor():
   assert late.contributed_bytes == (64 + 48) * 2 * 4 + 48 * 4
 
 
+@pytest.mark.slow
 def test_float64_leaves_stay_float64_and_match_numpy():
   shape, rank, steps = (40, 30), 3, 3
   us = [worker_inputs(20 + t, shape, dtype=np.float64) for t in range(steps)]

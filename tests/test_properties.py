@@ -19,6 +19,7 @@ def test_sign_bits_layout():
 
 
 @given(shape=st.sampled_from([(7,), (40, 3), (5, 6, 7)]), k=st.integers(1, 7), seed=st.integers(0, 2**31))
+@pytest.mark.slow
 def test_top_k_exact_count_selection_and_contraction(shape, k, seed):
   x = jnp.asarray(np.random.default_rng(seed).permutation(np.prod(shape)) + 1.0, jnp.float32)
   x = (x * jnp.where(jnp.arange(x.size) % 2 == 0, 1.0, -1.0)).reshape(shape)
@@ -46,6 +47,7 @@ def test_top_k_ratio_contraction(seed, ratio):
 
 @given(name=st.sampled_from(["scaled_sign", "top_k", "power_sgd"]), seed=st.integers(0, 2**31),
        steps=st.integers(1, 8))
+@pytest.mark.slow
 def test_error_feedback_conservation_local(name, seed, steps):
   """One worker: the outputs plus the final residual equal the inputs."""
   tx = commopt.compressed_mean(commopt.compressors.make(name), min_size=0)

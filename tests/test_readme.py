@@ -41,6 +41,7 @@ def test_readme_has_the_examples_this_file_runs():
   assert any("local_value_and_grad" in b for b in blocks)
 
 
+@pytest.mark.slow
 def test_readme_blocks_run_in_order(capsys):
   ns = namespace()
   for block in python_blocks():

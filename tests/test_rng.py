@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import commopt
 from commopt._src import rng
@@ -56,6 +57,7 @@ def test_stochastic_rounding_with_it_is_unbiased():
   assert np.all(np.abs(mean - np.asarray(x)) < 6 * sd + 1e-6)
 
 
+@pytest.mark.slow
 def test_distinct_indices_are_a_uniform_k_subset():
   for size, k in [(1, 1), (5, 5), (7, 3), (1000, 10), (1 << 20, 10485), (3_000_017, 30_000)]:
     idx = np.asarray(jax.jit(rng.distinct_indices, static_argnums=(1, 2))(

@@ -142,6 +142,7 @@ def test_non_finite_worker_counts_as_zeros(name, bad):
     np.testing.assert_allclose(out[k][0], want[k], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_rules_under_shard_map_match_vmap():
   mesh = jax.make_mesh((N,), ("workers",))
   u = tree_updates(1)

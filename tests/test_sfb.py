@@ -53,6 +53,7 @@ def test_the_cost_rule():
   assert not sfb_pays(4, 8, 8) and sfb_pays(3, 8, 8)       # 4·16 = 64 is not less than 64
 
 
+@pytest.mark.slow
 def test_backward_packs_the_factors_only_where_they_pay():
   for n, m, packs in ((64, 256, True), (256, 10, False)):
     x = jax.random.normal(jax.random.key(n), (ROWS, n))
@@ -69,6 +70,7 @@ def test_backward_packs_the_factors_only_where_they_pay():
       np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_training_equals_the_dense_mean_to_float_rounding(mesh):
   _, sfb_params, _ = train(loss_with(sfb_dense), sfb_mean(ROWS, MASK, axis_name="data"), mesh)
   dense = commopt.compressed_mean(commopt.compressors.identity(), axis_name="data")

@@ -175,6 +175,7 @@ def test_a_nonfinite_shard_skips_the_step_on_every_device():
   np.testing.assert_array_equal(np.asarray(new["w2"]), np.asarray(p["w2"]))
 
 
+@pytest.mark.slow
 def test_step_memory_shrinks_with_the_model_axis():
   """memory_analysis of the step on 2 x 4: the shard-local step's arguments and
   temporaries are <= 0.3 of the same step's with replicated parameters."""
@@ -298,6 +299,7 @@ def test_power_sgd_without_the_leaf_spec_compresses_each_shard_as_its_own_matrix
 
 # -- HSDP and synchronisation modes over sharded replicas ------------------------------
 
+@pytest.mark.slow
 def test_hsdp_diloco_keeps_every_state_sharded():
   """("replica", "fsdp", "tensor"): DiLoCo's per-replica parameters, anchor, inner Adam and
   outer momentum all keep the model sharding; the outer exchange runs over "replica"."""
@@ -395,6 +397,7 @@ def test_top_k_with_the_leaf_threshold_selects_the_whole_leafs_largest():
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "sharded.md"
 
 
+@pytest.mark.slow
 def test_the_sharded_models_page_runs_in_order(capsys):
   blocks = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), flags=re.S | re.M)
   ns = {}

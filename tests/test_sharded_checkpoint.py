@@ -220,6 +220,7 @@ def _guide_block() -> str:
   return next(b for b in blocks if "mesh42" in b)
 
 
+@pytest.mark.slow
 def test_the_guides_restore_onto_4x2_and_back_onto_2x4(run, tmp_path):
   """The guide's "Sharded models" example as written (2x4 -> 4x2), a step there, and that
   state restored onto 2x4."""
@@ -280,6 +281,7 @@ def test_a_server_memory_of_unknown_layout_is_refused_onto_a_split_one(run):
 # --- per-worker parameters: DiLoCo on sharded replicas ---------------------------------
 
 
+@pytest.mark.slow
 def test_diloco_replicas_sharded_over_model_restore_onto_another_mesh(tmp_path):
   def make(shape):
     """DiLoCo (Adam inside, top-k outer exchange) on a ``("data", "model")`` mesh."""

@@ -116,6 +116,7 @@ class NnxMLP(nnx.Module):
     return self.down(jnp.tanh(self.up(x)), out_sharding=P())
 
 
+@pytest.mark.slow
 def test_nnx_with_partitioning_trains_shard_local(hsdp):
   with jax.set_mesh(hsdp), nn.logical_axis_rules(RULES):
     model = NnxMLP(nnx.Rngs(0))                 # parameters placed as annotated

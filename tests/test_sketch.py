@@ -89,6 +89,7 @@ def _median_failure_bound(rows: int, p: float) -> float:
   return sum(math.comb(rows, j) * p**j * (1 - p)**(rows - j) for j in range(need, rows + 1))
 
 
+@pytest.mark.slow
 def test_heavy_hitters_are_recovered_with_the_stated_probability():
   """Coordinates with |g_i| ≥ ε‖g‖₂ (ε = 1/8) among 2^15 Gaussian ones, sketched into
   5 × 16/ε² buckets (Charikar et al.'s ℓ2 guarantee: cols = O(1/ε²)). The median estimate
@@ -124,6 +125,7 @@ def test_heavy_hitters_are_recovered_with_the_stated_probability():
   assert float(selected.mean()) >= stated, float(selected.mean())
 
 
+@pytest.mark.slow
 def test_sketch_sgd_two_rounds_send_the_exact_mean_of_the_heavy_hitters(mesh):
   """On 8 workers: the selected coordinates are the top k of the median estimates of the
   mean table, their values the exact mean of the workers' inputs there, zeros elsewhere;
@@ -181,6 +183,7 @@ def _fetch_problem(hidden=64):
   return params, loss_fn, x, y
 
 
+@pytest.mark.slow
 def test_fetch_sgd_moves_one_sketch_per_step_and_state_is_shared(mesh):
   """The compiled data-parallel step: one all-reduce of the [rows, cols] float32 table
   (and data_parallel's 4-byte skip flag), nothing of a leaf's size; comm_plan says the
@@ -277,6 +280,7 @@ def test_arguments_are_checked():
     commopt.fetch_sgd(0.1, 4, 5, 10, axis_name=None).init({"i": jnp.zeros(8, jnp.int32)})
 
 
+@pytest.mark.slow
 def test_fetch_sgd_zeroing_modes_take_the_applied_coordinates_out():
   """One worker, one step: "subtract" leaves S_e's estimate of every applied coordinate at
   zero; "buckets" zeroes exactly the buckets they hash to. Both apply −Δ, the top k of

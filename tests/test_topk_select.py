@@ -45,8 +45,8 @@ def leaves(n, seed=0):
   return {name: jnp.asarray(v, jnp.float32) for name, v in out.items()}
 
 
-@pytest.mark.parametrize("n", [40_000, pytest.param(2**17 + 7, marks=pytest.mark.slow),
-                               pytest.param(300_000, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [40_000, 2**17 + 7, 300_000])
 def test_histogram_selection_equals_the_reference(n):
   """Below SAMPLE_FROM the radix select, above it the sampled band (and its fallback)."""
   for name, x in leaves(n, n).items():
@@ -54,6 +54,7 @@ def test_histogram_selection_equals_the_reference(n):
       same_selection(x, k)
 
 
+@pytest.mark.slow
 def test_the_sampled_band_brackets_gradients_and_falls_back_on_ties():
   """Which way a selection goes: the band on spread-out magnitudes (where its work is
   small), the radix select where a tie at the k-th key fills the band."""

@@ -212,6 +212,7 @@ def layer_by_layer_loss(p, b, gather):
   return jnp.mean((h @ gather(p["head"]) - b["y"]) ** 2)
 
 
+@pytest.mark.slow
 def test_layer_by_layer_gathers_under_a_scan(mesh):
   """gather='manual' on a stack sharded layer by layer: the scan gathers one layer at a
   time (rematerialised, so the backward gathers it again), trains as gathering everything
@@ -341,6 +342,7 @@ def test_aux_comes_back_per_worker(mesh):
   np.testing.assert_array_equal(np.asarray(aux["loss"]), np.asarray(losses))
 
 
+@pytest.mark.slow
 def test_sharded_over_two_mesh_axes(mesh2d, mesh):
   """axis_name=("node", "local"): every leaf sharded over all 8 devices of the 2-D mesh, the
   gathers and scatters over both axes; the same training as on the 1-D mesh."""
@@ -404,6 +406,7 @@ def test_hierarchical_gradients_cross_the_slow_axis_less(mesh2d):
                                hierarchical=True)
 
 
+@pytest.mark.slow
 def test_hpz_keeps_the_backward_gathers_inside_the_node(mesh2d):
   """hpz=True on ("node", "local") with a rematerialised layer-by-layer loss: each layer
   crosses nodes once (the forward gather into the secondary partition), the backward pass

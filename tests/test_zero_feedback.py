@@ -37,6 +37,7 @@ def _sent(compressor, g, workers):
   return out.reshape(-1)[:np.size(g)].reshape(np.shape(g))
 
 
+@pytest.mark.slow
 def test_memories_hold_what_the_payloads_did_not_carry(mesh):
   """Two sgd steps with scaled_sign chunks, checked against the compressor run by hand on
   every worker's gradient: the update is the mean of what the payloads carry of g + e, and
@@ -67,6 +68,7 @@ def test_memories_hold_what_the_payloads_did_not_carry(mesh):
   assert np.all(np.asarray(state.residuals["b1"].rows).reshape(8, -1)[:, 37:] == 0)
 
 
+@pytest.mark.slow
 def test_a_memory_costs_one_gradient_per_device_in_its_dtype(mesh):
   """From the compiled step's arguments: float32 memories add the whole model per device,
   bfloat16 half of it; without error feedback nothing."""

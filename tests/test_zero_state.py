@@ -122,6 +122,7 @@ def test_model_state_arguments_name_themselves(mesh):
     bare.step(sharded, state, make_batch(0), start_state())
 
 
+@pytest.mark.slow
 def test_an_nnx_model_with_batch_norm_trains_its_statistics(mesh):
   """A Flax nnx model with BatchNorm: parameters sharded, batch statistics as model state
   (averaged over the workers each step), the rest constant. The same as data_parallel on

@@ -96,6 +96,7 @@ def _collectives(zp, sharded, batch):
   return data, model
 
 
+@pytest.mark.slow
 def test_each_device_moves_only_its_block(tp_mesh):
   """From the compiled HLO: over the data axis each device gathers its block's shards
   (half of the leaf's for the model-sharded leaves), dense or as packed words; nothing of
@@ -128,6 +129,7 @@ def test_quantized_blocks_train_near_dense(tp_mesh):
   assert got[-1].mean() < 1.15 * want[-1].mean()
 
 
+@pytest.mark.slow
 def test_stacked_blocks_gathered_layer_by_layer(tp_mesh):
   """gather='manual' over a stack of column-parallel layers (a scan, one layer gathered
   at a time under remat): the same step, and the same error memories of a signed
@@ -165,6 +167,7 @@ def test_stacked_blocks_gathered_layer_by_layer(tp_mesh):
                results[0][0], results[1][0])
 
 
+@pytest.mark.slow
 def test_state_moves_onto_another_mesh():
   """The whole state (unshard) of a run on 4 x 2 restored onto 2 data x 4 model ranks: the
   parameters and adam's moments each resharded by the new mesh's blocks, and training
@@ -209,6 +212,7 @@ def _crosses_nodes(collective, mesh) -> bool:
   return any(node[d] != node[g[0]] for g in collective.replica_groups for d in g)
 
 
+@pytest.mark.slow
 def test_hpz_on_model_blocks_keeps_the_backward_gathers_inside_the_node():
   """hpz=True beside a model axis (ZeRO over ("node", "local"), tensor parallel over
   "model", 2 x 2 x 2) on a stack gathered layer by layer under remat: each device's block
@@ -293,6 +297,7 @@ def test_two_data_axes_beside_the_model_axis():
   assert out["quantized"] < 1.05 * out["dense"]
 
 
+@pytest.mark.slow
 def test_error_memories_of_model_blocks_conserve_the_mean_gradient():
   """error_feedback=True beside a model axis: each worker keeps a memory of its blocks. One
   sgd(1) step from zero memories: the workers' mean memory is what the payloads did not
