@@ -12,7 +12,9 @@ of ``--mb`` MB and sum it over all of them, in turn:
   ``pip install -e ".[peers]"``).
 
 Each is timed as the median of ``--steps`` calls after one warm-up (each blocked
-until done), the two interleaved call by call; process 0 prints the table.
+until done), the two interleaved call by call; process 0 prints the table. XLA writes
+each sum into a new buffer, torch into its tensor in place (refilled between calls,
+untimed).
 
     python benchmarks/bench_allreduce.py                       # 4 processes, 1 and 17 MB
     python benchmarks/bench_allreduce.py --processes 2 --mb 64
@@ -91,6 +93,7 @@ def worker(args) -> None:
       psum(x).block_until_ready()
       times["xla"].append(time.perf_counter() - start)
       if t is not None:
+        t.fill_(1.0)
         start = time.perf_counter()
         dist.all_reduce(t)
         times["torch"].append(time.perf_counter() - start)

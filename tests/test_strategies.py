@@ -184,18 +184,22 @@ def test_two_phase_vmap_equals_shard_map(mesh):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", [pytest.param("scaled_sign", marks=pytest.mark.slow), "qsgd"])
-def test_two_phase_packs_every_leaf_into_one_all_to_all_and_one_all_gather(
-    mesh, monkeypatch, name):
-  """Three compressed leaves cross in one all-to-all and one all-gather of uint32 words
-  (their payloads end to end), and every output and memory is, bit for bit, what each
-  leaf exchanged on its own gives (stochastic rounding included: the keys are the same)."""
+@pytest.mark.parametrize("strategy,name", [
+    pytest.param("two_phase", "scaled_sign", marks=pytest.mark.slow), ("two_phase", "qsgd"),
+    ("gather", "scaled_sign"),                                  # a fused encoding
+    pytest.param("gather", "top_k", marks=pytest.mark.slow),    # values and indices
+    pytest.param("gather", "qsgd", marks=pytest.mark.slow)])
+def test_compressed_leaves_cross_in_one_collective_a_round(mesh, monkeypatch, strategy, name):
+  """Three compressed leaves cross in one collective a round: two-phase's all-to-all and
+  all-gather of uint32 words, gather's all-gather of bytes (their payloads end to end);
+  every output and memory is, bit for bit, what each leaf exchanged on its own gives
+  (stochastic rounding included: the keys are the same)."""
   from commopt.comm import _words
   from commopt.transforms import _compressed_mean
 
   def run():
     tx = commopt.compressed_mean(commopt.compressors.make(name), axis_name="data",
-                                 strategy="two_phase", min_size=0, error_feedback=True)
+                                 strategy=strategy, min_size=0, error_feedback=True)
     sm = commopt.testing.shard_map_workers(tx, mesh, "data")
     state = sm.init(params_like())
     outs = []
@@ -208,12 +212,13 @@ def test_two_phase_packs_every_leaf_into_one_all_to_all_and_one_all_gather(
   packed, packed_kinds = run()
   together = _words.run_together
   monkeypatch.setattr(_compressed_mean._words, "run_together",
-                      lambda exchanges, axis, around: [
-                          together([e], axis, lambda _, i=i: around(i))[0]
+                      lambda exchanges, axis, around, wait_for: [
+                          together([e], axis, lambda _, i=i: around(i), wait_for)[0]
                           for i, e in enumerate(exchanges)])
   alone, alone_kinds = run()
-  assert packed_kinds == ["all-gather", "all-to-all"]
-  assert alone_kinds == ["all-gather"] * 3 + ["all-to-all"] * 3
+  rounds = ["all-gather", "all-to-all"] if strategy == "two_phase" else ["all-gather"]
+  assert packed_kinds == rounds
+  assert alone_kinds == sorted(rounds * 3)
   for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(alone)):
     commopt.testing.assert_same_bits(a, b)
 

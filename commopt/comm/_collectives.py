@@ -302,7 +302,8 @@ def after(tree: Any, *deps: Any) -> Any:
   their values when they agree). Every float leaf of ``tree`` is made to read ``deps``:
   ``x - 0.0``, bit for bit ``x`` (``-0.0`` and NaN included), with the zero computed from
   the first element of each dependency (``isnan(d) * 0.0``, which the compiler cannot
-  fold), fused into the leaf's producer or consumer. Only where collectives cross
+  fold), fused into the leaf's producer or consumer; an integer leaf (a packed payload's
+  words) is ``x + 0`` with that zero converted to its type. Only where collectives cross
   processes on CPUs (:func:`crosses_processes`); elsewhere ``tree`` is returned as is. A
   leaf whose varying axes do not include the dependencies' keeps no dependency (its type
   must not change).
@@ -322,9 +323,12 @@ def after(tree: Any, *deps: Any) -> Any:
   over = set(varying_axes(first))
 
   def wait(x):
-    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+    if not hasattr(x, "dtype") or not over <= set(varying_axes(x)):
       return x
-    if not over <= set(varying_axes(x)):
+    if jnp.issubdtype(x.dtype, jnp.integer):
+      # Words of a packed payload: ``x + 0``, the zero converted from the float one.
+      return x + _zero_of(first).astype(x.dtype)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
       return x
     if over == set(varying_axes(x)):
       return _after_both_ways(x, first)

@@ -31,13 +31,12 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from commopt._src import base, tree
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.comm._channel import Channel, exchange, gather_rounds, sum_decoded
-from commopt.comm._words import Send, payload_words, run_together, to_bytes, to_words
+from commopt.comm._words import Send, gathered, payload_words, run_together, to_words
 from commopt.compressors import _sparse
 
 
@@ -169,8 +168,8 @@ def two_phase_rounds(compressor: base.Compressor, p: jax.Array, memory: Optional
     new_memory = store_part(kept, memory, n, workers, me)
 
   words2, unpack2 = to_words(payload)
-  gathered = yield Send("all-gather", words2)
-  mean = jax.vmap(decode)(unpack2(gathered)).reshape(-1)[:n]
+  means = yield Send("all-gather", words2)
+  mean = jax.vmap(decode)(unpack2(means)).reshape(-1)[:n]
   return mean, local, new_memory
 
 
@@ -346,13 +345,6 @@ _SPARSE = _sparse._VALUES_CODEC[0]
 """The decode of payloads ``{"values", "indices"}`` (top-k, threshold, random-k)."""
 
 
-def _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name) -> LeafResult:
-  """:meth:`Strategy.reduce` of a payload decoded by :data:`_SPARSE`: :func:`_sparse_rounds`
-  run alone."""
-  return run_together([_sparse_rounds(compressor, u, residual, memory, cstate, key,
-                                      axis_name)], axis_name)[0]
-
-
 def _sparse_rounds(compressor, u, residual, memory, cstate, key, axis_name):
   """:meth:`Strategy.reduce` of a payload decoded by :data:`_SPARSE`, bit for bit, in
   fewer passes over the leaf, as one all-gather round (a generator, see
@@ -365,12 +357,11 @@ def _sparse_rounds(compressor, u, residual, memory, cstate, key, axis_name):
   x = p.astype(u.dtype)
   payload, cstate = compressor.encode(x, cstate, key)
   values, indices = payload["values"], payload["indices"]
-  raw, unpack = to_bytes(payload)
-  gathered = unpack((yield Send("all-gather", raw)))
+  everyone = yield from gathered(payload)
   add = lambda acc, pl: compressor.add_decoded(acc, pl, cstate, x)
   zeros = jnp.zeros(x.shape, jnp.float32)
-  total = (add(zeros, jax.tree.map(lambda t: t.reshape(-1), gathered))
-           if jax.default_backend() == "cpu" else sum_decoded(gathered, add, zeros))
+  total = (add(zeros, jax.tree.map(lambda t: t.reshape(-1), everyone))
+           if jax.default_backend() == "cpu" else sum_decoded(everyone, add, zeros))
   new = None
   if residual is not None:   # in the leaf's own shape: a flat view would be copied back
     where = jnp.unravel_index(indices, p.shape) if p.ndim > 1 else indices
@@ -401,7 +392,20 @@ class Psum(Strategy):
     return _single_plan("all-reduce", compressor, leaf, shape, dtype, axis_name, sizes)
 
 
-class Gather(Strategy):
+class _InRounds(Strategy):
+  """A strategy whose exchange of a leaf is a generator of rounds (``reduce_rounds``), so
+  ``compressed_mean`` runs every leaf's together (:func:`run_together`); one leaf's alone
+  is :meth:`reduce`."""
+
+  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
+    return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
+                                            axis_name)], axis_name)[0]
+
+  def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
+    raise NotImplementedError
+
+
+class Gather(_InRounds):
   """All-gather of the payloads, each decoded: any compressor; traffic grows with the workers.
 
   A compressor with its own protocol (``compressor.reduce``: PowerSGD's two
@@ -412,21 +416,17 @@ class Gather(Strategy):
   def exchange(self, compressor, x, memory, cstate, key, axis_name):
     return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=False)
 
-  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
-    return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
-                                            axis_name)], axis_name)[0]
-
   def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
     """:meth:`Strategy.reduce` as an exchange whose all-gather :func:`run_together` packs
     with the other leaves' (a generator; ``compressed_mean`` runs every leaf's together):
     a values-and-indices payload (:func:`_sparse_rounds`) or a fused encoding
     (``encode_feedback``, float32 only) has its residual written by fewer passes over
     the leaf. A compressor with its own protocol runs it at once."""
-    if axis_name is None or compressor.reduce is not None:
-      return super().reduce(compressor, u, residual, memory, cstate, key, axis_name)
+    if compressor.reduce is not None:
+      return Strategy.reduce(self, compressor, u, residual, memory, cstate, key, axis_name)
     fused = (compressor.encode_feedback is not None and residual is not None
              and u.dtype == residual.dtype == jnp.float32)
-    if not fused and compressor.decode is _SPARSE:
+    if not fused and axis_name is not None and compressor.decode is _SPARSE:
       return (yield from _sparse_rounds(compressor, u, residual, memory, cstate, key,
                                         axis_name))
     if fused:
@@ -450,7 +450,7 @@ class Gather(Strategy):
     return _single_plan(kind, compressor, leaf, shape, dtype, axis_name, sizes)
 
 
-class TwoPhase(Strategy):
+class TwoPhase(_InRounds):
   """All-to-all of compressed chunks, re-compression with a server memory, all-gather."""
   name = "two_phase"
   keeps_server_memory = True
@@ -465,10 +465,6 @@ class TwoPhase(Strategy):
   def exchange(self, compressor, x, memory, cstate, key, axis_name, size=None):
     mean, local, memory = two_phase(compressor, x.reshape(-1), memory, key, axis_name, size)
     return mean.reshape(x.shape), local.reshape(x.shape), memory, cstate
-
-  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
-    return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
-                                            axis_name)], axis_name)[0]
 
   def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
     """:meth:`reduce` as an exchange whose rounds :func:`run_together` packs with the other

@@ -1,10 +1,12 @@
-"""Payloads as uint32 words, and the leaves' exchanges run together, one collective a round.
+"""Payloads as bytes or uint32 words, and the leaves' exchanges run together, one
+collective a round.
 
-:func:`to_words` lays a payload's arrays end to end in one uint32 buffer, so one
-payload crosses in one collective. :func:`run_together` goes further: the exchanges of
-many leaves (generators that yield each round's words, :class:`Send`) run in lockstep,
-and each round's words of every leaf are packed into one buffer that crosses in one
-collective. Across processes on CPUs every collective is a gloo operation of its own,
+:func:`to_bytes` lays a payload's arrays end to end in one uint8 buffer (what a gather
+moves: exactly the payload's bytes), :func:`to_words` in uint32 words (what two-phase
+moves), so one payload crosses in one collective. :func:`run_together` goes further: the
+exchanges of many leaves (generators that yield each round's buffer, :class:`Send`) run
+in lockstep, and each round's buffers of every leaf are packed into one that crosses in
+one collective. Across processes on CPUs every collective is a gloo operation of its own,
 a few milliseconds each whatever its size between 4 processes on 2 cores, so a model
 of 5 compressed leaves exchanged two-phase ran 10 collectives a step where it now runs 2.
 """
@@ -110,18 +112,26 @@ class Send(NamedTuple):
 
 _COLLECTIVES = {"all-to-all": coll.all_to_all, "all-gather": coll.all_gather}
 
+
+def gathered(payload):
+  """Every worker's ``payload`` stacked on a leading axis, by one all-gather of its bytes
+  (:func:`to_bytes`) that :func:`run_together` packs with other leaves' (a generator)."""
+  raw, unpack = to_bytes(payload)
+  return unpack((yield Send("all-gather", raw)))
+
 Exchange = Generator[Send, jax.Array, Any]
 """A leaf's exchange: yields each round's :class:`Send`, is sent back what arrived, and
 returns its result."""
 
 
-def run_together(exchanges: list[Exchange], axis_name, around=None) -> list:
+def run_together(exchanges: list[Exchange], axis_name, around=None, wait_for=()) -> list:
   """The results of ``exchanges``, run in lockstep: each round, the words of every leaf
   that sends by the same collective (and varies over the same mesh axes: a leaf sharded
   over model axes is not packed with replicated ones) are laid end to end in one buffer
   (in place, :func:`tree.concat_flat`) and cross in one collective; each leaf is sent
   back its own columns. ``around(i)``, if given, is a context manager each step of
-  exchange ``i`` runs inside.
+  exchange ``i`` runs inside. Each collective waits for the one before it, the first for
+  ``wait_for`` (:func:`coll.after`: gloo would mix two that ran beside each other).
   """
   results: list = [None] * len(exchanges)
   pending: dict = {}
@@ -147,7 +157,8 @@ def run_together(exchanges: list[Exchange], axis_name, around=None) -> list:
       groups.setdefault(key, []).append(i)
     for (kind, *_), idx in groups.items():
       parts = [sends[i].words for i in idx]
-      arrived = _COLLECTIVES[kind](tree.concat_flat(parts), axis_name)
+      arrived = _COLLECTIVES[kind](coll.after(tree.concat_flat(parts), wait_for), axis_name)
+      wait_for = arrived
       at = 0
       for i, part in zip(idx, parts):
         width = part.shape[-1]

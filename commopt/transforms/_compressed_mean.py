@@ -305,10 +305,13 @@ def _naming(leaves: _Leaves, i: int):
     raise ValueError(f"compressed_mean: {where}: {e}") from e
 
 
-def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new):
+def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new,
+                      wait_for=()):
   """Each compressed leaf through the strategy (see :func:`_reduce_tree_wide`): on its own,
-  or, for a strategy whose exchange runs in rounds (``reduce_rounds``: two-phase), every
-  leaf's rounds together, one collective a round (:func:`_words.run_together`)."""
+  or, for a strategy whose exchange runs in rounds (``reduce_rounds``: gather and
+  two-phase), every leaf's rounds together, one collective a round
+  (:func:`_words.run_together`), after the dense leaves' all-reduces (``wait_for``).
+  An error in a leaf's own step names the leaf; one in a packed collective cannot."""
   new_res, new_cs, new_servers = new
 
   def args(i):
@@ -326,7 +329,7 @@ def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out
   rounds = getattr(cfg.reduction, "reduce_rounds", None)
   if rounds is not None:
     results = _words.run_together([rounds(*args(i)) for i in compressed], cfg.axis_name,
-                                  around)
+                                  around, wait_for)
   else:
     results = []
     for j in range(len(compressed)):
@@ -394,7 +397,8 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
       _reduce_tree_wide(cfg, leaves, idx, wkey if len(groups) == 1 else
                         jax.random.fold_in(wkey, g), out, new)
   else:
-    _reduce_each_leaf(cfg, leaves, compressed, wkey, out, new)
+    _reduce_each_leaf(cfg, leaves, compressed, wkey, out, new,
+                      [out[i] for i in dense])
   unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
   return unflat(out), CompressedMeanState(
       count=optax.safe_int32_increment(state.count), key=state.key, residual=unflat(new[0]),
