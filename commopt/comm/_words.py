@@ -119,6 +119,7 @@ def gathered(payload):
   raw, unpack = to_bytes(payload)
   return unpack((yield Send("all-gather", raw)))
 
+
 Exchange = Generator[Send, jax.Array, Any]
 """A leaf's exchange: yields each round's :class:`Send`, is sent back what arrived, and
 returns its result."""
