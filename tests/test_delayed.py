@@ -257,7 +257,7 @@ def test_no_exchange_of_a_pipelined_step_waits_for_the_backward_pass(mesh):
                                tx, mesh, skip_nonfinite=skip)
     text = dp.lower(dp.place_params(params), dp.init(params), batch).compile().as_text()
     found = batch_dependent_collectives(text)
-    assert found, (label, found)
+    assert len(found) >= 2, (label, found)
     waiting = [c["shape"] for c in found if c["batch"]]
     assert waiting == ([c["shape"] for c in found] if label == "undelayed" else []), (label,
                                                                                      found)

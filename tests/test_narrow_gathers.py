@@ -52,8 +52,7 @@ def test_a_bfloat16_payload_crosses_a_compiled_gather_in_16_bits(mesh):
   state = sm.init({"w": np.asarray(u["w"])[0]})
   compiled = wire.hlo_collectives(sm.update, u, state, stage="compiled")
   gathers = [c for c in compiled if c.kind == "all-gather"]
-  # The payload's 16-bit floats as their bytes: 2 per value, not 4.
-  assert gathers and all(c.dtypes == ("u8",) and c.contributed_bytes == 64 * 32 * 2
+  assert gathers and all(c.dtypes == ("u16",) and c.contributed_bytes == 64 * 32 * 2
                          for c in gathers)
   out, _ = sm.update(u, state)
   want = jnp.mean(u["w"].astype(jnp.bfloat16).astype(jnp.float32), 0)

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from commopt.comm import _collectives as coll
-from commopt.comm._words import gathered
 
 
 _LEAF_SPECS: contextvars.ContextVar = contextvars.ContextVar("commopt_leaf_specs", default=())
@@ -191,29 +190,10 @@ def exchange(payload, decode, strategy: str, axis_name, add=None):
     mean = jax.tree.map(lambda t: t.astype(jnp.float32) / jnp.float32(post),
                         decode(coll.psum(payload, axis_name)))
   else:
-    mean = _gathered_mean(coll.all_gather(payload, axis_name), local, decode, add, n)
+    zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, jnp.float32), local)
+    total = sum_decoded(coll.all_gather(payload, axis_name), add or _adder(decode), zeros)
+    mean = jax.tree.map(lambda t: t / n, total)
   return mean, local
-
-
-def gather_rounds(payload, decode, axis_name, add=None):
-  """:func:`exchange` by gather, as one round of an exchange :func:`run_together` packs
-  with other leaves' (a generator): the payload's arrays end to end in bytes
-  (:func:`~commopt.comm._words.gathered`: no padding, so a leaf moves its payload's
-  bytes exactly), one all-gather, then every worker's decoded and summed in worker order as :func:`exchange`
-  does, bit for bit. Returns ``(mean, local)``."""
-  local = decode(payload)
-  if axis_name is None:
-    return local, local
-  everyone = yield from gathered(payload)
-  return _gathered_mean(everyone, local, decode, add, coll.axis_size(axis_name)), local
-
-
-def _gathered_mean(everyone, local, decode, add, n):
-  """The float32 mean of the stacked payloads ``everyone``, decoded and summed in worker
-  order (:func:`sum_decoded`), shaped as ``local``."""
-  zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, jnp.float32), local)
-  total = sum_decoded(everyone, add or _adder(decode), zeros)
-  return jax.tree.map(lambda t: t / n, total)
 
 
 def worker_key(key, count, compressor, axis_name):

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from commopt._src import base, tree
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
-from commopt.comm._channel import Channel, exchange, gather_rounds, sum_decoded
-from commopt.comm._words import Send, gathered, payload_words, run_together, to_words
+from commopt.comm._channel import Channel, exchange, sum_decoded
+from commopt.comm._words import Send, payload_words, run_together, to_words
 from commopt.compressors import _sparse
 
 
@@ -345,10 +345,9 @@ _SPARSE = _sparse._VALUES_CODEC[0]
 """The decode of payloads ``{"values", "indices"}`` (top-k, threshold, random-k)."""
 
 
-def _sparse_rounds(compressor, u, residual, memory, cstate, key, axis_name):
+def _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name) -> LeafResult:
   """:meth:`Strategy.reduce` of a payload decoded by :data:`_SPARSE`, bit for bit, in
-  fewer passes over the leaf, as one all-gather round (a generator, see
-  :func:`run_together`): the values travel with their indices in one buffer of bytes;
+  fewer passes over the leaf: 32-bit values travel with their indices in one all-gather;
   on the CPU the workers' payloads are added in one scatter-add (XLA:CPU applies its
   updates in order: worker after worker, as :func:`sum_decoded`); the residual
   ``p − decode(payload)`` is a scatter-subtract of the values sent from ``p`` (``p``, the
@@ -357,11 +356,16 @@ def _sparse_rounds(compressor, u, residual, memory, cstate, key, axis_name):
   x = p.astype(u.dtype)
   payload, cstate = compressor.encode(x, cstate, key)
   values, indices = payload["values"], payload["indices"]
-  everyone = yield from gathered(payload)
+  gathered = coll.all_gather(payload if values.dtype.itemsize != 4 else jnp.concatenate(
+      [jax.lax.bitcast_convert_type(values, jnp.uint32), indices.astype(jnp.uint32)]), axis_name)
+  if values.dtype.itemsize == 4:
+    k = values.shape[0]
+    gathered = {"values": jax.lax.bitcast_convert_type(gathered[:, :k], values.dtype),
+                "indices": gathered[:, k:].astype(jnp.int32)}
   add = lambda acc, pl: compressor.add_decoded(acc, pl, cstate, x)
   zeros = jnp.zeros(x.shape, jnp.float32)
-  total = (add(zeros, jax.tree.map(lambda t: t.reshape(-1), everyone))
-           if jax.default_backend() == "cpu" else sum_decoded(everyone, add, zeros))
+  total = (add(zeros, jax.tree.map(lambda t: t.reshape(-1), gathered))
+           if jax.default_backend() == "cpu" else sum_decoded(gathered, add, zeros))
   new = None
   if residual is not None:   # in the leaf's own shape: a flat view would be copied back
     where = jnp.unravel_index(indices, p.shape) if p.ndim > 1 else indices
@@ -395,7 +399,9 @@ class Psum(Strategy):
 class _InRounds(Strategy):
   """A strategy whose exchange of a leaf is a generator of rounds (``reduce_rounds``), so
   ``compressed_mean`` runs every leaf's together (:func:`run_together`); one leaf's alone
-  is :meth:`reduce`."""
+  is :meth:`reduce`. Two-phase only: gather's payloads packed as bytes (one all-gather for
+  every leaf) made the 8-device MLP step of ``bench_step.py`` up to twice as slow (qsgd
+  40.0 to 83.1 ms; XLA:CPU shuffles bytes slowly) and gained nothing across processes."""
 
   def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
     return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
@@ -405,7 +411,7 @@ class _InRounds(Strategy):
     raise NotImplementedError
 
 
-class Gather(_InRounds):
+class Gather(Strategy):
   """All-gather of the payloads, each decoded: any compressor; traffic grows with the workers.
 
   A compressor with its own protocol (``compressor.reduce``: PowerSGD's two
@@ -416,34 +422,19 @@ class Gather(_InRounds):
   def exchange(self, compressor, x, memory, cstate, key, axis_name):
     return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=False)
 
-  def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
-    """:meth:`Strategy.reduce` as an exchange whose all-gather :func:`run_together` packs
-    with the other leaves' (a generator; ``compressed_mean`` runs every leaf's together):
-    a values-and-indices payload (:func:`_sparse_rounds`) or a fused encoding
-    (``encode_feedback``, float32 only) has its residual written by fewer passes over
-    the leaf. A compressor with its own protocol runs it at once."""
-    if compressor.reduce is not None:
-      return Strategy.reduce(self, compressor, u, residual, memory, cstate, key, axis_name)
-    fused = (compressor.encode_feedback is not None and residual is not None
-             and u.dtype == residual.dtype == jnp.float32)
-    if not fused and axis_name is not None and compressor.decode is _SPARSE:
-      return (yield from _sparse_rounds(compressor, u, residual, memory, cstate, key,
-                                        axis_name))
-    if fused:
-      like = u
+  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
+    """As :meth:`Strategy.reduce`, with a values-and-indices payload (:func:`_sparse_reduce`)
+    or a fused encoding (``encode_feedback``, float32 only) exchanged and its residual
+    written by fewer passes over the leaf."""
+    if (compressor.encode_feedback is not None and compressor.reduce is None
+        and residual is not None and u.dtype == residual.dtype == jnp.float32):
       payload, new_residual, cstate = compressor.encode_feedback(u, residual, cstate, key)
-    else:
-      p = compensate(u, residual)
-      like = p.astype(u.dtype)
-      payload, cstate = compressor.encode(like, cstate, key)
-    mean, local = yield from gather_rounds(
-        payload, lambda pl: compressor.decode(pl, cstate, like), axis_name,
-        lambda acc, pl: compressor.add_decoded(acc, pl, cstate, like))
-    if residual is not None and not fused:
-      new_residual = remember(p, local)
-    return LeafResult(out=mean.astype(u.dtype),
-                      residual=None if residual is None else new_residual,
-                      memory=memory, state=cstate)
+      mean, _ = _send(compressor, payload, cstate, u, axis_name, linear=False)
+      return LeafResult(out=mean.astype(u.dtype), residual=new_residual, memory=memory,
+                        state=cstate)
+    if axis_name is None or compressor.reduce is not None or compressor.decode is not _SPARSE:
+      return super().reduce(compressor, u, residual, memory, cstate, key, axis_name)
+    return _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name)
 
   def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
     kind = compressor.reduce_collective if compressor.reduce is not None else "all-gather"

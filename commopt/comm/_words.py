@@ -1,9 +1,9 @@
 """Payloads as bytes or uint32 words, and the leaves' exchanges run together, one
 collective a round.
 
-:func:`to_bytes` lays a payload's arrays end to end in one uint8 buffer (what a gather
-moves: exactly the payload's bytes), :func:`to_words` in uint32 words (what two-phase
-moves), so one payload crosses in one collective. :func:`run_together` goes further: the
+:func:`to_bytes` lays a payload's arrays end to end in one uint8 buffer,
+:func:`to_words` in uint32 words (what two-phase moves), so one payload crosses in one
+collective. :func:`run_together` goes further: the
 exchanges of many leaves (generators that yield each round's buffer, :class:`Send`) run
 in lockstep, and each round's buffers of every leaf are packed into one that crosses in
 one collective. Across processes on CPUs every collective is a gloo operation of its own,
@@ -111,13 +111,6 @@ class Send(NamedTuple):
 
 
 _COLLECTIVES = {"all-to-all": coll.all_to_all, "all-gather": coll.all_gather}
-
-
-def gathered(payload):
-  """Every worker's ``payload`` stacked on a leading axis, by one all-gather of its bytes
-  (:func:`to_bytes`) that :func:`run_together` packs with other leaves' (a generator)."""
-  raw, unpack = to_bytes(payload)
-  return unpack((yield Send("all-gather", raw)))
 
 
 Exchange = Generator[Send, jax.Array, Any]

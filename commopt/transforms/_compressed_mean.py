@@ -308,8 +308,8 @@ def _naming(leaves: _Leaves, i: int):
 def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new,
                       wait_for=()):
   """Each compressed leaf through the strategy (see :func:`_reduce_tree_wide`): on its own,
-  or, for a strategy whose exchange runs in rounds (``reduce_rounds``: gather and
-  two-phase), every leaf's rounds together, one collective a round
+  or, for a strategy whose exchange runs in rounds (``reduce_rounds``: two-phase), every
+  leaf's rounds together, one collective a round
   (:func:`_words.run_together`), after the dense leaves' all-reduces (``wait_for``).
   An error in a leaf's own step names the leaf; one in a packed collective cannot."""
   new_res, new_cs, new_servers = new
