@@ -401,7 +401,7 @@ class _InRounds(Strategy):
   ``compressed_mean`` runs every leaf's together (:func:`run_together`); one leaf's alone
   is :meth:`reduce`. Two-phase only: gather's payloads packed as bytes (one all-gather for
   every leaf) made the 8-device MLP step of ``bench_step.py`` up to twice as slow (qsgd
-  40.0 to 83.1 ms; XLA:CPU shuffles bytes slowly) and gained nothing across processes."""
+  40.0 to 83.1 ms) and gained nothing across processes."""
 
   def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
     return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
