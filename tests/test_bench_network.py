@@ -26,20 +26,32 @@ def namespaces() -> set:
   return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
 
 
+def run_bench(args, timeout):
+  """``subprocess.run`` of the benchmark, and the namespaces its process left behind (its
+  own are named ``commopt-net-<pid>-...``; other tests' benchmarks may run beside it)."""
+  with subprocess.Popen([sys.executable, str(BENCH), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True) as popen:
+    try:
+      out, err = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      popen.kill()
+      raise
+  left = {n for n in namespaces() if n.startswith(f"commopt-net-{popen.pid}-")}
+  return subprocess.CompletedProcess(popen.args, popen.returncode, out, err), left
+
+
 @pytest.mark.slow
 def test_bench_network_measures_a_shaped_link_and_cleans_up(tmp_path):
-  before = namespaces() if os.geteuid() == 0 else set()
-  proc = subprocess.run(
-      [sys.executable, str(BENCH), "--processes", "2", "--bandwidths", "1gbit", "--steps", "10",
+  proc, left = run_bench(
+      ["--processes", "2", "--bandwidths", "1gbit", "--steps", "10",
        "--compute-steps", "3", "--hidden", "1024", "--methods", "dense,scaled_sign/gather",
-       "--target-loss", "1.0", "--out", str(tmp_path)],
-      cwd=ROOT, capture_output=True, text=True, timeout=400)
+       "--target-loss", "1.0", "--out", str(tmp_path)], timeout=400)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads((tmp_path / "network.json").read_text())
   if "skipped" in report:
     assert "bench_network: skipped, " in proc.stdout
     pytest.skip(f"the benchmark cannot shape a network here: {report['skipped']}")
-  assert namespaces() == before                       # its namespace is gone
+  assert not left                                     # its namespace is gone
   rows = report["results"]["2"]["1gbit"]
   dense, sign = rows["dense"], rows["scaled_sign/gather"]
   # Dense moves ~4.5 MB per worker per step through a 1 Gbit/s link shared by two
@@ -88,17 +100,15 @@ def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, met
   if method.startswith("torch:") and torch_missing():
     pytest.skip(f"PyTorch is not importable here ({torch_missing()}); "
                 "`pip install -e '.[peers]'` to run its peer")
-  before = namespaces() if os.geteuid() == 0 else set()
-  proc = subprocess.run(
-      [sys.executable, str(BENCH), "--processes", "2", "--bandwidths", "1gbit", "--steps", "16",
+  proc, left = run_bench(
+      ["--processes", "2", "--bandwidths", "1gbit", "--steps", "16",
        "--compute-steps", "3", "--hidden", "1024", "--methods", f"dense,{method}",
-       "--target-loss", "1.0", "--out", str(tmp_path)],
-      cwd=ROOT, capture_output=True, text=True, timeout=500)
+       "--target-loss", "1.0", "--out", str(tmp_path)], timeout=500)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads((tmp_path / "network.json").read_text())
   if "skipped" in report:
     pytest.skip(f"the benchmark cannot shape a network here: {report['skipped']}")
-  assert namespaces() == before
+  assert not left
   rows = report["results"]["2"]["1gbit"]
   dense, other = rows["dense"], rows[method]
   assert len(other["losses"]) == 16 and other["losses"][-1] < other["losses"][0]
