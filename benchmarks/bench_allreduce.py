@@ -88,7 +88,7 @@ def worker(args) -> None:
       import torch
       t = torch.ones(n)
     times = {"xla": [], "torch": []}
-    for i in range(args.steps + 1):
+    for _ in range(args.steps + 1):
       start = time.perf_counter()
       psum(x).block_until_ready()
       times["xla"].append(time.perf_counter() - start)

@@ -372,6 +372,13 @@ def test_strategies_chunk_the_local_shard(strategy):
     server = state.inner_state[0].server_residual["w1"]
     # 16 x 64 values per shard, in 2 chunks: 512 per device.
     assert server.addressable_shards[0].data.shape == (1, 512)
+    # Each round packs the model-sharded leaves' shards in one buffer and the replicated
+    # bias in another: a device's all-to-all rows carry its shards' payload words exactly.
+    from commopt.comm._words import payload_words
+    words = lambda n: payload_words(commopt.scaled_sign(), -(-n // 2), jnp.float32)
+    audit = commopt.wire.hlo_collectives(dp, p, state, batch())
+    rows = {shape[-1] for col in audit if col.kind == "all-to-all" for shape in col.shapes}
+    assert rows == {words(16 * 64) + words(64 * 8), words(8)}, audit
 
 
 def test_top_k_with_the_leaf_threshold_selects_the_whole_leafs_largest():

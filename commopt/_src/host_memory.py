@@ -6,8 +6,8 @@ the heap's free top back to the system, so each step faults every page of its la
 temporaries in again (a matrix product writing a 16 MB gradient took 3.6 ms into a fresh
 buffer against 0.8 ms in the hand-written step; whole steps are measured in the guide's
 Performance page). Two of glibc's own settings keep such memory in the process: no
-``mmap`` for large requests (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD`` at its largest). The process
-then keeps its peak heap for its lifetime, as a GPU runtime's caching allocator does
+``mmap`` for large requests (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD``
+at its largest). The process then keeps its peak heap for its lifetime, as a GPU runtime's caching allocator does
 (glibc still maps a request of more than its heap size, 64 MB, made from a thread other
 than the main one). The environment variables pass on to the processes a script starts.
 """

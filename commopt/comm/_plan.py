@@ -46,8 +46,8 @@ def ring_sent_bytes(kind: str, contributed: float, n: int) -> float:
 
 class Planned(NamedTuple):
   """One collective a reduction will run for one leaf, or that leaf's share of one:
-  leaves exchanged together (``two_phase``, ``gather``) cross in one collective per
-  round, each leaf's words end to end, so the shares add up to its bytes.
+  leaves exchanged together (``two_phase``) cross in one collective per round, each
+  leaf's words end to end, so the shares add up to its bytes.
 
   Attributes:
     leaf: the leaf's path (``jax.tree_util.keystr``).

@@ -396,21 +396,6 @@ class Psum(Strategy):
     return _single_plan("all-reduce", compressor, leaf, shape, dtype, axis_name, sizes)
 
 
-class _InRounds(Strategy):
-  """A strategy whose exchange of a leaf is a generator of rounds (``reduce_rounds``), so
-  ``compressed_mean`` runs every leaf's together (:func:`run_together`); one leaf's alone
-  is :meth:`reduce`. Two-phase only: gather's payloads packed as bytes (one all-gather for
-  every leaf) made the 8-device MLP step of ``bench_step.py`` up to twice as slow (qsgd
-  40.0 to 83.1 ms) and gained nothing across processes."""
-
-  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
-    return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
-                                            axis_name)], axis_name)[0]
-
-  def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
-    raise NotImplementedError
-
-
 class Gather(Strategy):
   """All-gather of the payloads, each decoded: any compressor; traffic grows with the workers.
 
@@ -441,8 +426,15 @@ class Gather(Strategy):
     return _single_plan(kind, compressor, leaf, shape, dtype, axis_name, sizes)
 
 
-class TwoPhase(_InRounds):
-  """All-to-all of compressed chunks, re-compression with a server memory, all-gather."""
+class TwoPhase(Strategy):
+  """All-to-all of compressed chunks, re-compression with a server memory, all-gather.
+
+  Its exchange of a leaf is a generator of rounds (:meth:`reduce_rounds`), so
+  ``compressed_mean`` runs every leaf's together (:func:`run_together`). Gather has none:
+  its payloads packed as bytes (one all-gather for every leaf) made the 8-device MLP step
+  of ``bench_step.py`` up to twice as slow (qsgd 40.0 to 83.1 ms) and gained nothing
+  across processes.
+  """
   name = "two_phase"
   keeps_server_memory = True
 
@@ -456,6 +448,10 @@ class TwoPhase(_InRounds):
   def exchange(self, compressor, x, memory, cstate, key, axis_name, size=None):
     mean, local, memory = two_phase(compressor, x.reshape(-1), memory, key, axis_name, size)
     return mean.reshape(x.shape), local.reshape(x.shape), memory, cstate
+
+  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
+    return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
+                                            axis_name)], axis_name)[0]
 
   def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
     """:meth:`reduce` as an exchange whose rounds :func:`run_together` packs with the other

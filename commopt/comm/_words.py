@@ -3,10 +3,9 @@ collective a round.
 
 :func:`to_bytes` lays a payload's arrays end to end in one uint8 buffer,
 :func:`to_words` in uint32 words (what two-phase moves), so one payload crosses in one
-collective. :func:`run_together` goes further: the
-exchanges of many leaves (generators that yield each round's buffer, :class:`Send`) run
-in lockstep, and each round's buffers of every leaf are packed into one that crosses in
-one collective. Across processes on CPUs every collective is a gloo operation of its own,
+collective. :func:`run_together` goes further: the exchanges of many leaves (generators
+that yield each round's buffer, :class:`Send`) run in lockstep, and each round's buffers
+of every leaf are packed into one that crosses in one collective. Across processes on CPUs every collective is a gloo operation of its own,
 a few milliseconds each whatever its size between 4 processes on 2 cores, so a model
 of 5 compressed leaves exchanged two-phase ran 10 collectives a step where it now runs 2.
 """
@@ -159,4 +158,3 @@ def run_together(exchanges: list[Exchange], axis_name, around=None, wait_for=())
         advance(i, arrived[..., at:at + width])
         at += width
   return results
-

@@ -320,21 +320,20 @@ def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out
             None if tree.is_node(leaves.memories[i]) else leaves.memories[i],
             leaves.cstates[i], _leaf_key(cfg, wkey, i, leaves.updates[i]), cfg.axis_name)
 
+  @contextlib.contextmanager
   def around(i):
-    stack = contextlib.ExitStack()
-    stack.enter_context(leaf_specs((leaves.specs[compressed[i]],)))
-    stack.enter_context(_naming(leaves, compressed[i]))
-    return stack
+    with leaf_specs((leaves.specs[i],)), _naming(leaves, i):
+      yield
 
   rounds = getattr(cfg.reduction, "reduce_rounds", None)
   if rounds is not None:
     results = _words.run_together([rounds(*args(i)) for i in compressed], cfg.axis_name,
-                                  around, wait_for)
+                                  lambda j: around(compressed[j]), wait_for)
   else:
     results = []
-    for j in range(len(compressed)):
-      with around(j):
-        results.append(cfg.reduction.reduce(*args(compressed[j])))
+    for i in compressed:
+      with around(i):
+        results.append(cfg.reduction.reduce(*args(i)))
   for i, result in zip(compressed, results):
     out[i] = result.out
     if cfg.error_feedback:
