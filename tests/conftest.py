@@ -5,6 +5,10 @@ the robustness studies run as subprocesses or train for many steps);
 ``pytest -m slow`` runs them, and CI runs both.
 """
 
+import pathlib
+import subprocess
+import sys
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -15,6 +19,7 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKERS = 8
 """The simulated devices, all of them data-parallel workers in the 1-D mesh."""
 
@@ -29,3 +34,30 @@ def mesh():
 def mesh2d():
   """2 nodes × 4 local devices: ``("node", "local")``."""
   return jax.make_mesh((2, 4), ("node", "local"))
+
+
+def _namespaces() -> set:
+  out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+  return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+def _run_bench(script, args, timeout):
+  """``(subprocess.CompletedProcess, left)``: the benchmark ``script`` run with ``args``, and
+  the network namespaces its process left behind. Benchmarks name theirs
+  ``commopt-net-<pid>-...`` (``benchmarks/bench_network.py``'s ``Namespace``); several may run
+  beside each other under ``pytest -n``, so only this process's are looked at."""
+  with subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True) as popen:
+    try:
+      out, err = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      popen.kill()
+      raise
+  left = {n for n in _namespaces() if n.startswith(f"commopt-net-{popen.pid}-")}
+  return subprocess.CompletedProcess(popen.args, popen.returncode, out, err), left
+
+
+@pytest.fixture
+def run_bench():
+  """:func:`_run_bench`: runs a benchmark that shapes a network namespace."""
+  return _run_bench

@@ -21,31 +21,12 @@ def bench():
   return module
 
 
-def namespaces() -> set:
-  out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-  return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
-
-
-def run_bench(args, timeout):
-  """``subprocess.run`` of the benchmark, and the namespaces its process left behind (its
-  own are named ``commopt-net-<pid>-...``; other tests' benchmarks may run beside it)."""
-  with subprocess.Popen([sys.executable, str(BENCH), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True) as popen:
-    try:
-      out, err = popen.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-      popen.kill()
-      raise
-  left = {n for n in namespaces() if n.startswith(f"commopt-net-{popen.pid}-")}
-  return subprocess.CompletedProcess(popen.args, popen.returncode, out, err), left
-
-
 @pytest.mark.slow
-def test_bench_network_measures_a_shaped_link_and_cleans_up(tmp_path):
+def test_bench_network_measures_a_shaped_link_and_cleans_up(tmp_path, run_bench):
   proc, left = run_bench(
-      ["--processes", "2", "--bandwidths", "1gbit", "--steps", "10",
-       "--compute-steps", "3", "--hidden", "1024", "--methods", "dense,scaled_sign/gather",
-       "--target-loss", "1.0", "--out", str(tmp_path)], timeout=400)
+      BENCH, ["--processes", "2", "--bandwidths", "1gbit", "--steps", "10", "--compute-steps", "3",
+              "--hidden", "1024", "--methods", "dense,scaled_sign/gather", "--target-loss", "1.0",
+              "--out", str(tmp_path)], timeout=400)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads((tmp_path / "network.json").read_text())
   if "skipped" in report:
@@ -96,14 +77,14 @@ def torch_missing():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["diloco(8)+scaled_sign", "torch:power_sgd(2)",
                                     "zero+qwZ+qgZ", "overlap:scaled_sign/gather"])
-def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, method):
+def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, method, run_bench):
   if method.startswith("torch:") and torch_missing():
     pytest.skip(f"PyTorch is not importable here ({torch_missing()}); "
                 "`pip install -e '.[peers]'` to run its peer")
   proc, left = run_bench(
-      ["--processes", "2", "--bandwidths", "1gbit", "--steps", "16",
-       "--compute-steps", "3", "--hidden", "1024", "--methods", f"dense,{method}",
-       "--target-loss", "1.0", "--out", str(tmp_path)], timeout=500)
+      BENCH, ["--processes", "2", "--bandwidths", "1gbit", "--steps", "16", "--compute-steps", "3",
+              "--hidden", "1024", "--methods", f"dense,{method}", "--target-loss", "1.0",
+              "--out", str(tmp_path)], timeout=500)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads((tmp_path / "network.json").read_text())
   if "skipped" in report:
