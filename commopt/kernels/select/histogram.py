@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from commopt._src import bits
 from commopt.kernels.select import reference
 
 _U32 = jnp.uint32
@@ -143,22 +144,6 @@ def kth_key(key: jax.Array, k, valid=None):
 # Words of 32 coordinates.
 
 
-def _low_mask(bits: jax.Array) -> jax.Array:
-  """uint32 words with the ``bits`` (0 to 31) lowest bits set."""
-  return (jnp.uint32(1) << bits.astype(_U32)) - np.uint32(1)
-
-
-def _nth_set_bit(word: jax.Array, rank: jax.Array) -> jax.Array:
-  """The position of the set bit of rank ``rank`` (0-based, below ``popcount(word)``) of
-  each uint32 ``word``: the largest ``p`` with ``popcount(word & low_mask(p)) <= rank``."""
-  position = jnp.zeros(word.shape, _U32)
-  for step in (16, 8, 4, 2, 1):
-    trial = position + np.uint32(step)
-    below = lax.population_count(word & _low_mask(trial)).astype(_I32)
-    position = jnp.where(below <= rank, trial, position)
-  return position.astype(_I32)
-
-
 def _count(words: jax.Array) -> jax.Array:
   return lax.population_count(words).astype(_I32)
 
@@ -176,17 +161,6 @@ def _words(key: jax.Array, n: int, *tests):
   return [masks[:, i] for i in range(len(tests))]
 
 
-def _slots(words: jax.Array, size: int):
-  """``(word, bit)`` of the first ``size`` set bits of ``words`` in index order (past the
-  last set bit: ``word`` is the number of words)."""
-  ends = jnp.cumsum(_count(words))
-  slots = jnp.arange(size, dtype=_I32)
-  word = jnp.searchsorted(ends, slots, side="right").astype(_I32)
-  found = words.at[word].get(mode="fill", fill_value=0)
-  rank = slots - (ends.at[word].get(mode="fill", fill_value=0) - _count(found))
-  return word, _nth_set_bit(found, rank)
-
-
 def _radix_words(flat: jax.Array, k: int) -> jax.Array:
   """The selection's words by the radix select over every key."""
   n, key = flat.shape[0], reference.magnitude_key(flat)
@@ -198,9 +172,9 @@ def _radix_words(flat: jax.Array, k: int) -> jax.Array:
   # those below its tie of rank `taken`.
   kept = jnp.where(taken >= tied_count, tied, np.uint32(0))
   split = jnp.argmax((taken > 0) & (taken < tied_count))
-  cut = _nth_set_bit(tied[split], taken[split])
+  cut = bits.nth_set_bit(tied[split], taken[split])
   kept = kept.at[split].set(jnp.where(taken[split] < tied_count[split],
-                                      tied[split] & _low_mask(cut), kept[split]))
+                                      tied[split] & bits.low_mask(cut), kept[split]))
   return above | kept
 
 
@@ -242,7 +216,7 @@ def _band_edges(key: jax.Array, n: int, k: int):
 def _band_words(flat: jax.Array, k: int, above, band, capacity: int):
   """The selection's words from the words ``above`` the band and the band's, the k-th key
   being inside the band and the band at most ``capacity`` coordinates."""
-  word, bit = _slots(band, capacity)
+  word, bit = bits.set_bit_slots(band, capacity)
   valid = word < band.shape[0]
   index = word * WORD + bit
   band_key = reference.magnitude_key(flat.at[index].get(mode="fill", fill_value=0))
@@ -271,6 +245,6 @@ def select_top_k(flat: jax.Array, k: int):
     # The branches recompute the keys from `flat`: an operand of the cond is written out.
     chosen = lax.cond(bracketed, lambda: _band_words(flat, k, above, band, capacity),
                       lambda: _radix_words(flat, k))
-  word, bit = _slots(chosen, k)
+  word, bit = bits.set_bit_slots(chosen, k)
   indices = word * WORD + bit
   return flat[indices], indices
