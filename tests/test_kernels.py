@@ -320,6 +320,22 @@ def test_select_top_k_sampled_bracket_and_fallback(n, k):
                                 brute_top_k(ties, k))
 
 
+@given(mask=st.lists(st.booleans(), min_size=0, max_size=200),
+       extra=st.integers(min_value=0, max_value=5), take=st.floats(0.0, 1.0))
+def test_first_true_is_the_first_true_indices(mask, extra, take):
+  """The word-scan compaction against numpy on any mask: word boundaries, no true entry,
+  capacity below, at and past the count (empty slots hold n)."""
+  from commopt._src import base
+  mask = np.asarray(mask, bool)
+  count = int(mask.sum())
+  for capacity in (int(take * count), count, count + extra):
+    want = np.flatnonzero(mask)[:capacity]
+    want = np.concatenate([want, np.full(capacity - want.size, mask.size)])
+    got = base.first_true(jnp.asarray(mask), capacity)
+    assert got.dtype == jnp.int32 and got.shape == (capacity,)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("n, block", [(1, 32), pytest.param(95, 32, marks=pytest.mark.slow),
                                       pytest.param(1000, 64, marks=pytest.mark.slow),
                                       pytest.param(70_001, 1024, marks=pytest.mark.slow)])
