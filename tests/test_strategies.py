@@ -516,3 +516,24 @@ def test_a_top_k_with_an_absolute_k_reduces_as_before():
   params = {"w": jnp.arange(10000.0).reshape(100, 100)}
   out, _ = tx.update(params, tx.init(params))
   assert int(jnp.sum(out["w"] != 0)) == 5000
+
+
+def test_a_16_bit_psum_between_cpu_processes_warns(mesh, monkeypatch):
+  # XLA:CPU widens a 16-bit all-reduce to float32 when it compiles: between processes a
+  # cast payload under psum crosses at the dense size, which the user is told; two-phase
+  # (16 bits on the wire) and one process are not warned about.
+  import warnings
+  from commopt.comm import _collectives
+  u = {"w": jnp.ones((N, 64, 64))}
+  for crosses, strategy, warns in ((True, "psum", True), (True, "two_phase", False),
+                                   (False, "psum", False)):
+    monkeypatch.setattr(_collectives, "crosses_processes", lambda c=crosses: c)
+    tx = commopt.compressed_mean(commopt.cast("bfloat16"), axis_name="data", strategy=strategy)
+    sm = commopt.testing.shard_map_workers(tx, mesh, "data")
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      sm.update(u, sm.init({"w": jnp.ones((64, 64))}))
+    said = [str(w.message) for w in caught if "widens a 16-bit all-reduce" in str(w.message)]
+    assert bool(said) == warns, (crosses, strategy, said)
+    if warns:
+      assert "cast(bfloat16)" in said[0] and "strategy='two_phase'" in said[0]

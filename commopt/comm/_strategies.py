@@ -27,6 +27,7 @@ the two give the same results.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -327,6 +328,13 @@ class Strategy:
 
 def _send(compressor, payload, cstate, like, axis_name, linear: bool):
   """``(mean, local)`` of ``payload`` over the axis (:func:`exchange`), decoded as ``like``."""
+  if linear and axis_name is not None and coll.crosses_processes() and any(
+      base.is_float_dtype(t.dtype) and t.dtype.itemsize == 2 for t in jax.tree.leaves(payload)):
+    warnings.warn(
+        f"compressed_mean: {compressor.name}'s 16-bit payload is all-reduced "
+        "(strategy='psum') between CPU processes, where XLA:CPU widens a 16-bit all-reduce "
+        "to float32 when it compiles: it crosses at the dense mean's size. "
+        "strategy='two_phase' sends it at 16 bits.", stacklevel=2)
   return exchange(payload, lambda pl: compressor.decode(pl, cstate, like),
                   "psum" if linear else "gather", axis_name,
                   lambda acc, pl: compressor.add_decoded(acc, pl, cstate, like))
