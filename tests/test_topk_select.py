@@ -45,6 +45,13 @@ def leaves(n, seed=0):
   return {name: jnp.asarray(v, jnp.float32) for name, v in out.items()}
 
 
+def test_the_sampled_band_selects_as_the_reference():
+  """One leaf past SAMPLE_FROM in the default tier: the sampled band's path (its
+  compaction of the band's words included) against the reference."""
+  x = leaves(2**17 + 7)["normal"]
+  same_selection(x, 2049)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [40_000, 2**17 + 7, 300_000])
 def test_histogram_selection_equals_the_reference(n):

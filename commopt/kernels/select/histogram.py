@@ -224,9 +224,9 @@ def _band_words(flat: jax.Array, k: int, above, band, capacity: int):
   threshold, ties = kth_key(band_key, need, valid)
   tie = valid & (band_key == threshold)
   taken = valid & ((band_key > threshold) | (tie & (jnp.cumsum(tie.astype(_I32)) <= ties)))
-  bits = jnp.where(taken, jnp.uint32(1) << bit.astype(_U32), np.uint32(0))
+  set_bits = jnp.where(taken, jnp.uint32(1) << bit.astype(_U32), np.uint32(0))
   return above + jnp.zeros_like(above).at[jnp.where(taken, word, band.shape[0])].add(
-      bits, mode="drop")
+      set_bits, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
