@@ -5,6 +5,7 @@ the robustness studies run as subprocesses or train for many steps);
 ``pytest -m slow`` runs them, and CI runs both.
 """
 
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -61,3 +62,18 @@ def _run_bench(script, args, timeout):
 def run_bench():
   """:func:`_run_bench`: runs a benchmark that shapes a network namespace."""
   return _run_bench
+
+
+def _load_script(path):
+  """A script (a benchmark, an example) imported as a module, by its path."""
+  path = pathlib.Path(path)
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture
+def load_script():
+  """:func:`_load_script`: imports a script by its path."""
+  return _load_script

@@ -1,7 +1,6 @@
 """The base-step benchmark: its by-hand skip rows keep the guarantee they stand for, and
 the benchmark runs end to end (shortened, slow tier)."""
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -17,18 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_base.py"
 
 
-def bench():
-  spec = importlib.util.spec_from_file_location("bench_base", BENCH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.mark.parametrize("label", ["plain, by-hand skip", "plain (flat), by-hand skip"])
-def test_by_hand_skip_rows_skip_on_one_workers_nan_and_step_otherwise(mesh, label):
+def test_by_hand_skip_rows_skip_on_one_workers_nan_and_step_otherwise(mesh, label, load_script):
   params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"]) ** 2)
-  init, step = bench().steps(mesh, params, loss_fn)[label]
+  init, step = load_script(BENCH).steps(mesh, params, loss_fn)[label]
   put = lambda t: jax.device_put(t, NamedSharding(mesh, P("data")))
   x = np.ones((16, 4), np.float32)
   bad = x.copy()

@@ -1,7 +1,6 @@
 """The network benchmark: end to end, shortened (a shaped namespace, two processes, few steps;
 slow), and its summary of commopt against PyTorch on hand-made rows (default tier)."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,13 +11,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_network.py"
-
-
-def bench():
-  spec = importlib.util.spec_from_file_location("bench_network", BENCH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 @pytest.mark.slow
@@ -150,8 +142,8 @@ def row(step_s, ttt, steps=10):
           else steps}
 
 
-def test_summary_picks_each_role_and_compares_the_best_of_each_side():
-  b = bench()
+def test_summary_picks_each_role_and_compares_the_best_of_each_side(load_script):
+  b = load_script(BENCH)
   results = {"4": {
       "1gbit": {"dense": row(0.9, 11.0), "scaled_sign/gather": row(0.2, 3.0),
                 "top_k(0.01)/gather": row(0.1, None), "diloco(8)+scaled_sign": row(0.06, 1.0),
@@ -192,8 +184,8 @@ def test_summary_picks_each_role_and_compares_the_best_of_each_side():
   assert "torch:" not in b.verdicts(derived, ["1gbit"], [4])
 
 
-def test_derive_counts_steps_on_the_global_model():
-  b = bench()
+def test_derive_counts_steps_on_the_global_model(load_script):
+  b = load_script(BENCH)
   losses = [2.0] * 4 + [0.1] * 12                      # the workers' own models: early
   r = {"step_s": 0.1, "comm_s": 0.01, "sent_bytes": 100.0, "losses": losses,
        "step_times": [5.0] + [0.1] * 15, "period": 8, "global_losses": [[8, 0.9], [16, 0.2]]}

@@ -1,7 +1,6 @@
 """The two-node benchmark: end to end, shortened (two shaped namespaces, two launchers,
 slow), and its derived figures on hand-made rows (default tier)."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -14,15 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_nodes.py"
 
 
-def bench():
-  spec = importlib.util.spec_from_file_location("bench_nodes", BENCH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def test_derive_measures_time_to_the_target_against_dense():
-  b = bench()
+def test_derive_measures_time_to_the_target_against_dense(load_script):
+  b = load_script(BENCH)
   rows = {"dense": {"step_s": 0.2, "losses": [1.0, 0.8, 0.6, 0.5, 0.5, 0.5, 0.5, 0.5]},
           "hpZ": {"step_s": 0.1, "losses": [1.0, 0.9, 0.7, 0.6, 0.54, 0.5, 0.5, 0.5]},
           "qwZ": {"step_s": 0.1, "losses": [1.0, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]}}
@@ -36,8 +28,8 @@ def test_derive_measures_time_to_the_target_against_dense():
   assert b.derive(rows, 0.95)["qwZ"]["steps_to_target"] == 2
 
 
-def test_bad_arguments_are_refused():
-  b = bench()
+def test_bad_arguments_are_refused(load_script):
+  b = load_script(BENCH)
   with pytest.raises(SystemExit):
     b.parse_args(["--setups", "dense,zero++"])
   with pytest.raises(SystemExit):
