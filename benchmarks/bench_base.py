@@ -8,20 +8,20 @@ every row alike; the best round's median is reported, as a ratio to the
 fastest plain-JAX row of the same run:
 
 - ``plain``: ``jax.jit(jax.shard_map(step))`` whose gradients are averaged by
-  ``lax.pmean`` on the tree, the step most JAX users write;
-- ``plain (flat)``: the same with each worker's gradients kept local
-  (parameters cast to per-worker values) and concatenated into one buffer
+  ``lax.pmean`` on the tree (the parameters cast to per-worker values first, so the
+  gradients stay per worker until that one all-reduce per leaf);
+- ``plain (flat)``: the same with the gradients concatenated into one buffer
   for one all-reduce (what DDP's buckets do);
 - ``plain (1 MB buckets)``: the same, the gradients concatenated in order
   into buffers of at most 1 MB (a larger leaf alone), one all-reduce each:
   XLA:CPU concatenates a leaf of a few MB in a donated step far slower than
   it copies it, which slows ``plain (flat)`` (see ``commopt.comm._buckets``);
-- ``plain, by-hand skip`` and ``plain (flat), by-hand skip``: those steps with the
-  default skip's guarantee written out in JAX: every worker agrees by one int32
-  all-reduce whether any worker's gradients hold a NaN or an infinity, the reduced
-  update is checked too, and on a skip the parameters and adam's state stay as they
-  were (a select per leaf). Not counted as plain: they show what the guarantee costs
-  by hand, beside ``identity``;
+- ``plain (flat), by-hand skip`` and ``plain (1 MB buckets), by-hand skip``: those
+  steps with the guarantee of the default skip written out in JAX for a dense mean:
+  the reduced update is checked (a NaN or an infinity in any worker's gradient reaches
+  it), and on a skip the parameters and adam's state stay as they were (a select per
+  leaf). Not counted as plain: they show what the guarantee costs a hand-written step,
+  beside what it costs ``identity`` (its ``no skip`` row);
 - ``identity``: ``data_parallel(loss, chain(compressed_mean(identity()), adam))``
   with its defaults (the agreed non-finite skip on);
 - ``identity, fast skip``: the same with ``skip_nonfinite="fast"`` (the
@@ -150,17 +150,11 @@ def steps(mesh, params, loss_fn):
 
   def plain_step(flat, skip=False):
     def body(p, s, b):
-      if flat:
-        # Gradients of parameters cast to per-worker values stay per worker (the
-        # autodiff of replicated parameters would all-reduce each leaf itself), then
-        # buffers of them are all-reduced: one concatenation, or buckets of 1 MB.
-        local = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), p)
-        loss, g = jax.value_and_grad(loss_fn)(local, b)
-      else:
-        loss, g = jax.value_and_grad(loss_fn)(p, b)
-      if skip:
-        # Does any worker's gradient hold a NaN or an infinity? One int32 all-reduce.
-        bad = jax.lax.psum((~finite(g)).astype(jnp.int32), "data")
+      # Parameters cast to per-worker values, so the gradients stay per worker until the
+      # exchange: differentiating the replicated parameters would all-reduce each
+      # gradient leaf already (a pmean after that would sum the workers' gradients).
+      local = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), p)
+      loss, g = jax.value_and_grad(loss_fn)(local, b)
       if flat == "buckets":
         g = bucketed_pmean(g, 2**20)
       elif flat:
@@ -170,8 +164,11 @@ def steps(mesh, params, loss_fn):
         g = jax.lax.pmean(g, "data")
       u, new_s = opt.update(g, s, p)
       if skip:
-        # The reduced update is checked too; on a skip nothing moves.
-        ok = (bad == 0) & finite(u)
+        # The guarantee of data_parallel's default skip for a dense mean: a NaN or an
+        # infinity in any worker's gradient reaches the mean and the update, so one check
+        # of the reduced update (the same on every worker) decides; on a skip the
+        # parameters and the optimizer state stay as they were.
+        ok = finite(u)
         u = jax.tree.map(lambda x: jnp.where(ok, x, -0.0), u)
         new_s = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_s, s)
       return optax.apply_updates(p, u), new_s, loss[None]
@@ -190,8 +187,8 @@ def steps(mesh, params, loss_fn):
   import jax.flatten_util  # noqa: F401  (ravel_pytree)
   return {"plain": plain_step(False), "plain (flat)": plain_step(True),
           "plain (1 MB buckets)": plain_step("buckets"),
-          "plain, by-hand skip": plain_step(False, skip=True),
           "plain (flat), by-hand skip": plain_step(True, skip=True),
+          "plain (1 MB buckets), by-hand skip": plain_step("buckets", skip=True),
           "identity": identity(True), "identity, fast skip": identity("fast"),
           "identity, no skip": identity(False)}
 

@@ -150,7 +150,11 @@ def plain_step(mesh, loss_fn, opt):
   from jax.sharding import PartitionSpec as P
 
   def body(p, s, b):
-    loss, g = jax.value_and_grad(loss_fn)(p, b)
+    # Parameters cast to per-worker values, so the gradients stay per worker and one
+    # pmean averages them (differentiating the replicated parameters would all-reduce
+    # each gradient already, and a pmean after that would sum the workers' gradients).
+    local = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), p)
+    loss, g = jax.value_and_grad(loss_fn)(local, b)
     u, s = opt.update(jax.lax.pmean(g, "data"), s, p)
     return optax.apply_updates(p, u), s, loss[None]
 

@@ -44,6 +44,7 @@ from commopt.aggregators import (
     trimmed_mean,
 )
 from commopt._src.base import AxisNameError, Compressor, OptionTypeError, Reduced
+from commopt._src.errors import WireSizeWarning
 from commopt.compressors import (
     AdaCompState,
     PowerSGDLeafState,
@@ -178,6 +179,7 @@ __all__ = [
     "NnxTrainState",
     "onebit",
     "OptionTypeError",
+    "WireSizeWarning",
     "parallel",
     "PeriodicState",
     "pipelined", "PipelinedState",

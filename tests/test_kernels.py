@@ -323,8 +323,8 @@ def test_select_top_k_sampled_bracket_and_fallback(n, k):
 @given(mask=st.lists(st.booleans(), min_size=0, max_size=200),
        extra=st.integers(min_value=0, max_value=5), take=st.floats(0.0, 1.0))
 def test_first_true_is_the_first_true_indices(mask, extra, take):
-  """The word-scan compaction against numpy on any mask: word boundaries, no true entry,
-  capacity below, at and past the count (empty slots hold n)."""
+  """The word-scan compaction against numpy on any mask up to 200 entries (no true entry
+  included) with capacities below, at and past the count (empty slots hold n)."""
   from commopt._src import base
   mask = np.asarray(mask, bool)
   count = int(mask.sum())
@@ -334,6 +334,21 @@ def test_first_true_is_the_first_true_indices(mask, extra, take):
     got = base.first_true(jnp.asarray(mask), capacity)
     assert got.dtype == jnp.int32 and got.shape == (capacity,)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [31, 32, 33, 63, 64, 65])
+def test_first_true_at_word_edges_and_under_vmap(n):
+  """Masks that end just before, at and after a word's end, as one and as a batch."""
+  from commopt._src import base
+  rng = np.random.default_rng(n)
+  masks = np.stack([rng.random(n) < d for d in (0.0, 0.1, 0.5, 1.0)])
+  masks[1, -1] = True                                 # the last entry of the last word
+  want = lambda m, c: np.concatenate([np.flatnonzero(m)[:c],
+                                      np.full(max(0, c - m.sum()), n)]).astype(np.int32)
+  for capacity in (1, n // 2, n, n + 2):
+    got = jax.vmap(lambda m: base.first_true(m, capacity))(jnp.asarray(masks))
+    for m, g in zip(masks, np.asarray(got)):
+      np.testing.assert_array_equal(g, want(m, capacity))
 
 
 @pytest.mark.parametrize("n, block", [(1, 32), pytest.param(95, 32, marks=pytest.mark.slow),

@@ -136,7 +136,7 @@ def first_true(mask: jax.Array, capacity: int) -> jax.Array:
   array several times slower than it reads one: for a 2**20-entry mask, a scan and a
   search over the entries took about 4.4 ms, this about 1.1 ms.
   """
-  flat = mask.reshape(-1)
+  flat = mask.reshape(-1) != 0          # a bool mask as it is; anything else, its nonzeros
   n = flat.shape[0]
   if not capacity or not n:
     return jnp.full((capacity,), n, jnp.int32)

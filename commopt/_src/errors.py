@@ -25,3 +25,9 @@ class OptionTypeError(TypeError, ValueError):
     ...   print(e)
     int_quant: `bits` must be 4 or 8, got 8.0 (float); pass 8 (an int).
   """
+
+
+class WireSizeWarning(UserWarning):
+  """A collective will cross the wire larger than its payload: e.g. XLA:CPU widening a
+  16-bit all-reduce to float32 between processes. Filter it with
+  ``warnings.filterwarnings("ignore", category=commopt.WireSizeWarning)``."""

@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from commopt._src import base, tree
+from commopt._src import base, errors, tree
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.comm._channel import Channel, exchange, sum_decoded
@@ -331,10 +331,12 @@ def _send(compressor, payload, cstate, like, axis_name, linear: bool):
   if linear and axis_name is not None and coll.crosses_processes() and any(
       base.is_float_dtype(t.dtype) and t.dtype.itemsize == 2 for t in jax.tree.leaves(payload)):
     warnings.warn(
-        f"compressed_mean: {compressor.name}'s 16-bit payload is all-reduced "
-        "(strategy='psum') between CPU processes, where XLA:CPU widens a 16-bit all-reduce "
-        "to float32 when it compiles: it crosses at the dense mean's size. "
-        "strategy='two_phase' sends it at 16 bits.", stacklevel=2)
+        f"compressed_mean: {compressor.name}'s 16-bit payload is all-reduced (strategy="
+        f"'psum') over {axis_name!r} in a job of several CPU processes: XLA:CPU widens a "
+        "16-bit all-reduce to float32 when it compiles, so where this axis crosses processes "
+        "it sends as many bytes as the dense mean. strategy='two_phase' (inner_strategy="
+        "'two_phase' under 'hierarchical') sends 16 bits.", errors.WireSizeWarning,
+        stacklevel=2)
   return exchange(payload, lambda pl: compressor.decode(pl, cstate, like),
                   "psum" if linear else "gather", axis_name,
                   lambda acc, pl: compressor.add_decoded(acc, pl, cstate, like))

@@ -116,7 +116,8 @@ def first_true(mask: jax.Array, capacity: int, *, implementation: Optional[str] 
   ``gradient_dropping``, the sampled ``top_k``, ``random_k``'s Bernoulli
   draws, ATOMO): slots past the number of true entries hold ``mask.size``
   (out of range, dropped by a scatter with ``mode="drop"``). The reference
-  is one inclusive scan and a binary search per slot; the Pallas kernel
+  packs the mask 32 entries to a word, scans the words' counts and searches them
+  per slot (``commopt._src.bits.first_true``); the Pallas kernel
   counts each program's true entries in one pass and writes their indices
   in a second. Both return the same indices.
 
