@@ -427,7 +427,9 @@ def test_placement_checks_run_once_per_argument_signature(mesh, monkeypatch):
   for _ in range(3):
     params, state, _ = dp.step(params, state, batch)
   assert calls == []
-  params, state, _ = dp.step(params, state, batches[2])   # host arrays: checked again
+  params, state, _ = dp.step(params, state, batches[2])   # host arrays: a new signature
+  assert calls == [1]
+  params, state, _ = dp.step(params, state, batches[3])   # again: placed by its plan
   assert calls == [1]
   wrong = jax.tree.map(lambda x: x[:4] if x.ndim and x.shape[0] == N else x,
                        jax.device_get(state))
@@ -435,15 +437,18 @@ def test_placement_checks_run_once_per_argument_signature(mesh, monkeypatch):
     dp.step(params, wrong, batch)
 
 
-def test_an_unplaced_device_batch_is_placed_by_the_remembered_plan(mesh, monkeypatch):
-  """A batch handed over as one device's arrays every step (as a user's data loader does) is
-  checked once; later steps place it by the plan the first call made, without copying it (the
-  step does not donate the batch: the caller's arrays stay usable), and train exactly as the
-  same batch placed beforehand."""
+@pytest.mark.parametrize("where", ["one device", "host"])
+def test_an_unplaced_batch_is_placed_by_the_remembered_plan(mesh, monkeypatch, where):
+  """A batch handed over unplaced every step, as one device's arrays or as numpy arrays (as a
+  user's data loader does), is checked once; later steps place it by the plan the first call
+  made, without copying it (the step does not donate the batch: the caller's arrays stay
+  usable), and train exactly as the same batch placed beforehand."""
   from commopt.parallel import _placement as place
   dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
   params = make_params()
-  batches = [jax.tree.map(jnp.asarray, b) for b in make_batches(6)]   # on one device
+  batches = make_batches(6)
+  if where == "one device":
+    batches = [jax.tree.map(jnp.asarray, b) for b in batches]
   calls = []
   real = place.checked_layout
   monkeypatch.setattr(place, "checked_layout", lambda *a: calls.append(1) or real(*a))
@@ -456,7 +461,8 @@ def test_an_unplaced_device_batch_is_placed_by_the_remembered_plan(mesh, monkeyp
   # The first steps meet new signatures (the caller's parameters, then the step's own
   # outputs); from then on every step is placed by the plan, unchecked.
   assert checked[0] > 0 and checked[2:] == [0, 0, 0, 0], checked
-  assert all(not x.is_deleted() for b in batches for x in jax.tree.leaves(b))
+  if where == "one device":
+    assert all(not x.is_deleted() for b in batches for x in jax.tree.leaves(b))
   monkeypatch.setattr(place, "checked_layout", real)
   dp2 = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
   q, t = make_params(), dp2.init(make_params())

@@ -345,6 +345,9 @@ def _remember(dp, signature, before, records, moved, sizes) -> None:
     x = before[i]
     if callable(r):
       placers.append((i, r))
+    elif type(x) is np.ndarray:   # copied to the devices by the one device_put
+      indices.append(i)
+      targets.append(r)
     elif (copy and x.is_fully_addressable) or jax.dtypes.issubdtype(x.dtype,
                                                                    jax.dtypes.prng_key):
       placers.append((i, functools.partial(put_leaf, target=r, copy=copy)))
@@ -388,13 +391,17 @@ _SIGNATURES_KEPT = 64
 
 def _signature(treedef, leaves):
   """What :func:`placed`'s checks depend on: the tree (here the arguments' trees), each
-  leaf's type, shape, dtype and
-  sharding (None if a leaf is not a ``jax.Array``, which is then placed every call)."""
+  leaf's type, shape, dtype and sharding (a host ``numpy`` array: its shape and dtype,
+  since it is placed afresh at every call anyway); None if a leaf is neither (a Python
+  scalar, say), and the call is then checked in full."""
   parts = []
   for x in leaves:
-    if not isinstance(x, jax.Array):
+    if isinstance(x, jax.Array):
+      parts.append((x.shape, x.dtype, x.sharding, x.committed))
+    elif type(x) is np.ndarray:
+      parts.append((np.ndarray, x.shape, x.dtype))
+    else:
       return None
-    parts.append((x.shape, x.dtype, x.sharding, x.committed))
   return treedef, tuple(parts)
 
 
