@@ -119,7 +119,12 @@ def _require_params(fn: str, params, what: str = "each worker's own parameters")
 def _inner_step(inner, updates, inner_state, params, extra_args):
   """Each worker's own step of ``inner``: where it moves the parameters (wide), and its state."""
   local, inner_state = inner.update(updates, inner_state, params, **extra_args)
-  return jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local), inner_state
+  return _moved(params, local), inner_state
+
+
+def _moved(params, local):
+  """Where ``local`` (an inner step's update) moves each worker's ``params`` (wide)."""
+  return jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local)
 
 
 def _update_to(target, params):

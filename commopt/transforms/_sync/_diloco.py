@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -14,7 +15,7 @@ from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_inner
 from commopt.transforms._sync._common import (
-    _Mode, _inner_step, _outer, _outer_step, _planned, _reducer, _require_params, _update_to,
+    _Mode, _moved, _outer, _outer_step, _planned, _reducer, _require_params,
     _wide, _zero_count, is_sync_step)
 
 
@@ -153,25 +154,32 @@ class _DiLoCo(_Mode):
     after the outer step."""
     _require_params(self.fn, params)
     coll.check_input(self.fn, updates, self.axis_name)
-    moved, inner_state = _inner_step(self.inner, updates, state.inner_state, params, extra_args)
+    local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     synced = self.synced(state.count)
-    target, anchor, reducer_state, outer_state = coll.cond(
-        synced, self._sync, self._no_sync,
-        (moved, state.anchor, state.reducer_state, state.outer_state))
-    return _update_to(target, params), PeriodicState(
+    # Only the anchor and the exchange's state pass through the conditional: every operand
+    # of it is a buffer that exists anyway, so between synchronisations the inner step's
+    # update is not written out for it and fuses into the parameters' update.
+    anchor, reducer_state, outer_state = coll.cond(
+        synced, functools.partial(self._sync, params, extra_args), self._no_sync,
+        (updates, state.inner_state, state.anchor, state.reducer_state, state.outer_state))
+    update = jax.tree.map(
+        lambda a, p, u: jnp.where(synced, (a - _wide(p)).astype(p.dtype), u.astype(p.dtype)),
+        anchor, params, local)
+    return update, PeriodicState(
         count=optax.safe_int32_increment(state.count),
         syncs=state.syncs + synced.astype(jnp.int32), anchor=anchor, inner_state=inner_state,
         reducer_state=reducer_state, outer_state=outer_state)
 
-  def _sync(self, operands):
-    """The outer step on the mean pseudo-gradient; its anchor is every worker's target."""
-    moved, anchor, reducer_state, outer_state = operands
-    anchor, reducer_state, outer_state = _outer_step(self.reducer, self.outer, moved, anchor,
-                                                     reducer_state, outer_state)
-    return anchor, anchor, reducer_state, outer_state
+  def _sync(self, params, extra_args, operands):
+    """The outer step on the mean pseudo-gradient: the new anchor, reducer and outer state.
+    The inner step is taken again here, from its operands (a pass over the model on a
+    synchronisation, saved on every other step)."""
+    updates, inner_state, anchor, reducer_state, outer_state = operands
+    local, _ = self.inner.update(updates, inner_state, params, **extra_args)
+    return _outer_step(self.reducer, self.outer, _moved(params, local), anchor, reducer_state,
+                       outer_state)
 
   @staticmethod
   def _no_sync(operands):
-    """No exchange: each worker keeps its move, the anchor and the exchange's state stay."""
-    moved, anchor, reducer_state, outer_state = operands
-    return moved, anchor, reducer_state, outer_state
+    """No exchange: the anchor and the exchange's state stay."""
+    return operands[2:]
