@@ -127,6 +127,15 @@ def _moved(params, local):
   return jax.tree.map(lambda p, u: _wide(p) + _wide(u), params, local)
 
 
+def _to_target_or_local(synced, target, params, local):
+  """The update where ``synced``: to ``target`` (``_update_to``); elsewhere the inner step's
+  own ``local``; in the parameters' dtypes. Elementwise, so between synchronisations it
+  fuses with the inner step into the parameters' update."""
+  return jax.tree.map(
+      lambda t, p, u: jnp.where(synced, (t - _wide(p)).astype(p.dtype), u.astype(p.dtype)),
+      target, params, local)
+
+
 def _update_to(target, params):
   """The update that takes each worker's ``params`` to ``target``, in the parameters' dtypes."""
   return jax.tree.map(lambda t, p: (t - _wide(p)).astype(p.dtype), target, params)

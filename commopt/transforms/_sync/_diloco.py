@@ -16,7 +16,7 @@ from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_inner
 from commopt.transforms._sync._common import (
     _Mode, _moved, _outer, _outer_step, _planned, _reducer, _require_params,
-    _wide, _zero_count, is_sync_step)
+    _to_target_or_local, _wide, _zero_count, is_sync_step)
 
 
 class PeriodicState(NamedTuple):
@@ -162,9 +162,7 @@ class _DiLoCo(_Mode):
     anchor, reducer_state, outer_state = coll.cond(
         synced, functools.partial(self._sync, params, extra_args), self._no_sync,
         (updates, state.inner_state, state.anchor, state.reducer_state, state.outer_state))
-    update = jax.tree.map(
-        lambda a, p, u: jnp.where(synced, (a - _wide(p)).astype(p.dtype), u.astype(p.dtype)),
-        anchor, params, local)
+    update = _to_target_or_local(synced, anchor, params, local)
     return update, PeriodicState(
         count=optax.safe_int32_increment(state.count),
         syncs=state.syncs + synced.astype(jnp.int32), anchor=anchor, inner_state=inner_state,

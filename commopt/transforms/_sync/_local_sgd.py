@@ -17,7 +17,7 @@ from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_axes, _check_inner
 from commopt.transforms._sync._common import (
-    _Mode, _exchange_options, _inner_step, _reducer, _require_params, _update_to, _wide,
+    _Mode, _exchange_options, _moved, _reducer, _require_params, _to_target_or_local, _wide,
     _zero_count, is_sync_step)
 from commopt.transforms._sync._diloco import diloco
 
@@ -187,32 +187,42 @@ class _HierarchicalLocalSGD(_Mode):
     """The inner step on every worker, then the average of the widest level that is due."""
     _require_params(self.fn, params)
     coll.check_input(self.fn, updates, self.axis_name)
-    moved, inner_state = _inner_step(self.inner, updates, state.inner_state, params, extra_args)
+    local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     level = self.level_at(state.count)
-    target, anchors, reducer_states = self._from_level(
-        level, self.top, (moved, state.anchors, state.reducer_states))
+    # As diloco's: only the anchors and the exchanges' state pass the conditionals, so
+    # between averages the inner step's update fuses into the parameters' update.
+    anchors, reducer_states = self._from_level(
+        level, self.top, params, extra_args,
+        (updates, state.inner_state, state.anchors, state.reducer_states))
+    # After an average every anchor up to its level is the mean: anchors[0] is the target.
+    update = _to_target_or_local(level >= 0, anchors[0], params, local)
     hit = (jnp.arange(len(self.levels)) == level).astype(jnp.int32)
-    return _update_to(target, params), HierarchicalLocalSGDState(
+    return update, HierarchicalLocalSGDState(
         count=optax.safe_int32_increment(state.count),
         syncs=state.syncs + (level >= 0).astype(jnp.int32),
         level_syncs=state.level_syncs + hit, anchors=anchors, inner_state=inner_state,
         reducer_states=reducer_states)
 
-  def _from_level(self, level, i, operands):
-    """Average at the widest level from ``i`` down that is ``level``; none: keep the moves."""
+  def _from_level(self, level, i, params, extra_args, operands):
+    """Average at the widest level from ``i`` down that is ``level``; none: the anchors and
+    the exchanges' state as they are."""
     if i < 0:
-      moved, anchors, reducer_states = operands
-      return moved, anchors, reducer_states
-    return coll.cond(level == i, functools.partial(self._average, i),
-                     functools.partial(self._from_level, level, i - 1), operands)
+      _, _, anchors, reducer_states = operands
+      return anchors, reducer_states
+    return coll.cond(level == i, functools.partial(self._average, i, params, extra_args),
+                     functools.partial(self._from_level, level, i - 1, params, extra_args),
+                     operands)
 
-  def _average(self, i, operands):
-    """Level i averages: its anchor and every narrower one become the level's mean."""
-    moved, anchors, reducer_states = operands
+  def _average(self, i, params, extra_args, operands):
+    """Level i averages: its anchor and every narrower one become the level's mean. The
+    inner step is taken again here, from its operands (once per average)."""
+    updates, inner_state, anchors, reducer_states = operands
+    local, _ = self.inner.update(updates, inner_state, params, **extra_args)
+    moved = _moved(params, local)
     delta = jax.tree.map(lambda a, m: a - m, anchors[i], moved)
     mean, red = self.reducers[i].update(delta, reducer_states[i])
     new = jax.tree.map(lambda a, d: a - d, anchors[i], mean)
-    return (new, tuple(new if j <= i else a for j, a in enumerate(anchors)),
+    return (tuple(new if j <= i else a for j, a in enumerate(anchors)),
             tuple(red if j == i else r for j, r in enumerate(reducer_states)))
 
   def _plan_level(self, i, params, workers):
