@@ -413,6 +413,18 @@ def test_reuse_host_memory_sets_glibc_in_this_process():
   out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
                        timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+  assert "after JAX started" not in out.stderr
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_reuse_host_memory_after_jax_started_says_to_call_it_first():
+  # JAX's threads keep the arenas they have: the setting cannot reach them any more.
+  code = ("import jax; jax.numpy.ones(3).block_until_ready(); from commopt import launch; "
+          "print(launch.reuse_host_memory())")
+  out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+  assert "called after JAX started its runtime" in out.stderr and "first thing" in out.stderr
 
 
 # A thread other than the main one allocates and frees 96 MB four times (as XLA:CPU does a

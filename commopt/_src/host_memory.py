@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
+import warnings
 from typing import Mapping
 
 MODES = ("reuse", "system")
@@ -69,4 +71,17 @@ def reuse() -> bool:
         and mallopt(_M_ARENA_MAX, 1) == 1)
   if not ok:
     _log.info("commopt: mallopt refused the host-memory settings; left as they are.")
+  elif _jax_started():
+    warnings.warn(
+        "reuse_host_memory() was called after JAX started its runtime: its threads keep "
+        "the malloc arenas they already have, so a step's temporaries above 64 MB are still "
+        "mapped afresh at every step. Call it first thing, before JAX runs anything, or "
+        "start the program with commopt.launch, which sets it in the environment.",
+        stacklevel=3)
   return ok
+
+
+def _jax_started() -> bool:
+  """Whether JAX has started a backend in this process (without importing JAX)."""
+  bridge = sys.modules.get("jax._src.xla_bridge")
+  return bool(bridge is not None and bridge.backends_are_initialized())
