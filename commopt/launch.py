@@ -163,8 +163,10 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
     node_rank: which of them this one is (``0 <= node_rank < nodes``).
     host_memory: ``"reuse"`` (the default): each process's glibc ``malloc`` keeps the
       memory it frees (``MALLOC_MMAP_MAX_=0``, ``MALLOC_TRIM_THRESHOLD_`` at its
-      largest in its environment), so a step's temporaries are not mapped and faulted in
-      afresh at every step (see :func:`reuse_host_memory`), unless the environment
+      largest and ``MALLOC_ARENA_MAX=1`` in its environment: one arena for every thread,
+      since a thread's own arena maps any block above 64 MB afresh), so a step's
+      temporaries are not mapped and faulted in afresh at every step (see
+      :func:`reuse_host_memory`), unless the environment
       already holds a malloc setting of yours (a ``MALLOC_*`` variable, a
       ``glibc.malloc.*`` tunable); ``"system"``: the C library's defaults.
 
@@ -236,8 +238,10 @@ def reuse_host_memory() -> bool:
 
   XLA:CPU allocates a step's temporary buffers at every execution and frees them at its
   end; by default glibc maps each large one afresh and unmaps it at ``free``, so every step
-  faults its pages in again. The process then keeps its peak heap for its lifetime. Returns
-  False (with one log line) where the C library is not glibc or refuses.
+  faults its pages in again. The process then keeps its peak heap for its lifetime. Threads
+  that allocated before the call keep their own arenas, where a block above 64 MB is
+  still mapped afresh: it warns when JAX has already started. Returns False (with one log
+  line) where the C library is not glibc or refuses.
   """
   return _host_memory.reuse()
 
@@ -464,8 +468,8 @@ def main(argv=None) -> int:
                       "(default, one node: a free local port)")
   p.add_argument("--host-memory", default="reuse", choices=_host_memory.MODES,
                  help="reuse: each process's malloc keeps the memory it frees (no mmap, no "
-                      "trimming), unless a MALLOC_* variable or glibc.malloc tunable of yours "
-                      "is set; system: the C library's defaults")
+                      "trimming, one arena), unless a MALLOC_* variable or glibc.malloc "
+                      "tunable of yours is set; system: the C library's defaults")
   from commopt import elastic
   elastic.add_arguments(p)
   p.add_argument("script")

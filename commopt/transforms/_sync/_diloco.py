@@ -16,7 +16,7 @@ from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_inner
 from commopt.transforms._sync._common import (
     _Mode, _moved, _outer, _outer_step, _planned, _reducer, _require_params,
-    _to_target_or_local, _wide, _zero_count, is_sync_step)
+    _to_target_or_local, _update_to, _wide, _zero_count, is_sync_step)
 
 
 class PeriodicState(NamedTuple):
@@ -91,7 +91,11 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
 
   Args:
     inner: the workers' optimizer (e.g. ``optax.adamw(...)``), stepped on each
-      worker's own gradients; its state is per worker.
+      worker's own gradients; its state is per worker. With ``period > 1`` a
+      synchronising step (every step of the warm-up) runs its ``update`` twice
+      on the same inputs, so that between synchronisations its update fuses
+      into the parameters': it must be a function of its inputs (optax's are),
+      and its collectives, if any (a global norm over model axes), run twice.
     outer: the optimizer of the anchor, fed the mean pseudo-gradient; None
       for ``optax.sgd(1.0)`` where the exchange keeps an error-feedback
       residual, else ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
@@ -156,13 +160,24 @@ class _DiLoCo(_Mode):
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     synced = self.synced(state.count)
-    # Only the anchor and the exchange's state pass through the conditional: every operand
-    # of it is a buffer that exists anyway, so between synchronisations the inner step's
-    # update is not written out for it and fuses into the parameters' update.
-    anchor, reducer_state, outer_state = coll.cond(
-        synced, functools.partial(self._sync, params, extra_args), self._no_sync,
-        (updates, state.inner_state, state.anchor, state.reducer_state, state.outer_state))
-    update = _to_target_or_local(synced, anchor, params, local)
+    if self.period == 1:
+      # Every step synchronises: no conditional, and the inner step taken once.
+      anchor, reducer_state, outer_state = _outer_step(
+          self.reducer, self.outer, _moved(params, local), state.anchor, state.reducer_state,
+          state.outer_state)
+      update = _update_to(anchor, params)
+    else:
+      # Only the anchor and the exchange's state pass through the conditional: every operand
+      # of it is a buffer that exists anyway, so between synchronisations the inner step's
+      # update is not written out for it and fuses into the parameters' update. The branch
+      # that synchronises takes the inner step again, after the first (its collectives, if
+      # any, in order across processes).
+      operands = coll.after(
+          (updates, state.inner_state, state.anchor, state.reducer_state, state.outer_state),
+          local)
+      anchor, reducer_state, outer_state = coll.cond(
+          synced, functools.partial(self._sync, params, extra_args), self._no_sync, operands)
+      update = _to_target_or_local(synced, anchor, params, local)
     return update, PeriodicState(
         count=optax.safe_int32_increment(state.count),
         syncs=state.syncs + synced.astype(jnp.int32), anchor=anchor, inner_state=inner_state,
@@ -170,8 +185,9 @@ class _DiLoCo(_Mode):
 
   def _sync(self, params, extra_args, operands):
     """The outer step on the mean pseudo-gradient: the new anchor, reducer and outer state.
-    The inner step is taken again here, from its operands (a pass over the model on a
-    synchronisation, saved on every other step)."""
+    The inner step is taken again here, from its operands: on a synchronisation, and so on
+    every step of the warm-up, the inner optimizer runs twice (its update written out once
+    per synchronisation, where it was on every step)."""
     updates, inner_state, anchor, reducer_state, outer_state = operands
     local, _ = self.inner.update(updates, inner_state, params, **extra_args)
     return _outer_step(self.reducer, self.outer, _moved(params, local), anchor, reducer_state,

@@ -56,7 +56,11 @@ def local_sgd(inner: optax.GradientTransformation, *, axis_name,
   :class:`HierarchicalLocalSGDState`.
 
   Args:
-    inner: the workers' optimizer.
+    inner: the workers' optimizer. Unless a period is 1, an averaging step
+      (every step of the warm-up) runs its ``update`` twice on the same
+      inputs, so that between averages its update fuses into the
+      parameters': it must be a function of its inputs (optax's are), and its
+      collectives, if any, run twice.
     axis_name: the data axis (or tuple of axes).
     period: steps between averages, at least 1; or ``{axis: period}`` for
       every axis of ``axis_name`` (hierarchical).
@@ -163,6 +167,11 @@ class _HierarchicalLocalSGD(_Mode):
   warmup_steps: int
 
   @property
+  def averages_every_step(self) -> bool:
+    """Whether some level averages after every step (a period of 1)."""
+    return any(p == 1 for _, p in self.levels)
+
+  @property
   def top(self) -> int:
     """The widest level: all workers'."""
     return len(self.levels) - 1
@@ -189,11 +198,16 @@ class _HierarchicalLocalSGD(_Mode):
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     level = self.level_at(state.count)
-    # As diloco's: only the anchors and the exchanges' state pass the conditionals, so
-    # between averages the inner step's update fuses into the parameters' update.
+    if self.averages_every_step:
+      # The move passes the conditionals: the inner step is taken once.
+      source = _moved(params, local)
+    else:
+      # As diloco's: only the anchors and the exchanges' state pass the conditionals, so
+      # between averages the inner step's update fuses into the parameters' update; an
+      # average takes the inner step again, after the first.
+      source = coll.after((updates, state.inner_state), local)
     anchors, reducer_states = self._from_level(
-        level, self.top, params, extra_args,
-        (updates, state.inner_state, state.anchors, state.reducer_states))
+        level, self.top, params, extra_args, (source, state.anchors, state.reducer_states))
     # After an average every anchor up to its level is the mean: anchors[0] is the target.
     update = _to_target_or_local(level >= 0, anchors[0], params, local)
     hit = (jnp.arange(len(self.levels)) == level).astype(jnp.int32)
@@ -207,18 +221,22 @@ class _HierarchicalLocalSGD(_Mode):
     """Average at the widest level from ``i`` down that is ``level``; none: the anchors and
     the exchanges' state as they are."""
     if i < 0:
-      _, _, anchors, reducer_states = operands
+      _, anchors, reducer_states = operands
       return anchors, reducer_states
     return coll.cond(level == i, functools.partial(self._average, i, params, extra_args),
                      functools.partial(self._from_level, level, i - 1, params, extra_args),
                      operands)
 
   def _average(self, i, params, extra_args, operands):
-    """Level i averages: its anchor and every narrower one become the level's mean. The
-    inner step is taken again here, from its operands (once per average)."""
-    updates, inner_state, anchors, reducer_states = operands
-    local, _ = self.inner.update(updates, inner_state, params, **extra_args)
-    moved = _moved(params, local)
+    """Level i averages: its anchor and every narrower one become the level's mean. Unless
+    some level averages every step, the inner step is taken again here, from its operands
+    (so the inner optimizer runs twice on an average, and on every step of the warm-up)."""
+    source, anchors, reducer_states = operands
+    if self.averages_every_step:
+      moved = source
+    else:
+      updates, inner_state = source
+      moved = _moved(params, self.inner.update(updates, inner_state, params, **extra_args)[0])
     delta = jax.tree.map(lambda a, m: a - m, anchors[i], moved)
     mean, red = self.reducers[i].update(delta, reducer_states[i])
     new = jax.tree.map(lambda a, d: a - d, anchors[i], mean)
