@@ -232,9 +232,9 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
 
 def reuse_host_memory() -> bool:
   """Keeps the memory this process frees for its next allocations (glibc ``malloc``: no
-  ``mmap`` for large requests, no trimming, one arena for every thread), from now on; what :func:`launch` asks for in
-  its processes by default (``host_memory="reuse"``). Call it first thing in a
-  one-process program on CPUs.
+  ``mmap`` for large requests, no trimming, one arena for every thread), from now on;
+  what :func:`launch` asks for in its processes by default (``host_memory="reuse"``).
+  Call it first thing in a one-process program on CPUs.
 
   XLA:CPU allocates a step's temporary buffers at every execution and frees them at its
   end; by default glibc maps each large one afresh and unmaps it at ``free``, so every step

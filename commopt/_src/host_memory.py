@@ -59,8 +59,8 @@ def env_for(parent: Mapping[str, str], mode: str) -> dict:
 
 def reuse() -> bool:
   """Sets this process's glibc ``malloc`` to keep freed memory (no ``mmap`` for large
-  requests, no trimming, one arena for every thread) from now on; False, with one log line, where the C library has
-  no ``mallopt`` (not glibc) or refuses."""
+  requests, no trimming, one arena for every thread) from now on; False, with one log
+  line, where the C library has no ``mallopt`` (not glibc) or refuses."""
   try:
     mallopt = ctypes.CDLL(None).mallopt
   except (OSError, AttributeError):

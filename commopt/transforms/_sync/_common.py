@@ -132,13 +132,17 @@ def _to_target_or_local(synced, target, params, local):
   own ``local``; in the parameters' dtypes. Elementwise, so between synchronisations it
   fuses with the inner step into the parameters' update."""
   return jax.tree.map(
-      lambda t, p, u: jnp.where(synced, (t - _wide(p)).astype(p.dtype), u.astype(p.dtype)),
+      lambda t, p, u: jnp.where(synced, _leaf_update_to(t, p), u.astype(p.dtype)),
       target, params, local)
 
 
 def _update_to(target, params):
   """The update that takes each worker's ``params`` to ``target``, in the parameters' dtypes."""
-  return jax.tree.map(lambda t, p: (t - _wide(p)).astype(p.dtype), target, params)
+  return jax.tree.map(_leaf_update_to, target, params)
+
+
+def _leaf_update_to(t, p):
+  return (t - _wide(p)).astype(p.dtype)
 
 
 def _outer_step(reducer, outer, moved, anchor, reducer_state, outer_state):
