@@ -45,6 +45,14 @@ Methods (``--methods``):
   are one exchange's over ``H``. Between exchanges each worker trains a
   model of its own and the global model (the anchor) moves only at an
   exchange, so they reach the target at an exchange.
+- commopt eager (``EAGER``): ``eager:diloco(H)+int_quant(4)``, the same DiLoCo with
+  eager outer steps (``eager_diloco``): each exchange runs on a thread of its own beside
+  the whole next inner phase and the outer step is taken at once on the eager estimate of
+  the mean (the worker's own pseudo-gradient for its share, the others' from the exchange
+  before). The global model scored is the workers' mean anchor after each outer step,
+  kept on the host and scored after the run (no collective while an exchange is in
+  flight). Its first two periods (its outer step's compilation, then the wait for its
+  first exchange's) count as typical ones.
 - commopt overlapped (``OVERLAPPED``): ``overlap:dense`` and
   ``overlap:scaled_sign/gather``, the per-step method one step delayed
   (``overlapped_data_parallel``: its exchange of the gradient kept from the
@@ -146,9 +154,16 @@ OVERLAPPED = {
 }
 """commopt's per-step methods one step delayed, run by ``overlapped_data_parallel``: the
 exchange of the kept gradient on a thread of its own beside the next backward pass."""
+EAGER = {
+    # label: the combined method (COMBINED) whose outer steps are eager
+    "eager:diloco(4)+int_quant(4)": "diloco(4)+int_quant(4)",
+    "eager:diloco(8)+int_quant(4)": "diloco(8)+int_quant(4)",
+}
+"""commopt's combined methods with eager outer steps (``eager_diloco``): each outer exchange on
+a thread of its own beside the whole next inner phase, the outer step taken at once."""
 TORCH_METHODS = ("torch:dense", "torch:fp16", "torch:power_sgd(2)")
 """The PyTorch peer (``benchmarks/_torch_peer.py``): DDP over gloo, plain and with its hooks."""
-ALL_METHODS = [*METHODS, *COMBINED, *OVERLAPPED, *ZERO, *TORCH_METHODS]
+ALL_METHODS = [*METHODS, *COMBINED, *EAGER, *OVERLAPPED, *ZERO, *TORCH_METHODS]
 BURST = {"1gbit": "128kb", "10gbit": "1280kb"}
 """tbf bucket per rate: at least rate / HZ (one timer tick of data)."""
 
@@ -274,6 +289,41 @@ class ZeroTrainer:
     return wire.total_bytes(wire.parse_hlo(text), "sent_bytes", per_run=True)
 
 
+class EagerTrainer:
+  """An ``eager_diloco`` run behind the calls the worker makes of ``data_parallel``, and what
+  scoring its global model needs while an exchange may be in flight (no collective then)."""
+
+  def __init__(self, label: str, loss_fn, lr: float, mesh):
+    import optax
+
+    import commopt
+    period, name, opts, strategy, outer = COMBINED[EAGER[label]]
+    self.run = commopt.eager_diloco(
+        loss_fn, optax.sgd(lr, momentum=0.9), mesh,
+        {None: None, "sgd(1.0)": optax.sgd(1.0)}[outer], period=period, strategy=strategy,
+        compressor=commopt.compressors.make(name, **opts))
+    self.place_params, self.local_batch = self.run.place_params, self.run.local_batch
+    self.init, self.step = self.run.init, self.run.step
+
+  @staticmethod
+  def ready(params, state):
+    """What a step's time waits for: the inner step and the outer step, not the exchange."""
+    return params, state.inner, state.anchors
+
+  @staticmethod
+  def snapshot(state):
+    """This process's workers' mean anchor, on the host (no collective)."""
+    import jax
+    import numpy as np
+    return jax.tree.map(lambda a: np.concatenate(
+        [np.asarray(s.data) for s in a.addressable_shards]).mean(axis=0), state.anchors)
+
+  def finish(self, params, state):
+    params, state = self.run.finish(params, state)
+    self.run.close()
+    return params, state
+
+
 def worker(config_path: str, result_path: str) -> None:
   from commopt import launch
   ctx = launch.initialize()
@@ -310,11 +360,13 @@ def worker(config_path: str, result_path: str) -> None:
     distributed.global_state.client.wait_at_barrier(f"bench_network_{next(barriers)}", 600_000)
 
   def global_loss(model, rows=None) -> float:
-    """The loss of a (replicated) global model on ``rows`` of the digits (all by default): each
-    process scores its share, and the processes add up (untimed)."""
+    """The loss of a (replicated) global model, or of host arrays the same on every process,
+    on ``rows`` of the digits (all by default): each process scores its share, and the
+    processes add up (untimed)."""
     rows = np.arange(len(x_all)) if rows is None else rows
     share = np.array_split(rows, ctx.num_processes)[ctx.process_id]
-    host = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), model)
+    host = jax.tree.map(lambda a: a if isinstance(a, np.ndarray)
+                        else np.asarray(a.addressable_data(0)), model)
     part = float(score(host, {"x": x_all[share], "y": y_all[share]})) * len(share)
     barrier()
     total = float(np.sum(multihost_utils.process_allgather(np.float64(part)))) / len(rows)
@@ -325,11 +377,14 @@ def worker(config_path: str, result_path: str) -> None:
 
   results = {}
   for label in cfg["methods"]:
-    zero = label in ZERO
+    zero, eager = label in ZERO, label in EAGER
     overlapped = label in OVERLAPPED
     if zero:
       dp, period, local_params = ZeroTrainer(label, loss_fn, cfg["lr"], global_mesh), 1, False
       whole = dp.whole
+    elif eager:
+      tx, period, local_params = make_tx(EAGER[label], cfg["lr"])
+      dp = EagerTrainer(label, loss_fn, cfg["lr"], global_mesh)
     elif overlapped:
       tx, period, local_params = make_tx(OVERLAPPED[label], cfg["lr"])
       dp = commopt.overlapped_data_parallel(loss_fn, tx, global_mesh)
@@ -346,42 +401,59 @@ def worker(config_path: str, result_path: str) -> None:
       plan = types.SimpleNamespace(sent_bytes=sent, dense_sent=dense.dense_sent)
     else:
       plan = wire.comm_plan(tx, params0, workers)
-    times, losses, global_losses = [], [], []
+    times, losses, global_losses, anchors = [], [], [], []
     for step in range(cfg["steps"]):
       batch = dp.local_batch(my_rows(step))
       t0 = time.perf_counter()
       params, state, loss = dp.step(params, state, batch)
-      jax.block_until_ready((params, state.opt, state.kept) if overlapped else (params, state))
+      jax.block_until_ready((params, state.opt, state.kept) if overlapped else
+                            dp.ready(params, state) if eager else (params, state))
       times.append(time.perf_counter() - t0)
       losses.append(loss)
       # The global model after this step, scored untimed: the parameters, or a periodic
-      # method's anchor, which only a synchronisation moves.
+      # method's anchor, which only a synchronisation moves. An eager run's exchange may be
+      # in flight: its anchors are kept on the host and scored once it has finished.
       if not local_params:
         global_losses.append([step + 1, global_loss(whole(params), scored)])
       elif commopt.transforms.is_sync_step(step, period, 0):
-        global_losses.append([step + 1, global_loss(commopt.global_params(state), scored)])
+        if eager:
+          anchors.append([step + 1, dp.snapshot(state)])
+        else:
+          global_losses.append([step + 1, global_loss(commopt.global_params(state), scored)])
+    if eager:
+      params, state = dp.finish(params, state)
+      for k, mine in anchors:     # the mean over the processes of each one's workers' anchor
+        every = multihost_utils.process_allgather(mine)
+        global_losses.append([k, global_loss(jax.tree.map(lambda a: a.mean(axis=0), every),
+                                             scored)])
     losses = [float(np.mean(v)) for v in multihost_utils.process_allgather(losses, tiled=True)]
-    eval_loss = global_loss(commopt.global_params(state) if local_params else whole(params))
+    model = dp.run.global_params(state) if eager else (
+        commopt.global_params(state) if local_params else whole(params))
+    eval_loss = global_loss(model)
     # Compute alone: the same step on this process's device, every process at once (whole
     # periods of a periodic method, each with its one exchange, encoding and decoding).
     local = (ZeroTrainer(label, loss_fn, cfg["lr"], local_mesh) if zero else
+             EagerTrainer(label, loss_fn, cfg["lr"], local_mesh) if eager else
              commopt.data_parallel(loss_fn, tx, local_mesh, local_params=local_params))
     lp, ls = local.place_params(params0), local.init(params0)
     batch = my_rows(0)
     multihost_utils.sync_global_devices(f"compute {label}")
     compute = []
-    for _ in range(period * -(-cfg["compute_steps"] // period) + 1):
+    # Compiling steps: the first (and an overlapped method's second, the exchange's first; an
+    # eager method's first two periods: its outer step's, then the wait for its first exchange).
+    compiling = 2 if overlapped else 2 * period if eager else 1
+    for _ in range(period * -(-cfg["compute_steps"] // period) + (compiling if eager else 1)):
       t0 = time.perf_counter()
       lp, ls, _ = local.step(lp, ls, batch)
-      jax.block_until_ready((lp, ls))
+      jax.block_until_ready(local.ready(lp, ls) if eager else (lp, ls))
       compute.append(time.perf_counter() - t0)
+    if eager:
+      local.finish(lp, ls)
     multihost_utils.sync_global_devices(f"computed {label}")
     if overlapped:
       dp.close()
-    # Compiling steps: the first (and an overlapped method's second, the exchange's first).
-    compiling = 2 if overlapped else 1
     step_s = per_step(times[compiling:], period)
-    compute_s = per_step(compute[1:], period)
+    compute_s = per_step(compute[compiling if eager else 1:], period)
     comm_s = max(step_s - compute_s, 0.0)
     results[label] = {
         "step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
@@ -607,7 +679,8 @@ def plot(results: dict, bandwidths, processes, target: float, path: pathlib.Path
         pts.sort()
         # One colour per method in every panel.
         ax.plot(*zip(*pts), marker="o", label=m, color=plt.cm.tab20(order(m) % 20),
-                linestyle="--" if m in TORCH_METHODS else ":" if m in COMBINED or m in OVERLAPPED else "-")
+                linestyle="--" if m in TORCH_METHODS else ":" if m in COMBINED or m in OVERLAPPED
+                or m in EAGER else "-")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ticks = sorted(xs.values()) + ([top] if "unlimited" in bandwidths else [])
@@ -801,8 +874,9 @@ def summarize(results: dict, bandwidths, processes) -> dict:
           "commopt best compressed": soonest(rows, [m for m in ours if m in METHODS
                                                     and m != "dense"]),
           "commopt best combined": soonest(rows, [m for m in ours if m in COMBINED
-                                                  or m in OVERLAPPED
-                                                  or m.startswith(("diloco(", "overlap:"))]),
+                                                  or m in OVERLAPPED or m in EAGER
+                                                  or m.startswith(("diloco(", "overlap:",
+                                                                   "eager:"))]),
           "PyTorch dense": "torch:dense" if "torch:dense" in rows else None,
           "PyTorch fp16": "torch:fp16" if "torch:fp16" in rows else None,
           "PyTorch PowerSGD": soonest(rows, [m for m in torch if m.startswith("torch:power_sgd")]),

@@ -68,7 +68,8 @@ def torch_missing():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["diloco(8)+scaled_sign", "torch:power_sgd(2)",
-                                    "zero+qwZ+qgZ", "overlap:scaled_sign/gather"])
+                                    "zero+qwZ+qgZ", "overlap:scaled_sign/gather",
+                                    "eager:diloco(4)+int_quant(4)"])
 def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, method, run_bench):
   if method.startswith("torch:") and torch_missing():
     pytest.skip(f"PyTorch is not importable here ({torch_missing()}); "
@@ -98,6 +99,13 @@ def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, met
     assert other["sent_bytes"] * 8 * 25 < dense["sent_bytes"] * 8
     assert [k for k, _ in other["global_losses"]] == [8, 16]
     assert other["step_s"] < dense["step_s"]
+  elif method.startswith("eager:"):
+    # 4-bit pseudo-gradients every 4 steps; the mean anchor after each outer step, scored
+    # after the run; its first two periods (compiling) count as typical steps.
+    assert other["sent_bytes"] * 20 < dense["sent_bytes"]
+    assert [k for k, _ in other["global_losses"]] == [4, 8, 12, 16]
+    assert other["compiling_steps"] == 8 and other["step_s"] < dense["step_s"]
+    assert other["global_losses"][-1][1] < other["global_losses"][0][1]
   elif method.startswith("overlap:"):
     # scaled_sign's signs, one step late, beside the backward pass: the same first loss
     # (computed before any update), a model scored after every step.
@@ -182,6 +190,16 @@ def test_summary_picks_each_role_and_compares_the_best_of_each_side(load_script)
   derived = {"4": {"1gbit": {m: dict(r, link_bytes_per_s=None) for m, r in
                              results["4"]["1gbit"].items()}}}
   assert "torch:" not in b.verdicts(derived, ["1gbit"], [4])
+
+
+def test_summary_counts_eager_diloco_as_combined(load_script):
+  b = load_script(BENCH)
+  rows = {"dense": row(0.9, 9.0), "diloco(4)+int_quant(4)": row(0.12, 1.5),
+          "eager:diloco(4)+int_quant(4)": row(0.05, 0.8), "torch:dense": row(0.8, 8.0)}
+  one = b.summarize({"4": {"1gbit": rows}}, ["1gbit"], [4])["4"]["1gbit"]
+  assert one["roles"]["commopt best combined"]["method"] == "eager:diloco(4)+int_quant(4)"
+  assert "commopt best compressed" not in one["roles"]     # eager is not a per-step method
+  assert one["combined_vs_dense"] == pytest.approx(9.0 / 0.8)
 
 
 def test_derive_counts_steps_on_the_global_model(load_script):

@@ -104,3 +104,26 @@ def test_eager_diloco_checks_its_arguments(mesh):
     commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=0)
   with pytest.raises(ValueError, match="eager_diloco"):
     commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, axis_name=None)
+
+
+@pytest.mark.parametrize("driver", ["eager", "overlapped"])
+def test_local_batch_is_data_parallels(mesh, driver):
+  """The host-level DiLoCo drivers take a multi-process global batch as data_parallel does:
+  in one process local_batch is the batch placed over the data axis, and a step on it
+  equals a step on the host batch."""
+  params, x, y = _mlp()
+  make = {"eager": lambda: commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2),
+          "overlapped": lambda: commopt.overlapped_diloco(_mlp_loss, optax.sgd(0.1), mesh,
+                                                          period=2, delay=1)}[driver]
+  batch = next(_batches(x, y, 1, 64))
+  runs = [make(), make()]
+  placed = runs[0].local_batch(batch)
+  assert placed["x"].sharding.spec[0] == "data" and placed["x"].shape == batch["x"].shape
+  out = []
+  for run, b in zip(runs, (placed, batch)):
+    p, s = run.place_params(params), run.init(params)
+    p, s, losses = run.step(p, s, b)
+    out.append((np.asarray(losses), np.asarray(p["w1"])))
+    run.close()
+  np.testing.assert_array_equal(out[0][0], out[1][0])
+  np.testing.assert_array_equal(out[0][1], out[1][1])

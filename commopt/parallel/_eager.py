@@ -150,6 +150,11 @@ class EagerDiLoCo:
     """Every worker's copy of ``params`` (stacked over the data axis), as ``data_parallel``'s."""
     return self.inner_dp.place_params(params)
 
+  def local_batch(self, batch):
+    """The global batch from this process's rows of it (multi-process runs), as
+    ``data_parallel``'s :meth:`~commopt.DataParallel.local_batch`."""
+    return self.inner_dp.local_batch(batch)
+
   def init(self, params) -> EagerState:
     """The state at the start: every worker's anchor = ``params``, no exchange yet."""
     stacked = self.place_params(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params))

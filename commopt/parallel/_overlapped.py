@@ -137,6 +137,11 @@ class OverlappedDiLoCo:
     """Every worker's copy of ``params`` (stacked over the data axis), as ``data_parallel``'s."""
     return self.inner_dp.place_params(params)
 
+  def local_batch(self, batch):
+    """The global batch from this process's rows of it (multi-process runs), as
+    ``data_parallel``'s :meth:`~commopt.DataParallel.local_batch`."""
+    return self.inner_dp.local_batch(batch)
+
   def init(self, params) -> OverlappedState:
     """The state at the start: the inner optimizer's per worker, the anchor = ``params``."""
     return OverlappedState(inner=self.inner_dp.init(params),
