@@ -127,3 +127,41 @@ def test_local_batch_is_data_parallels(mesh, driver):
     run.close()
   np.testing.assert_array_equal(out[0][0], out[1][0])
   np.testing.assert_array_equal(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("driver", ["eager", "overlapped"])
+def test_each_worker_skips_its_own_nonfinite_inner_step(mesh, driver):
+  """A NaN in one worker's rows: that worker keeps its parameters and its inner state (its
+  skip counted), the others step; the inner program runs no collective, so nothing runs
+  beside an exchange in flight. With skip_nonfinite=False the NaN reaches the parameters."""
+  params, x, y = _mlp()
+  make = {"eager": lambda **kw: commopt.eager_diloco(_mlp_loss, optax.sgd(0.1, momentum=0.9),
+                                                     mesh, period=4, **kw),
+          "overlapped": lambda **kw: commopt.overlapped_diloco(
+              _mlp_loss, optax.sgd(0.1, momentum=0.9), mesh, period=4, delay=1, **kw)}[driver]
+  good, bad = list(_batches(x, y, 2, 64))
+  rows = 64 // mesh.size
+  bad["x"] = bad["x"].copy()
+  bad["x"][3 * rows + 1, 5] = np.nan                          # worker 3's rows only
+  run = make()
+  p, s = run.place_params(params), run.init(params)
+  p, s, _ = run.step(p, s, good)
+  before, trace_before = np.asarray(p["w1"]), np.asarray(s.inner.inner_state[0].trace["w1"])
+  p, s, losses = run.step(p, s, bad)
+  after, trace_after = np.asarray(p["w1"]), np.asarray(s.inner.inner_state[0].trace["w1"])
+  assert np.isnan(np.asarray(losses)[3]) and np.isfinite(np.delete(np.asarray(losses), 3)).all()
+  np.testing.assert_array_equal(after[3], before[3])
+  np.testing.assert_array_equal(trace_after[3], trace_before[3])
+  assert all(np.abs(after[w] - before[w]).max() > 0 for w in range(mesh.size) if w != 3)
+  assert np.asarray(s.inner.notfinite_count).tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+  text = run.inner_dp.lower(p, s.inner, run.inner_dp.place_batch(good)).compile().as_text()
+  assert not any(op in text for op in ("all-reduce(", "all-gather(", "collective-permute("))
+  run.close()
+  unguarded = make(skip_nonfinite=False)
+  p, s = unguarded.place_params(params), unguarded.init(params)
+  p, s, _ = unguarded.step(p, s, good)
+  p, s, _ = unguarded.step(p, s, bad)
+  assert np.isnan(np.asarray(p["w1"])[3]).any()
+  unguarded.close()
+  with pytest.raises(TypeError, match="skip_nonfinite"):
+    make(skip_nonfinite="yes")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base
-from commopt.parallel._overlapped import _probe_loss
+from commopt.parallel._overlapped import _probe_loss, worker_skip
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._sync._common import _outer, _reducer
 
@@ -34,7 +34,8 @@ class EagerState:
   """What :class:`EagerDiLoCo` carries between steps (host-level: not a pytree).
 
   Attributes:
-    inner: the inner optimizer's state (per worker), as ``data_parallel`` keeps it.
+    inner: the inner optimizer's state (per worker), as ``data_parallel`` keeps it (inside
+      each worker's :class:`~commopt.transforms.ApplyIfFiniteState` with ``skip_nonfinite``).
     anchors: each worker's anchor (float32, stacked over the workers).
     outer: each worker's outer optimizer state (stacked).
     previous: each worker's pseudo-gradient of the last outer step (stacked; zero before
@@ -97,6 +98,10 @@ class EagerDiLoCo:
     strategy: the exchange's reduction, :func:`~commopt.diloco`'s option.
     min_size: leaves smaller than this go dense, :func:`~commopt.diloco`'s option.
     seed: the compressor's base key, :func:`~commopt.diloco`'s option.
+    skip_nonfinite: each worker skips its own inner step whose gradients hold a NaN or an
+      infinity, its parameters and inner optimizer state kept (True, the default: a
+      verdict of its own, no collective beside the exchange in flight), or runs it as it
+      comes (False). The exchange skips by agreement, as ``data_parallel`` does.
 
   References:
     Kale, Douillard and Donchev, Eager Updates For Overlapped Communication and
@@ -107,15 +112,16 @@ class EagerDiLoCo:
                outer: Optional[optax.GradientTransformation] = None, *, axis_name="data",
                period: int, compressor: Optional[base.Compressor] = None,
                error_feedback="auto", residual_decay: float = 1.0, strategy: str = "auto",
-               min_size: int = DEFAULT_MIN_SIZE, seed: int = 0):
+               min_size: int = DEFAULT_MIN_SIZE, seed: int = 0, skip_nonfinite: bool = True):
     from commopt.parallel._data_parallel import data_parallel
     fn = "eager_diloco"
     self.period = base.check_positive_int("period", period, fn=fn)
     self.outer = _outer(optax.sgd(1.0) if outer is None else outer, fn)
     reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed,
                        residual_decay)
-    self.inner_dp = data_parallel(loss_fn, inner, mesh, axis_name, local_params=True,
-                                  skip_nonfinite=False, donate=False)
+    self.inner_dp = data_parallel(loss_fn, worker_skip(inner, skip_nonfinite, fn), mesh,
+                                  axis_name, local_params=True, skip_nonfinite=False,
+                                  donate=False)
     self.exchange_dp = data_parallel(_probe_loss, _mean_of_params(reducer), mesh, axis_name,
                                      local_params=True, donate=False)
     self.mesh = mesh

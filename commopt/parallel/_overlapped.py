@@ -21,7 +21,8 @@ class OverlappedState:
   """What :class:`OverlappedDiLoCo` carries between steps (host-level: not a pytree).
 
   Attributes:
-    inner: the inner optimizer's state (per worker), as ``data_parallel`` keeps it.
+    inner: the inner optimizer's state (per worker), as ``data_parallel`` keeps it (inside
+      each worker's :class:`~commopt.transforms.ApplyIfFiniteState` with ``skip_nonfinite``).
     exchange: the exchange's state (a :func:`~commopt.diloco` state: the anchor,
       the error-feedback residuals, the outer optimizer's state).
     count: inner steps so far.
@@ -45,6 +46,14 @@ def _probe_loss(params, batch):
   agreed skip then keeps a worker's non-finite parameters out of the anchor."""
   del batch
   return sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params)) * 0.0
+
+
+def worker_skip(inner, skip_nonfinite, fn: str):
+  """``inner`` wrapped so that each worker skips its own non-finite inner step (a verdict
+  of its own: no collective), or ``inner`` itself (``skip_nonfinite=False``)."""
+  from commopt.transforms._control import apply_if_finite
+  return apply_if_finite(inner) if base.check_bool("skip_nonfinite", skip_nonfinite,
+                                                   fn=fn) else inner
 
 
 class OverlappedDiLoCo:
@@ -77,11 +86,14 @@ class OverlappedDiLoCo:
   the exchange differently on different processes, and the job aborts
   ("collective mismatch"). Log each process's own losses, or call
   :meth:`finish` first.
-  Inner steps do not skip non-finite gradients (that would be a collective
-  per step); the exchange does (``data_parallel``'s agreed skip, on a probe
-  whose gradient is NaN where a parameter is), so a worker whose parameters
-  went non-finite never reaches the anchor. Checkpoint between a merge and
-  the next exchange (:meth:`finish` merges what is in flight).
+  With ``skip_nonfinite`` (the default) each worker skips its own inner step
+  whose gradients hold a NaN or an infinity (its parameters and inner
+  optimizer state kept, counted in its ``ApplyIfFiniteState``): a verdict of
+  its own, with no collective, so nothing runs beside the exchange. The
+  exchange skips by agreement (``data_parallel``'s skip, on a probe whose
+  gradient is NaN where a parameter is), so a worker whose parameters went
+  non-finite never reaches the anchor. Checkpoint between a merge and the
+  next exchange (:meth:`finish` merges what is in flight).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar``, as for ``data_parallel``.
@@ -98,6 +110,8 @@ class OverlappedDiLoCo:
     strategy: as in :func:`~commopt.diloco`.
     min_size: as in :func:`~commopt.diloco`.
     seed: as in :func:`~commopt.diloco`.
+    skip_nonfinite: each worker skips its own non-finite inner steps (True, the
+      default; no collective) or runs them as they come (False).
 
   References:
     Douillard et al., Streaming DiLoCo with overlapping communication:
@@ -109,7 +123,7 @@ class OverlappedDiLoCo:
                period: int, delay: int = 1, mixing: float = 0.5,
                compressor: Optional[base.Compressor] = None, error_feedback="auto",
                residual_decay: float = 1.0, strategy: str = "auto",
-               min_size: int = DEFAULT_MIN_SIZE, seed: int = 0):
+               min_size: int = DEFAULT_MIN_SIZE, seed: int = 0, skip_nonfinite: bool = True):
     from commopt.parallel._data_parallel import data_parallel
     fn = "overlapped_diloco"
     self.period = base.check_positive_int("period", period, fn=fn)
@@ -122,8 +136,9 @@ class OverlappedDiLoCo:
                               compressor=compressor, error_feedback=error_feedback,
                               residual_decay=residual_decay, strategy=strategy,
                               min_size=min_size, seed=seed)
-    self.inner_dp = data_parallel(loss_fn, inner, mesh, axis_name, local_params=True,
-                                  skip_nonfinite=False, donate=False)
+    self.inner_dp = data_parallel(loss_fn, worker_skip(inner, skip_nonfinite, fn), mesh,
+                                  axis_name, local_params=True, skip_nonfinite=False,
+                                  donate=False)
     self.exchange_dp = data_parallel(_probe_loss, self.exchange_tx, mesh, axis_name,
                                      local_params=True, donate=False)
     self.mesh = mesh
