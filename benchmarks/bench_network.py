@@ -202,6 +202,10 @@ def parse_args(argv=None):
     p.error(f"--processes: each count must be at least 2, got {args.processes}")
   if args.steps < 10:
     p.error(f"--steps must be at least 10, got {args.steps}")
+  eager = [COMBINED[EAGER[m]][0] for m in args.methods if m in EAGER]
+  if eager and args.steps < 3 * max(eager):
+    p.error(f"--steps must be at least {3 * max(eager)} with an eager method (three periods: "
+            f"two compile, one is timed), got {args.steps}")
   return args
 
 
@@ -312,11 +316,11 @@ class EagerTrainer:
 
   @staticmethod
   def snapshot(state):
-    """This process's workers' mean anchor, on the host (no collective)."""
+    """This process's workers' anchors, stacked on the host (no collective)."""
     import jax
     import numpy as np
     return jax.tree.map(lambda a: np.concatenate(
-        [np.asarray(s.data) for s in a.addressable_shards]).mean(axis=0), state.anchors)
+        [np.asarray(s.data) for s in a.addressable_shards]), state.anchors)
 
   def finish(self, params, state):
     params, state = self.run.finish(params, state)
@@ -422,10 +426,10 @@ def worker(config_path: str, result_path: str) -> None:
           global_losses.append([step + 1, global_loss(commopt.global_params(state), scored)])
     if eager:
       params, state = dp.finish(params, state)
-      for k, mine in anchors:     # the mean over the processes of each one's workers' anchor
+      for k, mine in anchors:     # the mean of every worker's anchor, over the processes
         every = multihost_utils.process_allgather(mine)
-        global_losses.append([k, global_loss(jax.tree.map(lambda a: a.mean(axis=0), every),
-                                             scored)])
+        model = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]).mean(axis=0), every)
+        global_losses.append([k, global_loss(model, scored)])
     losses = [float(np.mean(v)) for v in multihost_utils.process_allgather(losses, tiled=True)]
     model = dp.run.global_params(state) if eager else (
         commopt.global_params(state) if local_params else whole(params))
@@ -461,6 +465,8 @@ def worker(config_path: str, result_path: str) -> None:
         "period": period, "sync_sent_bytes": plan.sent_bytes, "global_losses": global_losses,
         "losses": losses, "step_times": times, "compile_s": times[0], "eval_loss": eval_loss,
         "compiling_steps": compiling,
+        # The steps that compile or wait for a compiled program, counted as typical ones.
+        "compiled_at": [0, period - 1, 2 * period - 1] if eager else list(range(compiling)),
     }
     if ctx.is_main:
       print(f"  {label}: {step_s * 1e3:.1f} ms/step (compute {compute_s * 1e3:.1f}, "
@@ -614,9 +620,10 @@ def derive(r: dict, processes: int, target: float) -> dict:
     done = next((k for k, v in r["global_losses"] if v <= target), None)
   else:
     done = next((i + 1 for i, v in enumerate(curve) if v <= target), None)
-  # The compiling steps count as typical ones.
-  compiling = r.get("compiling_steps", 1)
-  times = [r["step_s"]] * compiling + r["step_times"][compiling:]
+  # The compiling steps count as typical ones (a report without `compiled_at`: the first
+  # `compiling_steps`).
+  compiled = set(r.get("compiled_at", range(r.get("compiling_steps", 1))))
+  times = [r["step_s"] if i in compiled else t for i, t in enumerate(r["step_times"])]
   comm = r["comm_s"]
   return dict(r, final_loss=curve[-1], steps_to_target=done,
               time_to_target_s=None if done is None else sum(times[:done]),

@@ -8,7 +8,8 @@ H = ``--hidden``) with AdamW inside, ``--batch`` rows per worker, an exchange ev
 ``--period`` steps, dense float32 pseudo-gradients (the exchange that a slow link hurts
 most), Nesterov outer step:
 
-- ``compute``: the inner steps alone (no exchange; the time the workers compute);
+- ``compute``: the inner steps alone (no exchange; the time the workers compute), each
+  worker skipping its own non-finite steps as the drivers' inner steps do;
 - ``blocking``: ``commopt.overlapped_diloco(..., delay=0)``: every exchange waited for
   at once (DiLoCo, two programs);
 - ``overlapped``: ``commopt.overlapped_diloco(..., delay=--delay, mixing=0.5)``: the
@@ -103,7 +104,8 @@ def worker(config_path: str, result_path: str) -> None:
     return dp, dp, dp.step
 
   def compute():
-    dp = commopt.data_parallel(loss_fn, inner, mesh, local_params=True, skip_nonfinite=False)
+    dp = commopt.data_parallel(loss_fn, commopt.transforms.apply_if_finite(inner), mesh,
+                               local_params=True, skip_nonfinite=False)
     return dp, dp, dp.step
 
   def eager():

@@ -104,7 +104,8 @@ def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, met
     # after the run; its first two periods (compiling) count as typical steps.
     assert other["sent_bytes"] * 20 < dense["sent_bytes"]
     assert [k for k, _ in other["global_losses"]] == [4, 8, 12, 16]
-    assert other["compiling_steps"] == 8 and other["step_s"] < dense["step_s"]
+    assert other["compiling_steps"] == 8 and other["compiled_at"] == [0, 3, 7]
+    assert other["step_s"] < dense["step_s"]
     assert other["global_losses"][-1][1] < other["global_losses"][0][1]
   elif method.startswith("overlap:"):
     # scaled_sign's signs, one step late, beside the backward pass: the same first loss
@@ -212,7 +213,20 @@ def test_derive_counts_steps_on_the_global_model(load_script):
   assert d["steps_to_target"] == 16 and d["time_to_target_s"] == pytest.approx(1.6)
   assert d["link_bytes_per_s"] == pytest.approx(2 * 100.0 / 0.01)
   assert b.derive(r, 2, 0.1)["time_to_target_s"] is None
+  # Steps named as compiling (an eager run's outer step and first exchange) count as
+  # typical ones; the others as measured.
+  eager = dict(r, step_times=[5.0, 0.1, 0.1, 3.0] + [0.1] * 12, compiled_at=[0, 3])
+  assert b.derive(eager, 2, 0.3)["time_to_target_s"] == pytest.approx(1.6)
+  assert b.derive(dict(eager, compiled_at=[0]), 2, 0.3)["time_to_target_s"] == pytest.approx(4.5)
   # An earlier version's report, with no scores: the smoothed training loss (5 steps).
   assert b.derive(dict(r, period=1, global_losses=[]), 2, 0.3)["steps_to_target"] == 9
   del r["global_losses"]
   assert b.derive(r, 2, 0.3)["steps_to_target"] == 9
+
+
+def test_eager_methods_need_three_periods_of_steps(load_script, capsys):
+  b = load_script(BENCH)
+  with pytest.raises(SystemExit):
+    b.parse_args(["--methods", "dense,eager:diloco(8)+int_quant(4)", "--steps", "20"])
+  assert "--steps must be at least 24 with an eager method" in capsys.readouterr().err
+  assert b.parse_args(["--methods", "eager:diloco(8)+int_quant(4)", "--steps", "24"]).steps == 24

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base
-from commopt.parallel._overlapped import _probe_loss, worker_skip
+from commopt.parallel._overlapped import _probe_loss, _worker_skip
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._sync._common import _outer, _reducer
 
@@ -100,7 +100,8 @@ class EagerDiLoCo:
     seed: the compressor's base key, :func:`~commopt.diloco`'s option.
     skip_nonfinite: each worker skips its own inner step whose gradients hold a NaN or an
       infinity, its parameters and inner optimizer state kept (True, the default: a
-      verdict of its own, no collective beside the exchange in flight), or runs it as it
+      verdict of its own, no collective across workers beside the exchange in flight;
+      leaves sharded over model axes agree over those axes), or runs it as it
       comes (False). The exchange skips by agreement, as ``data_parallel`` does.
 
   References:
@@ -119,7 +120,7 @@ class EagerDiLoCo:
     self.outer = _outer(optax.sgd(1.0) if outer is None else outer, fn)
     reducer = _reducer(fn, axis_name, compressor, error_feedback, strategy, min_size, seed,
                        residual_decay)
-    self.inner_dp = data_parallel(loss_fn, worker_skip(inner, skip_nonfinite, fn), mesh,
+    self.inner_dp = data_parallel(loss_fn, _worker_skip(inner, skip_nonfinite, fn), mesh,
                                   axis_name, local_params=True, skip_nonfinite=False,
                                   donate=False)
     self.exchange_dp = data_parallel(_probe_loss, _mean_of_params(reducer), mesh, axis_name,

@@ -48,9 +48,9 @@ def _probe_loss(params, batch):
   return sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params)) * 0.0
 
 
-def worker_skip(inner, skip_nonfinite, fn: str):
+def _worker_skip(inner, skip_nonfinite, fn: str):
   """``inner`` wrapped so that each worker skips its own non-finite inner step (a verdict
-  of its own: no collective), or ``inner`` itself (``skip_nonfinite=False``)."""
+  of its own: no collective across workers), or ``inner`` itself (``skip_nonfinite=False``)."""
   from commopt.transforms._control import apply_if_finite
   return apply_if_finite(inner) if base.check_bool("skip_nonfinite", skip_nonfinite,
                                                    fn=fn) else inner
@@ -89,7 +89,9 @@ class OverlappedDiLoCo:
   With ``skip_nonfinite`` (the default) each worker skips its own inner step
   whose gradients hold a NaN or an infinity (its parameters and inner
   optimizer state kept, counted in its ``ApplyIfFiniteState``): a verdict of
-  its own, with no collective, so nothing runs beside the exchange. The
+  its own, with no collective across workers (a worker whose leaves are
+  sharded over model axes agrees over those axes only), so nothing crosses
+  the data axis beside the exchange. The
   exchange skips by agreement (``data_parallel``'s skip, on a probe whose
   gradient is NaN where a parameter is), so a worker whose parameters went
   non-finite never reaches the anchor. Checkpoint between a merge and the
@@ -111,7 +113,7 @@ class OverlappedDiLoCo:
     min_size: as in :func:`~commopt.diloco`.
     seed: as in :func:`~commopt.diloco`.
     skip_nonfinite: each worker skips its own non-finite inner steps (True, the
-      default; no collective) or runs them as they come (False).
+      default; no collective across workers) or runs them as they come (False).
 
   References:
     Douillard et al., Streaming DiLoCo with overlapping communication:
@@ -136,7 +138,7 @@ class OverlappedDiLoCo:
                               compressor=compressor, error_feedback=error_feedback,
                               residual_decay=residual_decay, strategy=strategy,
                               min_size=min_size, seed=seed)
-    self.inner_dp = data_parallel(loss_fn, worker_skip(inner, skip_nonfinite, fn), mesh,
+    self.inner_dp = data_parallel(loss_fn, _worker_skip(inner, skip_nonfinite, fn), mesh,
                                   axis_name, local_params=True, skip_nonfinite=False,
                                   donate=False)
     self.exchange_dp = data_parallel(_probe_loss, self.exchange_tx, mesh, axis_name,
