@@ -51,8 +51,9 @@ Methods (``--methods``):
   the mean (the worker's own pseudo-gradient for its share, the others' from the exchange
   before). The global model scored is the workers' mean anchor after each outer step,
   kept on the host and scored after the run (no collective while an exchange is in
-  flight). Its first two periods (its outer step's compilation, then the wait for its
-  first exchange's) count as typical ones.
+  flight). Its steps that compile or wait for a compiled program (the first, the first
+  outer step's and the one that collects the first exchange: ``compiled_at``) count as
+  typical ones; its step time is the median over the periods after the first two.
 - commopt overlapped (``OVERLAPPED``): ``overlap:dense`` and
   ``overlap:scaled_sign/gather``, the per-step method one step delayed
   (``overlapped_data_parallel``: its exchange of the gradient kept from the
