@@ -15,7 +15,7 @@ from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_inner
 from commopt.transforms._sync._common import (
-    _Mode, _moved, _outer, _outer_step, _planned, _reducer, _require_params,
+    _Mode, _inner_step, _moved, _outer, _outer_step, _planned, _reducer, _require_params,
     _to_target_or_local, _update_to, _wide, _zero_count, is_sync_step)
 
 
@@ -189,8 +189,8 @@ class _DiLoCo(_Mode):
     every step of the warm-up, the inner optimizer runs twice (its update written out once
     per synchronisation, where it was on every step)."""
     updates, inner_state, anchor, reducer_state, outer_state = operands
-    local, _ = self.inner.update(updates, inner_state, params, **extra_args)
-    return _outer_step(self.reducer, self.outer, _moved(params, local), anchor, reducer_state,
+    moved, _ = _inner_step(self.inner, updates, inner_state, params, extra_args)
+    return _outer_step(self.reducer, self.outer, moved, anchor, reducer_state,
                        outer_state)
 
   @staticmethod

@@ -17,8 +17,8 @@ from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_axes, _check_inner
 from commopt.transforms._sync._common import (
-    _Mode, _exchange_options, _moved, _reducer, _require_params, _to_target_or_local, _wide,
-    _zero_count, is_sync_step)
+    _Mode, _exchange_options, _inner_step, _moved, _reducer, _require_params,
+    _to_target_or_local, _wide, _zero_count, is_sync_step)
 from commopt.transforms._sync._diloco import diloco
 
 
@@ -236,7 +236,7 @@ class _HierarchicalLocalSGD(_Mode):
       moved = source
     else:
       updates, inner_state = source
-      moved = _moved(params, self.inner.update(updates, inner_state, params, **extra_args)[0])
+      moved, _ = _inner_step(self.inner, updates, inner_state, params, extra_args)
     delta = jax.tree.map(lambda a, m: a - m, anchors[i], moved)
     mean, red = self.reducers[i].update(delta, reducer_states[i])
     new = jax.tree.map(lambda a, d: a - d, anchors[i], mean)
