@@ -240,6 +240,18 @@ def per_step(times, period: int = 1) -> float:
   return statistics.median(sum(r) / period for r in runs) if runs else sum(times) / len(times)
 
 
+def combined_options(label: str, lr: float) -> dict:
+  """The arguments of a combined method's DiLoCo (``COMBINED``): inner and outer optimizers,
+  period, strategy and compressor, as ``diloco`` and ``eager_diloco`` take them."""
+  import optax
+
+  import commopt
+  period, name, opts, strategy, outer = COMBINED[label]
+  return dict(inner=optax.sgd(lr, momentum=0.9),
+              outer={None: None, "sgd(1.0)": optax.sgd(1.0)}[outer], period=period,
+              strategy=strategy, compressor=commopt.compressors.make(name, **opts))
+
+
 def make_tx(label: str, lr: float):
   """(optax transform, period, whether each worker keeps its own parameters) of a commopt method."""
   import optax
@@ -247,11 +259,8 @@ def make_tx(label: str, lr: float):
   import commopt
   inner = optax.sgd(lr, momentum=0.9)
   if label in COMBINED:
-    period, name, opts, strategy, outer = COMBINED[label]
-    outer = {None: None, "sgd(1.0)": optax.sgd(1.0)}[outer]
-    tx = commopt.diloco(inner, outer, axis_name="data", period=period, strategy=strategy,
-                        compressor=commopt.compressors.make(name, **opts))
-    return tx, period, True
+    options = combined_options(label, lr)
+    return commopt.diloco(axis_name="data", **options), options["period"], True
   name, opts, strategy, ef = METHODS[label]
   reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name="data",
                                     strategy=strategy, error_feedback=ef)
@@ -299,14 +308,9 @@ class EagerTrainer:
   scoring its global model needs while an exchange may be in flight (no collective then)."""
 
   def __init__(self, label: str, loss_fn, lr: float, mesh):
-    import optax
-
     import commopt
-    period, name, opts, strategy, outer = COMBINED[EAGER[label]]
-    self.run = commopt.eager_diloco(
-        loss_fn, optax.sgd(lr, momentum=0.9), mesh,
-        {None: None, "sgd(1.0)": optax.sgd(1.0)}[outer], period=period, strategy=strategy,
-        compressor=commopt.compressors.make(name, **opts))
+    self.run = commopt.eager_diloco(loss_fn, mesh=mesh,
+                                    **combined_options(EAGER[label], lr))
     self.place_params, self.local_batch = self.run.place_params, self.run.local_batch
     self.init, self.step = self.run.init, self.run.step
 
@@ -447,7 +451,8 @@ def worker(config_path: str, result_path: str) -> None:
     # Compiling steps: the first (and an overlapped method's second, the exchange's first; an
     # eager method's first two periods: its outer step's, then the wait for its first exchange).
     compiling = 2 if overlapped else 2 * period if eager else 1
-    for _ in range(period * -(-cfg["compute_steps"] // period) + (compiling if eager else 1)):
+    warm = compiling if eager else 1     # compute alone: an overlapped step has no exchange
+    for _ in range(period * -(-cfg["compute_steps"] // period) + warm):
       t0 = time.perf_counter()
       lp, ls, _ = local.step(lp, ls, batch)
       jax.block_until_ready(local.ready(lp, ls) if eager else (lp, ls))
@@ -458,7 +463,7 @@ def worker(config_path: str, result_path: str) -> None:
     if overlapped:
       dp.close()
     step_s = per_step(times[compiling:], period)
-    compute_s = per_step(compute[compiling if eager else 1:], period)
+    compute_s = per_step(compute[warm:], period)
     comm_s = max(step_s - compute_s, 0.0)
     results[label] = {
         "step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
