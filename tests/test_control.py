@@ -100,6 +100,29 @@ def test_apply_if_finite_shard_map(check_vma):
   _run_three_steps(_shard_map_update(tx, mesh, "data", check_vma), state, bad_worker=3)
 
 
+@pytest.mark.parametrize("check_vma, agree, alone", [
+    (True, False, True),      # no exchange this step: worker 3 skips alone, no collective
+    (True, True, False),      # an exchange: every worker skips
+    (False, False, False),    # no varying types to tell per-worker state: every worker skips
+])
+def test_apply_if_finite_agrees_only_when_told(check_vma, agree, alone):
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = apply_if_finite(optax.sgd(0.1, momentum=0.9), axis_name="data",
+                       agree_when=lambda inner_state: jnp.array(agree))
+  update = _shard_map_update(tx, mesh, "data", check_vma)
+  state = _stack(tx.init({"w": jnp.zeros(64)}))
+  out, state = update(_updates(1, bad_worker=3), state)
+  moved = np.any(np.asarray(out["w"]) != 0, axis=1)
+  skipped = [w == 3 or not alone for w in range(N)]
+  assert moved.tolist() == [not k for k in skipped]
+  assert np.asarray(state.total_notfinite).tolist() == [int(k) for k in skipped]
+  trace = np.asarray(state.inner_state[0].trace["w"])
+  assert [not t.any() for t in trace] == skipped
+  if alone:
+    hlo = jax.jit(update).lower(_updates(1), state).compile().as_text()
+    assert "all-reduce" not in hlo
+
+
 def test_apply_if_finite_over_a_tuple_of_axes():
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   axes = ("node", "local")
@@ -343,6 +366,11 @@ def test_multi_steps_accumulates_bf16_in_float32():
     ({"max_consecutive_errors": -1}, "max_consecutive_errors"),
     ({"max_consecutive_errors": True}, "max_consecutive_errors"),
     ({"max_consecutive_errors": 2.0}, "max_consecutive_errors"),
+    ({"axis_name": "data", "agree_when": True}, "agree_when"),
+    ({"agree_when": lambda s: True}, "agree_when"),                       # no axis
+    ({"axis_name": "data", "agree_when": lambda s: True, "strict": False}, "agree_when"),
+    ({"axis_name": "data", "agree_when": lambda s: True, "max_consecutive_errors": 1},
+     "agree_when"),
 ])
 def test_apply_if_finite_arguments(kwargs, name):
   kwargs = {"inner": optax.sgd(0.1), **kwargs}

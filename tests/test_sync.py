@@ -10,6 +10,7 @@ import commopt
 from commopt import wire
 
 STEPS = 6
+WORKERS = 8          # the `mesh` fixture's data axis
 
 
 def _problem(seed=0):
@@ -86,7 +87,7 @@ def test_bytes_move_only_on_synchronisation_steps(compressor, mesh):
   period = 3
   tx = commopt.diloco(optax.sgd(0.1), axis_name="data", period=period, compressor=c)
   plan = wire.comm_plan(tx, params, 8)          # what one synchronisation sends
-  skip_flag = ("all-reduce", 4)                  # data_parallel's agreed non-finite check
+  skip_flag = ("all-reduce", 4)                  # the non-finite verdict, agreed on syncs
   with wire.record_collectives() as rec:
     dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
     p, s = dp.place_params(params), dp.init(params)
@@ -99,12 +100,14 @@ def test_bytes_move_only_on_synchronisation_steps(compressor, mesh):
       rec.clear()
   for step, events in enumerate(per_step):
     sync = (step + 1) % period == 0
-    assert skip_flag in events, (step, events)
-    payload = sum(b for k, b in events) - skip_flag[1]
     if sync:
+      assert skip_flag in events, (step, events)
+      payload = sum(b for k, b in events) - skip_flag[1]
       assert payload == plan.contributed_bytes, (step, events, plan.contributed_bytes)
     else:
-      assert events == [skip_flag], (step, events)
+      # Between synchronisations each worker judges its own gradients: nothing crosses.
+      assert events == [], (step, events)
+      payload = 0
     # The plan of the step itself: the exchange on sync steps, nothing on the others.
     assert wire.comm_plan(tx, params, 8, step=step).contributed_bytes == payload, step
 
@@ -260,7 +263,8 @@ def test_streaming_diloco_staggers_fragments_and_merges_them_late(mesh):
     for b in batches * 2:
       p, s, _ = dp.step(p, s, b)
       jax.block_until_ready(p)
-      payload.append(sum(n for _, n in rec.of_worker(0)) - 4)    # less the skip flag
+      sent = sum(n for _, n in rec.of_worker(0))
+      payload.append(sent - 4 if sent else 0)    # less the skip flag, agreed on exchanges
       rec.clear()
       local = jax.tree.map(np.asarray, p)
       spread.append({k: float(np.ptp(local[k], axis=0).max()) for k in local})
@@ -363,7 +367,8 @@ def test_hierarchical_local_sgd_moves_bytes_on_its_levels_only(compressor, mesh2
       jax.block_until_ready(p)
       # Every device logs each collective it runs once: the bytes per device.
       per_device = sum(e.nbytes for e in rec.events) / 8
-      assert per_device == plans[t].contributed_bytes + 4, (t, rec.events)   # + skip flag
+      flag = 4 if plans[t].collectives else 0     # the skip flag, agreed on averages only
+      assert per_device == plans[t].contributed_bytes + flag, (t, rec.events)
       rec.clear()
 
 
@@ -557,3 +562,73 @@ def test_bench_sync_runs_and_counts_bytes(tmp_path):
   assert r["SSP s=4"]["bytes_sent"][-1] == r["dense BSP"]["bytes_sent"][-1]
   assert (tmp_path / "sync.png").stat().st_size > 10_000
   assert "| DiLoCo H int4 |" in proc.stdout
+
+
+@pytest.mark.parametrize("make", [
+    lambda inner: commopt.diloco(inner, axis_name="data", period=3),
+    lambda inner: commopt.streaming_diloco(inner, axis_name="data", period=3, fragments=1,
+                                           delay=0, mixing=0.0),
+    lambda inner: commopt.local_sgd(inner, axis_name="data", period=3),
+], ids=["diloco", "streaming_diloco", "local_sgd"])
+def test_a_nonfinite_worker_skips_alone_between_exchanges_and_with_all_on_one(make, mesh):
+  params, batches = _problem()
+  rows, bad = 32 // WORKERS, 3
+  for t in (0, 5):            # step 0 ends no period; step 5 ends one (period 3)
+    batches[t] = {**batches[t], "x": batches[t]["x"].copy()}
+    batches[t]["x"][bad * rows] = np.nan
+  dp = commopt.data_parallel(_loss, make(optax.sgd(0.1, momentum=0.9)), mesh, local_params=True)
+  p, s = dp.place_params(params), dp.init(params)
+  host = lambda tree: jax.tree.map(np.asarray, tree)
+  before = host(p)
+  p, s, _ = dp.step(p, s, batches[0])
+  after = host(p)
+  # Worker 3 kept its parameters and its momentum; the others stepped; the schedule advanced.
+  for w in range(WORKERS):
+    same = all(np.array_equal(after[k][w], before[k][w]) for k in after)
+    assert same == (w == bad), w
+  momentum = [np.asarray(x) for x in jax.tree.leaves(s.inner_state.inner_state)
+              if np.ndim(x) == 3][0]
+  assert not momentum[bad].any() and momentum[0].any()
+  assert np.asarray(s.notfinite_count).tolist() == [int(w == bad) for w in range(WORKERS)]
+  assert int(s.inner_state.count) == 1
+  for b in batches[1:5]:       # an exchange at step 2: worker 3's move is finite, so is the mean
+    p, s, _ = dp.step(p, s, b)
+  assert int(s.inner_state.syncs) == 1
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(host(p)))
+  before, anchor = host(p), host(s.inner_state.anchor)
+  p, s, _ = dp.step(p, s, batches[5])
+  # On an exchange every worker skips together: nothing moves, the exchange waits a step.
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(host(p)),
+                                                  jax.tree.leaves(before)))
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(host(s.inner_state.anchor)),
+                                                  jax.tree.leaves(anchor)))
+  assert int(s.inner_state.syncs) == 1 and int(s.inner_state.count) == 5
+  assert np.asarray(s.total_notfinite).tolist() == [1 + (w == bad) for w in range(WORKERS)]
+  p, s, _ = dp.step(p, s, batches[4])
+  assert int(s.inner_state.syncs) == 2 and np.asarray(s.notfinite_count).sum() == 0
+  spread = max(float(np.ptp(x, axis=0).max()) for x in jax.tree.leaves(host(p)))
+  assert spread < 1e-6      # one copy after the exchange
+
+
+def test_per_worker_skip_counters_resize_and_restore_from_agreed_ones(mesh):
+  params, batches = _problem()
+  batches[0] = {**batches[0], "x": batches[0]["x"].copy()}
+  batches[0]["x"][3 * (32 // WORKERS)] = np.inf          # worker 3 skips step 0 alone
+  tx = commopt.diloco(optax.sgd(0.1), axis_name="data", period=3)
+  dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
+  p, s = dp.place_params(params), dp.init(params)
+  for b in batches[:2]:
+    p, s, _ = dp.step(p, s, b)
+  assert np.asarray(s.total_notfinite).tolist() == [int(w == 3) for w in range(WORKERS)]
+  # Onto 4 workers: each takes the most any saved worker counted (counts are not averaged).
+  dp4 = commopt.data_parallel(_loss, tx, jax.make_mesh((4,), ("data",)), local_params=True)
+  r = dp4.resize_state(jax.tree.map(np.asarray, s), params)
+  assert np.asarray(r.total_notfinite).tolist() == [1] * 4
+  assert np.asarray(r.last_finite).tolist() == [True] * 4
+  # A state saved while the counters were one agreed scalar: every worker takes it.
+  old = jax.tree.map(np.asarray, s)._replace(
+      notfinite_count=np.int32(0), last_finite=np.bool_(True), total_notfinite=np.int32(5))
+  r = dp.resize_state(old, params)
+  assert np.asarray(r.total_notfinite).tolist() == [5] * WORKERS
+  got, want = (jax.tree.leaves(jax.tree.map(np.asarray, x.inner_state.anchor)) for x in (r, s))
+  assert all(np.array_equal(a, b) for a, b in zip(got, want))

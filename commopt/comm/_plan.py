@@ -82,6 +82,9 @@ _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STEP_PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+_EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 class _Recording:
   """The reductions traced while :func:`recording` is active, by marker token.
 
@@ -104,7 +107,7 @@ _MARK = "commopt_plan_"
 _MARKED = re.compile(re.escape(_MARK) + r"(\d+)")
 
 
-def with_planner(tx, planner, step_planner=None):
+def with_planner(tx, planner, step_planner=None, exchanges=None):
   """Registers ``planner(params, workers) -> [Planned]`` for transform ``tx``; returns it.
 
   ``workers`` counts the workers on the transform's axis (an int), or on each
@@ -114,7 +117,10 @@ def with_planner(tx, planner, step_planner=None):
   A transform that does not exchange the same thing every step (the
   synchronisation modes) also registers ``step_planner(params, workers, step)
   -> [Planned]``: what runs at its 0-based ``step`` (nothing on a step without
-  an exchange). Without one, every step runs ``planner``'s collectives.
+  an exchange). Without one, every step runs ``planner``'s collectives. Such a
+  transform may also register ``exchanges(state)``: whether the update called
+  with ``state`` exchanges (traced, the same on every worker), read by
+  :func:`exchanges_of`.
 
   The returned transform is ``tx`` with an ``update`` that, only while
   :func:`recording` is active, records the planner against the updates it
@@ -145,7 +151,15 @@ def with_planner(tx, planner, step_planner=None):
   _PLANNERS[out.init] = planner
   if step_planner is not None:
     _STEP_PLANNERS[out.init] = step_planner
+  if exchanges is not None:
+    _EXCHANGES[out.init] = exchanges
   return out
+
+
+def exchanges_of(tx):
+  """``tx``'s registered ``exchanges(state)`` (see :func:`with_planner`), or None: a
+  transform that did not register one may exchange on every step."""
+  return _lookup(_EXCHANGES, tx)
 
 
 @contextlib.contextmanager

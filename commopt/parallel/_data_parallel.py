@@ -130,7 +130,8 @@ class DataParallel:
   @functools.cached_property
   def optimizer(self) -> optax.GradientTransformation:
     """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip."""
-    return faults.optimizer(self.tx, self.axis_name, self.skip_nonfinite)
+    return faults.optimizer(self.tx, self.axis_name, self.skip_nonfinite,
+                            local=self.local_params and not self.has_state)
 
   @property
   def _other_axes(self) -> tuple[str, ...]:
@@ -412,7 +413,14 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   no select over the state on every step (faster), about a copy of the
   optimizer state more peak memory, and on an update that overflowed from
   finite gradients the optimizer state advances (see
-  :func:`commopt.transforms.apply_if_finite`).
+  :func:`commopt.transforms.apply_if_finite`). With ``local_params=True``, no
+  model state and a synchronisation mode (:func:`~commopt.diloco`,
+  :func:`~commopt.local_sgd`, :func:`~commopt.streaming_diloco`,
+  :func:`~commopt.easgd`), the workers agree only on the steps that exchange;
+  in between each worker skips its own non-finite step (its parameters and
+  inner state kept, the schedule advancing), so no collective runs between
+  exchanges, and the counters are each worker's own (``apply_if_finite``'s
+  ``agree_when``).
 
   Model state (``has_state=True``), e.g. batch-norm statistics: ``loss_fn``
   returns the new state beside the loss. With ``model_state_sync='mean'``

@@ -15,13 +15,22 @@ import jax.numpy as jnp
 import optax
 
 
-def optimizer(tx, axis_name, skip_nonfinite) -> optax.GradientTransformation:
+def optimizer(tx, axis_name, skip_nonfinite, local=False) -> optax.GradientTransformation:
   """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip
-  (``skip_nonfinite``: True, False or ``"fast"``, see :func:`apply_if_finite`)."""
+  (``skip_nonfinite``: True, False or ``"fast"``, see :func:`apply_if_finite`).
+
+  ``local``: the workers keep their own parameters and nothing else makes them meet
+  on every step (``local_params`` without model state). Then, for a ``tx`` that
+  registers when it exchanges (the synchronisation modes), the workers agree only on
+  those steps, and in between each skips its own (``apply_if_finite``'s
+  ``agree_when``): no collective runs between exchanges."""
   if skip_nonfinite is False:
     return optax.with_extra_args_support(tx)
+  from commopt.comm import _plan
   from commopt.transforms._control import apply_if_finite
-  return apply_if_finite(tx, axis_name=axis_name, strict=skip_nonfinite != "fast")
+  strict = skip_nonfinite != "fast"
+  exchanges = _plan.exchanges_of(tx) if local and strict else None
+  return apply_if_finite(tx, axis_name=axis_name, strict=strict, agree_when=exchanges)
 
 
 def poison_if_nonfinite(dp, grads, new_model_state):

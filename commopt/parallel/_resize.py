@@ -30,7 +30,10 @@ the others must keep their sizes, and only the first changes):
   every old worker; it is copied. Otherwise resizing raises, except for
   records of the last step that no later step reads before rewriting them
   (DGC's mask of the coordinates it sent, ``sent``), which start again from
-  their initial value, zeros.
+  their initial value, zeros, and a non-finite skip's per-worker counters
+  (``ApplyIfFiniteState``), where every new worker takes the most any old
+  worker counted. A scalar saved where this run keeps one per worker (such
+  counters saved while they were agreed) is every worker's.
 - **Replicated state** (step counts, keys, the optimizer's moments after the
   reduction) is copied unchanged.
 
@@ -56,6 +59,10 @@ SERVER_FIELD = "server_residual"
 RESIDUAL_FIELD = "residual"
 LAST_STEP_FIELDS = ("sent",)
 """Fields that record the last step only (rewritten before they are read): reset on resize."""
+SKIP_COUNTER_FIELDS = {"notfinite_count": np.max, "total_notfinite": np.max,
+                       "last_finite": np.min}
+"""A non-finite skip's per-worker counters (``ApplyIfFiniteState``): on resize every new
+worker takes the most any saved worker counted (and ``last_finite`` only if all were)."""
 
 
 def path_key(path) -> tuple[str, ...]:
@@ -151,6 +158,11 @@ def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: 
       # even with as many workers.
       out.append(_server(x, key, saved, wants, layouts, old, new, rest, name, fn))
       continue
+    if flag and x.ndim == 0 and want.ndim == 1:
+      # Saved one for all workers (a replicated scalar, e.g. skip counters saved before
+      # they were per worker): every worker takes it.
+      out.append(np.full(want.shape, x, want.dtype))
+      continue
     if not flag or old_total == new_total:
       if x.shape != tuple(want.shape):
         raise ValueError(f"{fn}: saved leaf {name} has shape {x.shape}, this run's has "
@@ -169,6 +181,9 @@ def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: 
       if not (blocks == blocks[:1]).all():
         if key[-1] in LAST_STEP_FIELDS:
           out.append(np.zeros(want.shape, want.dtype))
+          continue
+        if key[-1] in SKIP_COUNTER_FIELDS and x.ndim == 1:
+          out.append(np.full(want.shape, SKIP_COUNTER_FIELDS[key[-1]](x), want.dtype))
           continue
         raise ValueError(
             f"{fn}: per-worker leaf {name} ({x.dtype}) differs between the saved workers; "

@@ -38,6 +38,10 @@ class ApplyIfFiniteState(NamedTuple):
     total_notfinite: updates with a non-finite value on some worker, or a
       non-finite reduced output, since ``init`` (int32); never reset.
     inner_state: the state of the wrapped transform.
+
+  With ``agree_when`` the three counters are each worker's own (a skip it
+  took alone, or one every worker agreed on), per worker under
+  ``shard_map``.
   """
   notfinite_count: jax.Array
   last_finite: jax.Array
@@ -173,10 +177,60 @@ def _replicated(tree) -> list:
   return [x for x in jax.tree.leaves(tree) if not coll.varying_axes(x)]
 
 
+def _check_agree_when(agree_when, axis_name, strict, max_consecutive_errors) -> None:
+  """Refuses an ``agree_when`` that is not callable, or with options it does not serve."""
+  if agree_when is None:
+    return
+  if not callable(agree_when):
+    raise base.OptionTypeError(f"apply_if_finite: `agree_when` must be None or a function of "
+                               f"the inner state, got {agree_when!r}.")
+  if axis_name is None or not strict or max_consecutive_errors is not None:
+    raise ValueError(
+        "apply_if_finite: `agree_when` needs an `axis_name`, strict=True and "
+        f"max_consecutive_errors=None, got axis_name={axis_name!r}, strict={strict!r}, "
+        f"max_consecutive_errors={max_consecutive_errors!r}.")
+
+
+def _varies(tree, axis_name) -> bool:
+  """Whether some leaf of ``tree`` is typed varying over an axis of ``axis_name``."""
+  data = set(_names(axis_name))
+  return any(set(coll.varying_axes(x)) & data for x in jax.tree.leaves(tree))
+
+
+def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
+  """``(worker, agreed)``: whether this worker's input ``updates`` are finite (on every shard
+  of its model axes), and whether every worker's are. Without ``agree_when`` (or without
+  varying types to tell per-worker state apart) both are the agreed verdict, one all-reduce;
+  with it the workers agree only where ``agree_when(inner_state)``, and ``agreed`` is true
+  on the other steps, where no collective over ``axis_name`` runs."""
+  if agree_when is None or not _varies(updates, axis_name):
+    ok = _agreed_finite(updates, axis_name)
+    return ok, ok
+  bad = jnp.logical_not(all_finite(updates)).astype(jnp.int32)
+  model = _model_axes(updates, axis_name)
+  if model:
+    bad = jnp.minimum(coll.psum(bad, model), 1)
+  agreed = coll.cond(agree_when(inner_state),
+                     lambda b: coll.psum(b, _names(axis_name)) == 0,
+                     lambda b: jnp.array(True), bad)
+  return (bad == 0) & agreed, agreed
+
+
+def _hold_state(new, old, worker, shared, axis_name):
+  """The new state where its step applies, else the old: a leaf that varies over
+  ``axis_name`` by the ``worker`` verdict, a leaf the same on every worker by the
+  ``shared`` one (so it stays the same on every worker)."""
+  data = set(_names(axis_name))
+  return jax.tree.map(
+      lambda n, o: _select(worker if set(coll.varying_axes(n)) & data else shared, n, o),
+      new, old)
+
+
 def apply_if_finite(inner: optax.GradientTransformation, *,
                     axis_name: Optional[str | tuple[str, ...]] = None,
                     max_consecutive_errors: Optional[int] = None,
-                    strict: bool = True
+                    strict: bool = True,
+                    agree_when: Optional[Callable[[Any], Any]] = None
                     ) -> optax.GradientTransformationExtraArgs:
   """Skips, on every worker together, an update in which any worker saw a NaN or Inf.
 
@@ -215,7 +269,8 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   :func:`~commopt.data_parallel` requires).
 
   The counters count the skip, whichever check caused it, and
-  ``last_finite`` is the agreed flag, the same on every worker.
+  ``last_finite`` is the agreed flag, the same on every worker (each
+  worker's own with ``agree_when``).
 
   ``optax.apply_if_finite`` does not work across workers: under
   ``jax.shard_map`` its ``lax.cond`` returns the reduced, replicated updates
@@ -235,6 +290,16 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     strict: always run ``inner`` and keep its state as it was on any skip
       (True, the default), or run it inside a ``lax.cond`` on the agreed
       input verdict (False; see above).
+    agree_when: for an ``inner`` that exchanges only on some steps (the
+      synchronisation modes, whose workers keep their own parameters in
+      between): a function of ``inner``'s state, the same on every worker,
+      true on the steps that exchange. The workers agree only on those; on
+      the others a worker whose input is not finite keeps its own per-worker
+      state (and parameters: its update is zero) while the state typed the
+      same on every worker advances, and no collective runs. The counters
+      are then each worker's own. Needs varying types (``shard_map`` with
+      ``check_vma=True``; without them the workers agree on every step);
+      not with ``strict=False`` or ``max_consecutive_errors``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -261,6 +326,7 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   if max_consecutive_errors is not None:
     max_consecutive_errors = base.check_int("max_consecutive_errors", max_consecutive_errors,
                                             fn="apply_if_finite", minimum=0)
+  _check_agree_when(agree_when, axis_name, strict, max_consecutive_errors)
 
   def init_fn(params):
     return ApplyIfFiniteState(
@@ -271,7 +337,7 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
 
   def update_fn(updates, state, params=None, **extra_args):
     with vma.shard_aware():
-      finite = _agreed_finite(updates, axis_name)
+      worker, finite = _input_verdicts(updates, state.inner_state, axis_name, agree_when)
     # Every collective of `inner` after the verdict's all-reduce, not beside it.
     updates = coll.after(updates, finite)
     run = lambda u, inner_state: inner.update(u, inner_state, params, **extra_args)
@@ -289,20 +355,21 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     with vma.shard_aware():
       # The reduced output is the same on every worker: so is this verdict (a leaf
       # sharded over model axes asks its shards, over those axes only).
-      finite = finite & _reduced_finite(new_updates, axis_name)
-    notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32),
+      out_ok = _reduced_finite(new_updates, axis_name)
+    finite, worker = finite & out_ok, worker & out_ok
+    notfinite_count = jnp.where(worker, jnp.zeros([], jnp.int32),
                                 optax.safe_int32_increment(state.notfinite_count))
-    apply = finite
+    apply = worker
     if max_consecutive_errors is not None:
-      apply = finite | (notfinite_count > max_consecutive_errors)
+      apply = worker | (notfinite_count > max_consecutive_errors)
     new_updates = jax.tree.map(lambda u: jnp.where(apply, u, _skip_zeros(u)), new_updates)
     if strict:
-      new_inner = jax.tree.map(lambda new, old: _select(apply, new, old), new_inner,
-                               state.inner_state)
+      new_inner = _hold_state(new_inner, state.inner_state, apply,
+                              apply if agree_when is None else finite, axis_name)
     return new_updates, ApplyIfFiniteState(
         notfinite_count=notfinite_count,
-        last_finite=finite,
-        total_notfinite=jnp.where(finite, state.total_notfinite,
+        last_finite=worker,
+        total_notfinite=jnp.where(worker, state.total_notfinite,
                                   optax.safe_int32_increment(state.total_notfinite)),
         inner_state=new_inner)
 

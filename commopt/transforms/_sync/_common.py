@@ -102,12 +102,18 @@ def _outer(outer, fn: str, compressor=None, error_feedback=False):
 def _planned(init_fn, update_fn, reducer, synced=None):
   """The transform, with :func:`commopt.wire.comm_plan` giving its exchange's collectives:
   what one synchronisation sends, and with ``step``, what runs at that step
-  (everything when ``synced(step)``, else nothing; every step without ``synced``)."""
+  (everything when ``synced(step)``, else nothing; every step without ``synced``).
+  ``synced`` takes a step count, an int or traced, and also tells a non-finite skip
+  (:func:`~commopt.transforms.apply_if_finite`'s ``agree_when``) which updates
+  exchange: those whose state's ``count`` it names."""
   planner = _plan.planner_of(reducer)
-  step_planner = None if synced is None else (
-      lambda params, workers, step: planner(params, workers) if synced(step) else [])
+  step_planner = exchanges = None
+  if synced is not None:
+    step_planner = lambda params, workers, step: (
+        planner(params, workers) if bool(synced(step)) else [])
+    exchanges = lambda state: synced(state.count)
   return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn),
-                            planner, step_planner)
+                            planner, step_planner, exchanges)
 
 
 def _require_params(fn: str, params, what: str = "each worker's own parameters") -> None:

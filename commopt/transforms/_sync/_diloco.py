@@ -131,7 +131,7 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
                                   seed, residual_decay),
                  period=base.check_positive_int("period", period, fn=fn),
                  warmup_steps=base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0))
-  return _planned(mode.init, mode.update, mode.reducer, lambda step: bool(mode.synced(step)))
+  return _planned(mode.init, mode.update, mode.reducer, mode.synced)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

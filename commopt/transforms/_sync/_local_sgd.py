@@ -152,7 +152,8 @@ def _hierarchical_local_sgd(inner, axis_name, period, warmup_steps, compressor, 
       fn=fn, axis_name=axis_name, inner=inner, levels=tuple(levels), warmup_steps=warmup_steps,
       reducers=tuple(level_reducer(i, axes) for i, (axes, _) in enumerate(levels)))
   return _plan.with_planner(optax.GradientTransformationExtraArgs(mode.init, mode.update),
-                            mode.planner, mode.step_planner)
+                            mode.planner, mode.step_planner,
+                            lambda state: mode.level_at(state.count) >= 0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -111,7 +112,7 @@ def streaming_diloco(inner: optax.GradientTransformation,
   mode = _StreamingDiLoCo(fn=fn, axis_name=axis_name, inner=inner, outer=outer, reducer=reducer,
                           period=period, fragments=fragments, delay=delay, mixing=mixing)
   return _plan.with_planner(optax.GradientTransformationExtraArgs(mode.init, mode.update),
-                            _plan.planner_of(reducer), mode.step_planner)
+                            _plan.planner_of(reducer), mode.step_planner, mode.exchanges)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,6 +129,11 @@ class _StreamingDiLoCo(_Mode):
     """Whether fragment ``p`` exchanges after inner step ``t``: ``p·period/fragments`` steps
     after fragment 0, every ``period`` steps."""
     return (t + 1 + p * self.period // self.fragments) % self.period == 0
+
+  def exchanges(self, state):
+    """Whether some fragment exchanges after the step ``state`` starts (traced)."""
+    return functools.reduce(jnp.logical_or, [self.sends(state.count, p)
+                                             for p in range(self.fragments)])
 
   def split(self, tree):
     """The leaves of ``tree`` grouped by fragment, and how to put them back."""
