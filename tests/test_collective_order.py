@@ -89,7 +89,10 @@ def test_every_collective_of_the_exchange_waits_for_the_verdict(name, ordered):
   p, s = dp.place_params(params), dp.init(params)
   entry = _entry(dp.lower(p, s, batch).compile().as_text())
   collectives = [n for n, (line, _) in entry.items() if COLLECTIVE.search(line)]
-  verdict = [n for n in collectives if re.search(r"= s32\[\] all-reduce\(", entry[n][0])]
+  # The verdict: an int32 all-reduce; under a synchronisation mode a conditional around it
+  # (agreed only on the steps that exchange) that returns the agreed bool.
+  verdict = [n for n in collectives
+             if re.search(r"= (s32\[\] all-reduce|\(pred\[\]\) conditional)\(", entry[n][0])]
   assert len(verdict) == 1, collectives
   others = [n for n in collectives if n not in verdict]
   assert others, collectives

@@ -336,7 +336,8 @@ def test_first_true_is_the_first_true_indices(mask, extra, take):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("n", [31, 32, 33, 63, 64, 65])
+@pytest.mark.parametrize("n", [31, 32, 33] + [pytest.param(n, marks=pytest.mark.slow)
+                                               for n in (63, 64, 65)])
 def test_first_true_at_word_edges_and_under_vmap(n):
   """Masks that end just before, at and after a word's end, as one and as a batch."""
   from commopt._src import base
