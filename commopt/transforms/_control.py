@@ -15,6 +15,7 @@ every worker, with the branches' outputs joined over their varying axes.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -216,14 +217,55 @@ def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
   return (bad == 0) & agreed, agreed
 
 
-def _hold_state(new, old, worker, shared, axis_name):
+def _hold_state(new, old, worker, shared, axis_name, shared_held=False):
   """The new state where its step applies, else the old: a leaf that varies over
   ``axis_name`` by the ``worker`` verdict, a leaf the same on every worker by the
-  ``shared`` one (so it stays the same on every worker)."""
+  ``shared`` one (so it stays the same on every worker), unless ``shared_held``: the
+  transform held those itself (:func:`take_verdict`)."""
   data = set(_names(axis_name))
-  return jax.tree.map(
-      lambda n, o: _select(worker if set(coll.varying_axes(n)) & data else shared, n, o),
-      new, old)
+
+  def hold(n, o):
+    if set(coll.varying_axes(n)) & data:
+      return _select(worker, n, o)
+    return n if shared_held else _select(shared, n, o)
+  return jax.tree.map(hold, new, old)
+
+
+class _VerdictScope:
+  """While ``apply_if_finite(..., agree_when=)`` traces its inner update: the agreed verdict
+  (``agreed``, None without ``agree_when``), offered to the transform whose state is
+  ``state`` (:func:`take_verdict`); ``held`` says whether it took it."""
+
+  def __init__(self, agreed, state):
+    self.agreed, self.state, self.held = agreed, state, False
+
+  def __enter__(self):
+    self._token = _VERDICT.set(self if self.agreed is not None else None)
+    return self
+
+  def __exit__(self, *exc):
+    _VERDICT.reset(self._token)
+
+
+_VERDICT: contextvars.ContextVar = contextvars.ContextVar("commopt_agreed_verdict",
+                                                          default=None)
+
+
+def take_verdict(state) -> Optional[jax.Array]:
+  """For a synchronisation mode run inside ``apply_if_finite(..., agree_when=)`` as its
+  ``inner`` (``state`` the state it was called with): the workers' agreed verdict on this
+  step's input (a bool, the same on every worker, true between exchanges), else None.
+
+  A transform that takes it promises that where it is false it returns every state leaf
+  typed the same on every worker as it was (and exchanges nothing); ``apply_if_finite``
+  then selects only the per-worker leaves. This spares a select over the anchor on every
+  step: a vetoed exchange leaves it in the exchange's conditional as it was.
+  """
+  scope = _VERDICT.get()
+  if scope is None or scope.state is not state:
+    return None
+  scope.held = True
+  return scope.agreed
 
 
 def apply_if_finite(inner: optax.GradientTransformation, *,
@@ -252,15 +294,10 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   touches the state when the step goes through; on an update that overflowed
   from finite inputs the state has advanced, and an error-feedback residual
   may keep the spike that overflowed, so the next updates overflow again
-  (each counted in ``notfinite_count``). What each costs, measured with
-  ``benchmarks/bench_base.py``'s model (2.1M parameters, adam) on an idle
-  2-core machine: on 4 CPU devices in one process, CPU time per step 1.95x
-  the unguarded step's with the selects and 1.29x with ``strict=False``;
-  across 4 gloo processes 1.81x and 1.23x (the guide's Performance page).
-  The selects keep the old state alive beside the new; XLA:CPU keeps a
-  conditional's outputs in buffers of their own, so ``strict=False`` raises
-  a step's peak memory by about a copy of the optimizer state instead.
-  Only output leaves typed replicated
+  (each counted in ``notfinite_count``). The selects cost time (the guide's
+  Performance page measures both); XLA:CPU keeps a conditional's outputs in
+  buffers of their own, so ``strict=False`` costs about a copy of the
+  optimizer state in peak memory instead. Only output leaves typed replicated
   (varying over no mesh axis) are read; an update that stays per worker (as
   under :func:`~commopt.local_sgd`) is left to the input check, so no
   worker's own values decide a skip. Under ``jax.vmap`` or with
@@ -341,9 +378,11 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     # Every collective of `inner` after the verdict's all-reduce, not beside it.
     updates = coll.after(updates, finite)
     run = lambda u, inner_state: inner.update(u, inner_state, params, **extra_args)
+    scope = _VerdictScope(finite if agree_when is not None else None, state.inner_state)
     if strict:
       # Always run, so every worker runs the same collectives; select after.
-      new_updates, new_inner = run(updates, state.inner_state)
+      with scope:
+        new_updates, new_inner = run(updates, state.inner_state)
     else:
       run_inner = finite
       if max_consecutive_errors is not None:
@@ -365,7 +404,8 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     new_updates = jax.tree.map(lambda u: jnp.where(apply, u, _skip_zeros(u)), new_updates)
     if strict:
       new_inner = _hold_state(new_inner, state.inner_state, apply,
-                              apply if agree_when is None else finite, axis_name)
+                              apply if agree_when is None else finite, axis_name,
+                              shared_held=scope.held and not _replicated(new_updates))
     return new_updates, ApplyIfFiniteState(
         notfinite_count=notfinite_count,
         last_finite=worker,

@@ -13,7 +13,7 @@ import optax
 from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_inner
+from commopt.transforms._control import _check_inner, _hold_state, take_verdict
 from commopt.transforms._sync._common import (
     _Mode, _inner_step, _moved, _outer, _outer_step, _planned, _reducer, _require_params,
     _to_target_or_local, _update_to, _wide, _zero_count, is_sync_step)
@@ -157,9 +157,19 @@ class _DiLoCo(_Mode):
     """The inner step on every worker; on a synchronisation step, every worker takes the anchor
     after the outer step."""
     _require_params(self.fn, params)
+    # Inside data_parallel's non-finite skip: the workers' agreed verdict, false only on a
+    # step that would exchange and that every worker skips (then nothing is exchanged and
+    # the state the workers share stays; see _control.take_verdict). None elsewhere.
+    go = take_verdict(state) if self.period > 1 else None
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     synced = self.synced(state.count)
+    count = optax.safe_int32_increment(state.count)
+    if go is not None:
+      synced = synced & go
+      count = jnp.where(go, count, state.count)
+      # The leaves the workers share (a step count) held here; the skip holds the rest.
+      inner_state = _hold_state(inner_state, state.inner_state, True, go, self.axis_name)
     if self.period == 1:
       # Every step synchronises: no conditional, and the inner step taken once.
       anchor, reducer_state, outer_state = _outer_step(
@@ -179,8 +189,8 @@ class _DiLoCo(_Mode):
           synced, functools.partial(self._sync, params, extra_args), self._no_sync, operands)
       update = _to_target_or_local(synced, anchor, params, local)
     return update, PeriodicState(
-        count=optax.safe_int32_increment(state.count),
-        syncs=state.syncs + synced.astype(jnp.int32), anchor=anchor, inner_state=inner_state,
+        count=count, syncs=state.syncs + synced.astype(jnp.int32), anchor=anchor,
+        inner_state=inner_state,
         reducer_state=reducer_state, outer_state=outer_state)
 
   def _sync(self, params, extra_args, operands):
