@@ -91,14 +91,30 @@ def test_every_collective_of_the_exchange_waits_for_the_verdict(name, ordered):
   collectives = [n for n, (line, _) in entry.items() if COLLECTIVE.search(line)]
   # The verdict: an int32 all-reduce; under a synchronisation mode a conditional around it
   # (agreed only on the steps that exchange) that returns the agreed bool.
+  hlo = dp.lower(p, s, batch).compile().as_text()
   verdict = [n for n in collectives
-             if re.search(r"= (s32\[\] all-reduce|\(pred\[\]\) conditional)\(", entry[n][0])]
+             if re.search(r"= s32\[\] all-reduce\(", entry[n][0])
+             or (re.search(r"= \(pred\[\]\) conditional\(", entry[n][0])
+                 and any(re.search(r"s32\[\] all-reduce\(", _computation(hlo, b))
+                         for b in _branches(entry[n][0])))]
   assert len(verdict) == 1, collectives
   others = [n for n in collectives if n not in verdict]
   assert others, collectives
   for n in others:
     assert verdict[0] in _reads(entry, n), f"{n} does not wait for {verdict[0]}"
   assert not _side_by_side(entry)
+
+
+def _branches(line: str) -> list:
+  """The branch computations a conditional instruction names."""
+  m = re.search(r"branch_computations=\{([^}]*)\}", line)
+  return [b.strip() for b in m.group(1).split(",")] if m else []
+
+
+def _computation(hlo: str, name: str) -> str:
+  """The text of computation ``name`` in ``hlo``."""
+  start = re.search(rf"\n{re.escape(name)} [^\n]*\{{\n", hlo)
+  return hlo[start.end():hlo.index("\n}", start.end())] if start else ""
 
 
 def _side_by_side(entry: dict) -> list:

@@ -107,7 +107,7 @@ def test_apply_if_finite_shard_map(check_vma):
 ])
 def test_apply_if_finite_agrees_only_when_told(check_vma, agree, alone):
   mesh = jax.make_mesh((N,), ("data",))
-  tx = apply_if_finite(optax.sgd(0.1, momentum=0.9), axis_name="data",
+  tx = apply_if_finite(optax.adam(0.1), axis_name="data",
                        agree_when=lambda inner_state: jnp.array(agree))
   update = _shard_map_update(tx, mesh, "data", check_vma)
   state = _stack(tx.init({"w": jnp.zeros(64)}))
@@ -116,11 +116,19 @@ def test_apply_if_finite_agrees_only_when_told(check_vma, agree, alone):
   skipped = [w == 3 or not alone for w in range(N)]
   assert moved.tolist() == [not k for k in skipped]
   assert np.asarray(state.total_notfinite).tolist() == [int(k) for k in skipped]
-  trace = np.asarray(state.inner_state[0].trace["w"])
-  assert [not t.any() for t in trace] == skipped
-  if alone:
-    hlo = jax.jit(update).lower(_updates(1), state).compile().as_text()
-    assert "all-reduce" not in hlo
+  mu = np.asarray(state.inner_state[0].mu["w"])
+  assert [not m.any() for m in mu] == skipped
+  # Here every state leaf enters the map per worker, adam's count too: each worker's own.
+  assert np.asarray(state.inner_state[0].count).tolist() == [int(not k) for k in skipped]
+
+
+def test_agree_when_must_be_the_same_on_every_worker():
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = apply_if_finite(optax.adam(0.1), axis_name="data",
+                       agree_when=lambda inner_state: inner_state[0].mu["w"][0] > 0)
+  update = _shard_map_update(tx, mesh, "data", check_vma=True)
+  with pytest.raises(ValueError, match=r"`agree_when` must return the same value on every"):
+    update(_updates(1), _stack(tx.init({"w": jnp.zeros(64)})))
 
 
 def test_apply_if_finite_over_a_tuple_of_axes():

@@ -264,7 +264,13 @@ def test_streaming_diloco_staggers_fragments_and_merges_them_late(mesh):
       p, s, _ = dp.step(p, s, b)
       jax.block_until_ready(p)
       sent = sum(n for _, n in rec.of_worker(0))
-      payload.append(sent - 4 if sent else 0)    # less the skip flag, agreed on exchanges
+      t = len(payload)
+      merges = t >= delay and any((t - delay + 1 + p * period // 2) % period == 0
+                                  for p in range(2))
+      sends = any((t + 1 + p * period // 2) % period == 0 for p in range(2))
+      # The skip flag crosses where a fragment exchanges or merges, and only there.
+      assert (sent >= 4) == (sends or merges), (t, sent)
+      payload.append(sent - 4 if sends or merges else sent)
       rec.clear()
       local = jax.tree.map(np.asarray, p)
       spread.append({k: float(np.ptp(local[k], axis=0).max()) for k in local})
@@ -576,21 +582,22 @@ def test_a_nonfinite_worker_skips_alone_between_exchanges_and_with_all_on_one(ma
   for t in (0, 5):            # step 0 ends no period; step 5 ends one (period 3)
     batches[t] = {**batches[t], "x": batches[t]["x"].copy()}
     batches[t]["x"][bad * rows] = np.nan
-  dp = commopt.data_parallel(_loss, make(optax.sgd(0.1, momentum=0.9)), mesh, local_params=True)
+  dp = commopt.data_parallel(_loss, make(optax.adam(0.01)), mesh, local_params=True)
   p, s = dp.place_params(params), dp.init(params)
   host = lambda tree: jax.tree.map(np.asarray, tree)
+  adam_count = lambda s: int(s.inner_state.inner_state[0].count)   # shared by the workers
   before = host(p)
   p, s, _ = dp.step(p, s, batches[0])
   after = host(p)
-  # Worker 3 kept its parameters and its momentum; the others stepped; the schedule advanced.
+  # Worker 3 kept its parameters and its moments; the others stepped; the schedule (the
+  # mode's count, adam's count, which the workers share) advanced.
   for w in range(WORKERS):
     same = all(np.array_equal(after[k][w], before[k][w]) for k in after)
     assert same == (w == bad), w
-  momentum = [np.asarray(x) for x in jax.tree.leaves(s.inner_state.inner_state)
-              if np.ndim(x) == 3][0]
-  assert not momentum[bad].any() and momentum[0].any()
+  moments = np.asarray(s.inner_state.inner_state[0].mu["w"])
+  assert not moments[bad].any() and moments[0].any()
   assert np.asarray(s.notfinite_count).tolist() == [int(w == bad) for w in range(WORKERS)]
-  assert int(s.inner_state.count) == 1
+  assert int(s.inner_state.count) == 1 and adam_count(s) == 1
   for b in batches[1:5]:       # an exchange at step 2: worker 3's move is finite, so is the mean
     p, s, _ = dp.step(p, s, b)
   assert int(s.inner_state.syncs) == 1
@@ -603,6 +610,7 @@ def test_a_nonfinite_worker_skips_alone_between_exchanges_and_with_all_on_one(ma
   assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(host(s.inner_state.anchor)),
                                                   jax.tree.leaves(anchor)))
   assert int(s.inner_state.syncs) == 1 and int(s.inner_state.count) == 5
+  assert adam_count(s) == 5
   assert np.asarray(s.total_notfinite).tolist() == [1 + (w == bad) for w in range(WORKERS)]
   p, s, _ = dp.step(p, s, batches[4])
   assert int(s.inner_state.syncs) == 2 and np.asarray(s.notfinite_count).sum() == 0
@@ -632,3 +640,51 @@ def test_per_worker_skip_counters_resize_and_restore_from_agreed_ones(mesh):
   assert np.asarray(r.total_notfinite).tolist() == [5] * WORKERS
   got, want = (jax.tree.leaves(jax.tree.map(np.asarray, x.inner_state.anchor)) for x in (r, s))
   assert all(np.array_equal(a, b) for a, b in zip(got, want))
+  # And the other way: onto a run whose counters are agreed (the fast skip), the most.
+  fast = commopt.data_parallel(_loss, tx, mesh, local_params=True, skip_nonfinite="fast")
+  r = fast.resize_state(jax.tree.map(np.asarray, s), params)
+  assert np.shape(r.total_notfinite) == () and int(r.total_notfinite) == 1
+
+
+def test_a_nonfinite_merge_step_is_skipped_by_every_worker(mesh):
+  """Streaming DiLoCo merges a fragment `delay` steps after its exchange, with no
+  collective: a worker skipping that step alone would miss the merge, so the workers agree
+  on it too."""
+  params, batches = _problem()
+  period, delay, t = 4, 1, 4          # fragment 0 exchanges after step 3, merges after step 4
+  batches[t] = {**batches[t], "x": batches[t]["x"].copy()}
+  batches[t]["x"][3 * (32 // WORKERS)] = np.nan
+  tx = commopt.streaming_diloco(optax.sgd(0.1), axis_name="data", period=period,
+                                fragments=2, delay=delay, mixing=0.5, min_size=0)
+  dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
+  p, s = dp.place_params(params), dp.init(params)
+  for b in batches[:t]:
+    p, s, _ = dp.step(p, s, b)
+  before = jax.tree.map(np.asarray, p)
+  p, s, _ = dp.step(p, s, batches[t])
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.tree.map(np.asarray, p)),
+                                                  jax.tree.leaves(before)))
+  assert np.asarray(s.total_notfinite).tolist() == [1] * WORKERS
+  assert int(s.inner_state.count) == t          # the merge comes a step later
+
+
+def test_diloco_takes_the_agreed_verdict_into_its_exchange(mesh, monkeypatch):
+  """diloco holds the state the workers share itself (its conditional), so the skip does
+  not select over the anchor on every step."""
+  from commopt.transforms._sync import _diloco
+  taken = []
+
+  def spy(state):
+    out = _diloco.__dict__["_take"](state)
+    taken.append(out is not None)
+    return out
+  monkeypatch.setitem(_diloco.__dict__, "_take", _diloco.take_verdict)
+  monkeypatch.setattr(_diloco, "take_verdict", spy)
+  params, batches = _problem()
+  for period in (3, 1):          # period 1 exchanges every step: no conditional to hold it
+    taken.clear()
+    tx = commopt.diloco(optax.sgd(0.1), axis_name="data", period=period)
+    dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
+    p, s = dp.place_params(params), dp.init(params)
+    dp.step(p, s, batches[0])
+    assert any(taken) == (period > 1), (period, taken)

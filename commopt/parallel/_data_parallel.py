@@ -416,11 +416,13 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   :func:`commopt.transforms.apply_if_finite`). With ``local_params=True``, no
   model state and a synchronisation mode (:func:`~commopt.diloco`,
   :func:`~commopt.local_sgd`, :func:`~commopt.streaming_diloco`,
-  :func:`~commopt.easgd`), the workers agree only on the steps that exchange;
-  in between each worker skips its own non-finite step (its parameters and
-  inner state kept, the schedule advancing), so no collective runs between
-  exchanges, and the counters are each worker's own (``apply_if_finite``'s
-  ``agree_when``).
+  :func:`~commopt.easgd`), the workers agree only on the steps that exchange
+  (or merge); in between each worker skips its own non-finite step (its
+  parameters and per-worker inner state kept, the schedule advancing), so no
+  collective crosses the data axes between exchanges, and the counters are
+  each worker's own (``apply_if_finite``'s ``agree_when``). With model state
+  (``has_state``, and so :func:`~commopt.nnx_data_parallel`) or
+  ``skip_nonfinite="fast"`` the workers agree on every step.
 
   Model state (``has_state=True``), e.g. batch-norm statistics: ``loss_fn``
   returns the new state beside the loss. With ``model_state_sync='mean'``

@@ -32,8 +32,8 @@ the others must keep their sizes, and only the first changes):
   (DGC's mask of the coordinates it sent, ``sent``), which start again from
   their initial value, zeros, and a non-finite skip's per-worker counters
   (``ApplyIfFiniteState``), where every new worker takes the most any old
-  worker counted. A scalar saved where this run keeps one per worker (such
-  counters saved while they were agreed) is every worker's.
+  worker counted. Such counters saved agreed (one scalar) and restored per
+  worker are every worker's, and the other way the most any worker counted.
 - **Replicated state** (step counts, keys, the optimizer's moments after the
   reduction) is copied unchanged.
 
@@ -158,10 +158,10 @@ def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: 
       # even with as many workers.
       out.append(_server(x, key, saved, wants, layouts, old, new, rest, name, fn))
       continue
-    if flag and x.ndim == 0 and want.ndim == 1:
-      # Saved one for all workers (a replicated scalar, e.g. skip counters saved before
-      # they were per worker): every worker takes it.
-      out.append(np.full(want.shape, x, want.dtype))
+    if key[-1] in SKIP_COUNTER_FIELDS and x.ndim != want.ndim:
+      # Skip counters saved agreed (a scalar) and restored per worker, or the other way.
+      value = SKIP_COUNTER_FIELDS[key[-1]](x)
+      out.append(np.full(want.shape, value, want.dtype))
       continue
     if not flag or old_total == new_total:
       if x.shape != tuple(want.shape):

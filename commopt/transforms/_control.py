@@ -31,18 +31,20 @@ class ApplyIfFiniteState(NamedTuple):
   """State of :func:`apply_if_finite` (the fields of ``optax.ApplyIfFiniteState``).
 
   Attributes:
-    notfinite_count: consecutive updates in which some worker saw a NaN or an
-      Inf, in its input or in the reduced output (int32); reset to 0 by a
-      finite update.
-    last_finite: whether the last update was finite on every worker, input
-      and reduced output (bool); the same on all workers.
-    total_notfinite: updates with a non-finite value on some worker, or a
-      non-finite reduced output, since ``init`` (int32); never reset.
+    notfinite_count: consecutive updates skipped (int32): where some worker
+      saw a NaN or an Inf, in its input or in the reduced output; reset to 0
+      by a finite update. With ``agree_when``, this worker's own: its skips
+      alone between exchanges and the agreed ones.
+    last_finite: whether the last update went through (bool): the same on
+      every worker, or this worker's own with ``agree_when``.
+    total_notfinite: updates skipped since ``init`` (int32), counted as
+      ``notfinite_count``; never reset.
     inner_state: the state of the wrapped transform.
 
-  With ``agree_when`` the three counters are each worker's own (a skip it
-  took alone, or one every worker agreed on), per worker under
-  ``shard_map``.
+  With ``agree_when`` the counters are per worker: under ``shard_map`` they
+  leave the map stacked over the workers, and a ``lax.scan`` carry of this
+  state must type them as varying over ``axis_name`` (``init`` returns
+  them replicated).
   """
   notfinite_count: jax.Array
   last_finite: jax.Array
@@ -211,10 +213,23 @@ def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
   model = _model_axes(updates, axis_name)
   if model:
     bad = jnp.minimum(coll.psum(bad, model), 1)
-  agreed = coll.cond(agree_when(inner_state),
+  now = agree_when(inner_state)
+  if _varies(now, axis_name):
+    raise ValueError(
+        f"apply_if_finite: `agree_when` must return the same value on every worker (computed "
+        f"from state the workers share, such as a step count); it returned a value that varies "
+        f"over {axis_name!r}, so the workers could disagree on when to agree and deadlock.")
+  agreed = coll.cond(now,
                      lambda b: coll.psum(b, _names(axis_name)) == 0,
                      lambda b: jnp.array(True), bad)
   return (bad == 0) & agreed, agreed
+
+
+def _shared(tree, axis_name) -> list:
+  """The leaves of ``tree`` that vary over no axis of ``axis_name`` (the same on every worker,
+  sharded over model axes or not): the ones :func:`_reduced_finite` may judge."""
+  data = set(_names(axis_name))
+  return [x for x in jax.tree.leaves(tree) if not set(coll.varying_axes(x)) & data]
 
 
 def _hold_state(new, old, worker, shared, axis_name, shared_held=False):
@@ -234,10 +249,10 @@ def _hold_state(new, old, worker, shared, axis_name, shared_held=False):
 class _VerdictScope:
   """While ``apply_if_finite(..., agree_when=)`` traces its inner update: the agreed verdict
   (``agreed``, None without ``agree_when``), offered to the transform whose state is
-  ``state`` (:func:`take_verdict`); ``held`` says whether it took it."""
+  ``state`` (:func:`take_verdict`); ``taken`` says whether it took it."""
 
   def __init__(self, agreed, state):
-    self.agreed, self.state, self.held = agreed, state, False
+    self.agreed, self.state, self.taken = agreed, state, False
 
   def __enter__(self):
     self._token = _VERDICT.set(self if self.agreed is not None else None)
@@ -264,7 +279,7 @@ def take_verdict(state) -> Optional[jax.Array]:
   scope = _VERDICT.get()
   if scope is None or scope.state is not state:
     return None
-  scope.held = True
+  scope.taken = True
   return scope.agreed
 
 
@@ -330,13 +345,14 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     agree_when: for an ``inner`` that exchanges only on some steps (the
       synchronisation modes, whose workers keep their own parameters in
       between): a function of ``inner``'s state, the same on every worker,
-      true on the steps that exchange. The workers agree only on those; on
-      the others a worker whose input is not finite keeps its own per-worker
-      state (and parameters: its update is zero) while the state typed the
-      same on every worker advances, and no collective runs. The counters
-      are then each worker's own. Needs varying types (``shard_map`` with
-      ``check_vma=True``; without them the workers agree on every step);
-      not with ``strict=False`` or ``max_consecutive_errors``.
+      true on every step on which ``inner`` communicates over ``axis_name``
+      or merges what it received. The workers agree only on those; on the
+      others a worker whose input is not finite keeps its own per-worker
+      state (and parameters: its update is zero) while the state the workers
+      share advances, and no collective over ``axis_name`` runs. The
+      counters are then each worker's own. Needs varying types
+      (``shard_map`` with ``check_vma=True``; without them the workers agree
+      on every step); not with ``strict=False`` or ``max_consecutive_errors``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -405,7 +421,7 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     if strict:
       new_inner = _hold_state(new_inner, state.inner_state, apply,
                               apply if agree_when is None else finite, axis_name,
-                              shared_held=scope.held and not _replicated(new_updates))
+                              shared_held=scope.taken and not _shared(new_updates, axis_name))
     return new_updates, ApplyIfFiniteState(
         notfinite_count=notfinite_count,
         last_finite=worker,

@@ -169,7 +169,8 @@ class _DiLoCo(_Mode):
       synced = synced & go
       count = jnp.where(go, count, state.count)
       # The leaves the workers share (a step count) held here; the skip holds the rest.
-      inner_state = _hold_state(inner_state, state.inner_state, True, go, self.axis_name)
+      inner_state = _hold_state(inner_state, state.inner_state, worker=True, shared=go,
+                                axis_name=self.axis_name)
     if self.period == 1:
       # Every step synchronises: no conditional, and the inner step taken once.
       anchor, reducer_state, outer_state = _outer_step(

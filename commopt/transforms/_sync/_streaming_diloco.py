@@ -131,9 +131,12 @@ class _StreamingDiLoCo(_Mode):
     return (t + 1 + p * self.period // self.fragments) % self.period == 0
 
   def exchanges(self, state):
-    """Whether some fragment exchanges after the step ``state`` starts (traced)."""
-    return functools.reduce(jnp.logical_or, [self.sends(state.count, p)
-                                             for p in range(self.fragments)])
+    """Whether some fragment exchanges, or merges what it received, after the step ``state``
+    starts (traced): the steps a non-finite skip must agree on."""
+    t = state.count
+    return functools.reduce(jnp.logical_or, [
+        self.sends(t, p) | (self.sends(t - self.delay, p) & (t >= self.delay))
+        for p in range(self.fragments)])
 
   def split(self, tree):
     """The leaves of ``tree`` grouped by fragment, and how to put them back."""
