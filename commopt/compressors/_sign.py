@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from commopt import kernels
@@ -153,10 +154,15 @@ def onebit() -> base.Compressor:
   def encode(x, state, key):
     flat = _flat32(x)
     neg = flat < 0
-    n_neg = jnp.sum(neg)
+    zero = jnp.zeros((), jnp.float32)
+    # One pass over the leaf for the count and the two sums (a variadic reduce), not three.
+    n_neg, sum_neg, sum_pos = jax.lax.reduce(
+        (neg.astype(jnp.int32), jnp.where(neg, flat, zero), jnp.where(neg, zero, flat)),
+        (jnp.zeros((), jnp.int32), zero, zero),
+        lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,))
     n_pos = flat.shape[0] - n_neg
-    mean_pos = jnp.sum(jnp.where(neg, 0.0, flat)) / jnp.maximum(n_pos, 1)
-    mean_neg = jnp.sum(jnp.where(neg, flat, 0.0)) / jnp.maximum(n_neg, 1)
+    mean_pos = sum_pos / jnp.maximum(n_pos, 1)
+    mean_neg = sum_neg / jnp.maximum(n_neg, 1)
     return {"means": jnp.stack([mean_pos, mean_neg]), "signs": _sign_words(flat)}, state
 
   def decode(payload, state, like):
