@@ -668,23 +668,26 @@ def test_a_nonfinite_merge_step_is_skipped_by_every_worker(mesh):
   assert int(s.inner_state.count) == t          # the merge comes a step later
 
 
-def test_diloco_takes_the_agreed_verdict_into_its_exchange(mesh, monkeypatch):
-  """diloco holds the state the workers share itself (its conditional), so the skip does
-  not select over the anchor on every step."""
-  from commopt.transforms._sync import _diloco
+@pytest.mark.parametrize("mode", ["diloco", "streaming_diloco"])
+def test_the_modes_take_the_agreed_verdict_into_their_exchange(mode, mesh, monkeypatch):
+  """diloco and streaming_diloco hold the state the workers share themselves (their
+  conditionals), so the skip does not select over the anchor on every step."""
+  from commopt.transforms._control import take_verdict
+  from commopt.transforms._sync import _diloco, _streaming_diloco
+  module = {"diloco": _diloco, "streaming_diloco": _streaming_diloco}[mode]
   taken = []
 
   def spy(state):
-    out = _diloco.__dict__["_take"](state)
+    out = take_verdict(state)
     taken.append(out is not None)
     return out
-  monkeypatch.setitem(_diloco.__dict__, "_take", _diloco.take_verdict)
-  monkeypatch.setattr(_diloco, "take_verdict", spy)
+  monkeypatch.setattr(module, "take_verdict", spy)
   params, batches = _problem()
-  for period in (3, 1):          # period 1 exchanges every step: no conditional to hold it
+  make = getattr(commopt, mode)
+  for period in (4, 1):          # diloco's period 1 exchanges every step: nothing to hold
     taken.clear()
-    tx = commopt.diloco(optax.sgd(0.1), axis_name="data", period=period)
+    tx = make(optax.sgd(0.1), axis_name="data", period=period)
     dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
     p, s = dp.place_params(params), dp.init(params)
     dp.step(p, s, batches[0])
-    assert any(taken) == (period > 1), (period, taken)
+    assert any(taken) == (period > 1 or mode == "streaming_diloco"), (period, taken)

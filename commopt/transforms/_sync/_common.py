@@ -21,7 +21,7 @@ import optax
 from commopt._src import base, feedback
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import compressed_mean
-from commopt.transforms._control import _check_axes, _check_inner
+from commopt.transforms._control import _check_axes, _check_inner, _hold_state
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -120,6 +120,19 @@ def _require_params(fn: str, params, what: str = "each worker's own parameters")
   """Refuses an ``update`` called without ``params``: every mode steps the workers' own."""
   if params is None:
     raise ValueError(f"{fn}: `update` needs `params` ({what}).")
+
+
+def _advance(go, count, inner_state, old_inner, axis_name):
+  """The next step count and the inner state. ``go`` is the skip's agreed verdict taken by
+  the mode (:func:`~commopt.transforms._control.take_verdict`; None outside such a skip):
+  where it is false every worker skips, so the count stays (the exchange comes a step
+  later) and so do the inner state's leaves the workers share (a step count); the skip
+  holds the per-worker leaves."""
+  new_count = optax.safe_int32_increment(count)
+  if go is None:
+    return new_count, inner_state
+  return jnp.where(go, new_count, count), _hold_state(inner_state, old_inner, worker=True,
+                                                      shared=go, axis_name=axis_name)
 
 
 def _inner_step(inner, updates, inner_state, params, extra_args):

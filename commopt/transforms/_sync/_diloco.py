@@ -13,9 +13,10 @@ import optax
 from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_inner, _hold_state, take_verdict
+from commopt.transforms._control import _check_inner, take_verdict
 from commopt.transforms._sync._common import (
-    _Mode, _inner_step, _moved, _outer, _outer_step, _planned, _reducer, _require_params,
+    _Mode, _advance, _inner_step, _moved, _outer, _outer_step, _planned, _reducer,
+    _require_params,
     _to_target_or_local, _update_to, _wide, _zero_count, is_sync_step)
 
 
@@ -163,14 +164,9 @@ class _DiLoCo(_Mode):
     go = take_verdict(state) if self.period > 1 else None
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
-    synced = self.synced(state.count)
-    count = optax.safe_int32_increment(state.count)
-    if go is not None:
-      synced = synced & go
-      count = jnp.where(go, count, state.count)
-      # The leaves the workers share (a step count) held here; the skip holds the rest.
-      inner_state = _hold_state(inner_state, state.inner_state, worker=True, shared=go,
-                                axis_name=self.axis_name)
+    synced = self.synced(state.count) if go is None else self.synced(state.count) & go
+    count, inner_state = _advance(go, state.count, inner_state, state.inner_state,
+                                  self.axis_name)
     if self.period == 1:
       # Every step synchronises: no conditional, and the inner step taken once.
       anchor, reducer_state, outer_state = _outer_step(

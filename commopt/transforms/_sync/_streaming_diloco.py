@@ -14,10 +14,10 @@ from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_inner
+from commopt.transforms._control import _check_inner, take_verdict
 from commopt.transforms._sync._common import (
-    _Mode, _inner_step, _outer, _outer_step, _reducer, _require_params, _update_to, _wide,
-    _zero_count)
+    _Mode, _advance, _inner_step, _outer, _outer_step, _reducer, _require_params, _update_to,
+    _wide, _zero_count)
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -164,24 +164,28 @@ class _StreamingDiLoCo(_Mode):
   def update(self, updates, state: StreamingDiLoCoState, params=None, **extra_args):
     """The inner step on every worker, then each fragment's exchange and merge where due."""
     _require_params(self.fn, params)
+    # Inside data_parallel's non-finite skip: false where every worker skips (no fragment
+    # exchanges, the count stays, the merge comes a step later); None elsewhere.
+    go = take_verdict(state)
     coll.check_input(self.fn, updates, self.axis_name)
     moved, inner_state = _inner_step(self.inner, updates, state.inner_state, params, extra_args)
     moved_groups, join = self.split(moved)
     anchor_groups, _ = self.split(state.anchor)
     targets, anchors, reducer_states, outer_states, sent = zip(*(
         self._fragment(p, state.count, moved_groups[p], anchor_groups[p],
-                       state.reducer_states[p], state.outer_states[p])
+                       state.reducer_states[p], state.outer_states[p], go)
         for p in range(self.fragments)))
     synced = sum(s.astype(jnp.int32) for s in sent)
+    count, inner_state = _advance(go, state.count, inner_state, state.inner_state,
+                                  self.axis_name)
     return _update_to(join(targets), params), StreamingDiLoCoState(
-        count=optax.safe_int32_increment(state.count), syncs=state.syncs + synced,
-        anchor=join(anchors), inner_state=inner_state,
+        count=count, syncs=state.syncs + synced, anchor=join(anchors), inner_state=inner_state,
         reducer_states=reducer_states, outer_states=outer_states)
 
-  def _fragment(self, p, t, moved, anchor, reducer_state, outer_state):
-    """Fragment ``p`` after inner step ``t``: its exchange if due, its merge if due; its target,
-    anchor, reducer and outer states, and whether it sent."""
-    send = self.sends(t, p)
+  def _fragment(self, p, t, moved, anchor, reducer_state, outer_state, go=None):
+    """Fragment ``p`` after inner step ``t``: its exchange if due (and ``go``), its merge if
+    due; its target, anchor, reducer and outer states, and whether it sent."""
+    send = self.sends(t, p) if go is None else self.sends(t, p) & go
     anchor, reducer_state, outer_state = coll.cond(
         send, self._sync, self._keep, (moved, anchor, reducer_state, outer_state))
     # The merge, `delay` steps after the exchange (the anchor does not move in between).
