@@ -570,22 +570,32 @@ def test_bench_sync_runs_and_counts_bytes(tmp_path):
   assert "| DiLoCo H int4 |" in proc.stdout
 
 
-@pytest.mark.parametrize("make", [
-    lambda inner: commopt.diloco(inner, axis_name="data", period=3),
-    lambda inner: commopt.streaming_diloco(inner, axis_name="data", period=3, fragments=1,
-                                           delay=0, mixing=0.0),
-    lambda inner: commopt.local_sgd(inner, axis_name="data", period=3),
-], ids=["diloco", "streaming_diloco", "local_sgd"])
-def test_a_nonfinite_worker_skips_alone_between_exchanges_and_with_all_on_one(make, mesh):
+NODES = ("node", "local")
+
+
+@pytest.mark.parametrize("make, axes, shared, one_copy", [
+    (lambda inner: commopt.diloco(inner, axis_name="data", period=3), "data", "anchor", True),
+    (lambda inner: commopt.streaming_diloco(inner, axis_name="data", period=3, fragments=1,
+                                            delay=0, mixing=0.0), "data", "anchor", True),
+    (lambda inner: commopt.local_sgd(inner, axis_name="data", period=3), "data", "anchor", True),
+    (lambda inner: commopt.local_sgd(inner, axis_name=NODES, period={"node": 3, "local": 3}),
+     NODES, "anchors", True),
+    (lambda inner: commopt.easgd(inner, axis_name="data", period=3, alpha=0.1), "data",
+     "centre", False),
+], ids=["diloco", "streaming_diloco", "local_sgd", "hierarchical_local_sgd", "easgd"])
+def test_a_nonfinite_worker_skips_alone_between_exchanges_and_with_all_on_one(
+    make, axes, shared, one_copy, mesh, mesh2d):
   params, batches = _problem()
   rows, bad = 32 // WORKERS, 3
   for t in (0, 5):            # step 0 ends no period; step 5 ends one (period 3)
     batches[t] = {**batches[t], "x": batches[t]["x"].copy()}
     batches[t]["x"][bad * rows] = np.nan
-  dp = commopt.data_parallel(_loss, make(optax.adam(0.01)), mesh, local_params=True)
+  dp = commopt.data_parallel(_loss, make(optax.adam(0.01)), mesh2d if axes == NODES else mesh,
+                             axis_name=axes, local_params=True)
   p, s = dp.place_params(params), dp.init(params)
   host = lambda tree: jax.tree.map(np.asarray, tree)
   adam_count = lambda s: int(s.inner_state.inner_state[0].count)   # shared by the workers
+  model = lambda s: host(getattr(s.inner_state, shared))           # the workers' shared model
   before = host(p)
   p, s, _ = dp.step(p, s, batches[0])
   after = host(p)
@@ -602,20 +612,20 @@ def test_a_nonfinite_worker_skips_alone_between_exchanges_and_with_all_on_one(ma
     p, s, _ = dp.step(p, s, b)
   assert int(s.inner_state.syncs) == 1
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(host(p)))
-  before, anchor = host(p), host(s.inner_state.anchor)
+  before, kept = host(p), model(s)
   p, s, _ = dp.step(p, s, batches[5])
   # On an exchange every worker skips together: nothing moves, the exchange waits a step.
   assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(host(p)),
                                                   jax.tree.leaves(before)))
-  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(host(s.inner_state.anchor)),
-                                                  jax.tree.leaves(anchor)))
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(model(s)),
+                                                  jax.tree.leaves(kept)))
   assert int(s.inner_state.syncs) == 1 and int(s.inner_state.count) == 5
   assert adam_count(s) == 5
   assert np.asarray(s.total_notfinite).tolist() == [1 + (w == bad) for w in range(WORKERS)]
   p, s, _ = dp.step(p, s, batches[4])
   assert int(s.inner_state.syncs) == 2 and np.asarray(s.notfinite_count).sum() == 0
   spread = max(float(np.ptp(x, axis=0).max()) for x in jax.tree.leaves(host(p)))
-  assert spread < 1e-6      # one copy after the exchange
+  assert (spread < 1e-6) == one_copy      # one copy after the exchange (easgd only pulls)
 
 
 def test_per_worker_skip_counters_resize_and_restore_from_agreed_ones(mesh):
@@ -668,13 +678,13 @@ def test_a_nonfinite_merge_step_is_skipped_by_every_worker(mesh):
   assert int(s.inner_state.count) == t          # the merge comes a step later
 
 
-@pytest.mark.parametrize("mode", ["diloco", "streaming_diloco"])
+@pytest.mark.parametrize("mode", ["diloco", "streaming_diloco", "easgd"])
 def test_the_modes_take_the_agreed_verdict_into_their_exchange(mode, mesh, monkeypatch):
-  """diloco and streaming_diloco hold the state the workers share themselves (their
-  conditionals), so the skip does not select over the anchor on every step."""
+  """The modes hold the state the workers share themselves (in their conditionals), so the
+  skip does not select over the anchor on every step."""
   from commopt.transforms._control import take_verdict
-  from commopt.transforms._sync import _diloco, _streaming_diloco
-  module = {"diloco": _diloco, "streaming_diloco": _streaming_diloco}[mode]
+  from commopt.transforms._sync import _diloco, _easgd, _streaming_diloco
+  module = {"diloco": _diloco, "streaming_diloco": _streaming_diloco, "easgd": _easgd}[mode]
   taken = []
 
   def spy(state):
@@ -684,10 +694,11 @@ def test_the_modes_take_the_agreed_verdict_into_their_exchange(mode, mesh, monke
   monkeypatch.setattr(module, "take_verdict", spy)
   params, batches = _problem()
   make = getattr(commopt, mode)
+  extra = {"alpha": 0.1} if mode == "easgd" else {}
   for period in (4, 1):          # diloco's period 1 exchanges every step: nothing to hold
     taken.clear()
-    tx = make(optax.sgd(0.1), axis_name="data", period=period)
+    tx = make(optax.sgd(0.1), axis_name="data", period=period, **extra)
     dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
     p, s = dp.place_params(params), dp.init(params)
     dp.step(p, s, batches[0])
-    assert any(taken) == (period > 1 or mode == "streaming_diloco"), (period, taken)
+    assert any(taken) == (period > 1 or mode != "diloco"), (period, taken)

@@ -12,9 +12,9 @@ import optax
 from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_inner
+from commopt.transforms._control import _check_inner, take_verdict
 from commopt.transforms._sync._common import (
-    _Mode, _planned, _reducer, _require_params, _wide, _zero_count, is_sync_step)
+    _Mode, _advance, _planned, _reducer, _require_params, _wide, _zero_count, is_sync_step)
 
 
 class EASGDState(NamedTuple):
@@ -106,17 +106,19 @@ class _EASGD(_Mode):
   def update(self, updates, state: EASGDState, params=None, **extra_args):
     """The inner step on every worker, plus the elastic pull on an exchange step."""
     _require_params(self.fn, params)
+    go = take_verdict(state)     # data_parallel's agreed skip: false where every worker skips
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     beta = self.alpha * coll.axis_size(self.axis_name) if self.beta is None else self.beta
-    synced = self.synced(state.count)
+    synced = self.synced(state.count) if go is None else self.synced(state.count) & go
     pull, centre, reducer_state = coll.cond(
         synced, lambda ops: self._exchange(params, beta, *ops),
         lambda ops: self._no_exchange(params, *ops), (state.centre, state.reducer_state))
     out = jax.tree.map(lambda u, e, p: (_wide(u) + e).astype(p.dtype), local, pull, params)
-    return out, EASGDState(count=optax.safe_int32_increment(state.count),
-                           syncs=state.syncs + synced.astype(jnp.int32), centre=centre,
-                           inner_state=inner_state, reducer_state=reducer_state)
+    count, inner_state = _advance(go, state.count, inner_state, state.inner_state,
+                                  self.axis_name)
+    return out, EASGDState(count=count, syncs=state.syncs + synced.astype(jnp.int32),
+                           centre=centre, inner_state=inner_state, reducer_state=reducer_state)
 
   def _exchange(self, params, beta, centre, reducer_state):
     """Each worker's pull ``−α (xᵢ − x̃)``, and the centre moved by ``β`` of their mean."""

@@ -15,9 +15,9 @@ from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_axes, _check_inner
+from commopt.transforms._control import _check_axes, _check_inner, take_verdict
 from commopt.transforms._sync._common import (
-    _Mode, _exchange_options, _inner_step, _moved, _reducer, _require_params,
+    _Mode, _advance, _exchange_options, _inner_step, _moved, _reducer, _require_params,
     _to_target_or_local, _wide, _zero_count, is_sync_step)
 from commopt.transforms._sync._diloco import diloco
 
@@ -196,9 +196,11 @@ class _HierarchicalLocalSGD(_Mode):
   def update(self, updates, state: HierarchicalLocalSGDState, params=None, **extra_args):
     """The inner step on every worker, then the average of the widest level that is due."""
     _require_params(self.fn, params)
+    go = take_verdict(state)     # data_parallel's agreed skip: false where every worker skips
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
-    level = self.level_at(state.count)
+    level = self.level_at(state.count) if go is None else jnp.where(
+        go, self.level_at(state.count), -1)
     if self.averages_every_step:
       # The move passes the conditionals: the inner step is taken once.
       source = _moved(params, local)
@@ -212,8 +214,10 @@ class _HierarchicalLocalSGD(_Mode):
     # After an average every anchor up to its level is the mean: anchors[0] is the target.
     update = _to_target_or_local(level >= 0, anchors[0], params, local)
     hit = (jnp.arange(len(self.levels)) == level).astype(jnp.int32)
+    count, inner_state = _advance(go, state.count, inner_state, state.inner_state,
+                                  self.axis_name)
     return update, HierarchicalLocalSGDState(
-        count=optax.safe_int32_increment(state.count),
+        count=count,
         syncs=state.syncs + (level >= 0).astype(jnp.int32),
         level_syncs=state.level_syncs + hit, anchors=anchors, inner_state=inner_state,
         reducer_states=reducer_states)
