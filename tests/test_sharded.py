@@ -325,6 +325,35 @@ def test_hsdp_diloco_keeps_every_state_sharded():
   assert inner.anchor["w1"].addressable_shards[0].data.shape == (8, 128)
 
 
+@pytest.mark.slow
+def test_hsdp_diloco_skips_a_nonfinite_replica_alone_between_exchanges():
+  """A NaN in one replica's rows: between exchanges that replica (every shard of it) keeps
+  its parameters alone, with no collective over "replica"; on an exchange step every
+  replica skips and the exchange waits a step."""
+  mesh = jax.make_mesh((2, 2, 2), ("replica", "fsdp", "tensor"))
+  params = placed(mesh, {"w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp"), "b": P()})
+  tx = commopt.diloco(optax.adam(1e-2), axis_name="replica", period=2,
+                      compressor=commopt.int_quant(bits=4), min_size=0)
+  dp = commopt.data_parallel(loss_fn, tx, mesh, axis_name="replica", local_params=True)
+  state, p = dp.init(params), dp.place_params(params)
+  good = jax.tree.map(np.asarray, batch())
+  bad = {**good, "x": good["x"].copy()}
+  bad["x"][-1] = np.nan                                  # a row of the last replica
+  before = jax.tree.map(np.asarray, p)
+  p, state, _ = dp.step(p, state, bad)
+  after = jax.tree.map(np.asarray, p)
+  for k in after:
+    assert [np.array_equal(after[k][r], before[k][r]) for r in range(2)] == [False, True], k
+  assert np.asarray(state.notfinite_count).tolist() == [0, 1]
+  p, state, _ = dp.step(p, state, good)                  # the exchange
+  assert int(state.inner_state.syncs) == 1
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(p))
+  p, state, _ = dp.step(p, state, good)
+  p, state, _ = dp.step(p, state, bad)                   # an exchange step: all skip
+  assert int(state.inner_state.syncs) == 1 and int(state.inner_state.count) == 3
+  assert np.asarray(state.total_notfinite).tolist() == [1, 2]
+
+
 @pytest.mark.parametrize("mode", ["local_sgd", "streaming_diloco", "easgd"])
 def test_other_sync_modes_keep_local_parameters_sharded(mode):
   mesh = tp_mesh()
