@@ -158,10 +158,10 @@ def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: 
       # even with as many workers.
       out.append(_server(x, key, saved, wants, layouts, old, new, rest, name, fn))
       continue
-    if key[-1] in SKIP_COUNTER_FIELDS and x.ndim != want.ndim:
-      # Skip counters saved agreed (a scalar) and restored per worker, or the other way.
-      value = SKIP_COUNTER_FIELDS[key[-1]](x)
-      out.append(np.full(want.shape, value, want.dtype))
+    if key[-1] in SKIP_COUNTER_FIELDS and x.shape != tuple(want.shape):
+      # Skip counters saved agreed (a scalar) and restored per worker, the other way, or
+      # per worker onto another number of workers: the most any saved worker counted.
+      out.append(np.full(want.shape, SKIP_COUNTER_FIELDS[key[-1]](x), want.dtype))
       continue
     if not flag or old_total == new_total:
       if x.shape != tuple(want.shape):
@@ -181,9 +181,6 @@ def resize(saved: dict, target, per_worker, *, data_sizes: tuple[int, ...], fn: 
       if not (blocks == blocks[:1]).all():
         if key[-1] in LAST_STEP_FIELDS:
           out.append(np.zeros(want.shape, want.dtype))
-          continue
-        if key[-1] in SKIP_COUNTER_FIELDS and x.ndim == 1:
-          out.append(np.full(want.shape, SKIP_COUNTER_FIELDS[key[-1]](x), want.dtype))
           continue
         raise ValueError(
             f"{fn}: per-worker leaf {name} ({x.dtype}) differs between the saved workers; "

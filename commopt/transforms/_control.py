@@ -164,9 +164,7 @@ def _reduced_finite(new_updates, axis_name) -> jax.Array:
   the same everywhere by themselves; leaves sharded over model axes (and the same on
   every worker) by one int32 all-reduce over those axes."""
   ok = all_finite(_replicated(new_updates))
-  data = set(_names(axis_name))
-  sharded = [x for x in jax.tree.leaves(new_updates)
-             if coll.shard_axes(x, axis_name) and not set(coll.varying_axes(x)) & data]
+  sharded = [x for x in _shared(new_updates, axis_name) if coll.shard_axes(x, axis_name)]
   if sharded:
     bad = jnp.logical_not(all_finite(sharded)).astype(jnp.int32)
     ok = ok & (coll.psum(bad, _model_axes(sharded, axis_name)) == 0)
@@ -194,10 +192,14 @@ def _check_agree_when(agree_when, axis_name, strict, max_consecutive_errors) -> 
         f"max_consecutive_errors={max_consecutive_errors!r}.")
 
 
+def _per_worker(x, axis_name) -> bool:
+  """Whether ``x`` is typed varying over an axis of ``axis_name`` (differs between workers)."""
+  return bool(set(coll.varying_axes(x)) & set(_names(axis_name)))
+
+
 def _varies(tree, axis_name) -> bool:
-  """Whether some leaf of ``tree`` is typed varying over an axis of ``axis_name``."""
-  data = set(_names(axis_name))
-  return any(set(coll.varying_axes(x)) & data for x in jax.tree.leaves(tree))
+  """Whether some leaf of ``tree`` differs between workers (:func:`_per_worker`)."""
+  return any(_per_worker(x, axis_name) for x in jax.tree.leaves(tree))
 
 
 def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
@@ -228,8 +230,7 @@ def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
 def _shared(tree, axis_name) -> list:
   """The leaves of ``tree`` that vary over no axis of ``axis_name`` (the same on every worker,
   sharded over model axes or not): the ones :func:`_reduced_finite` may judge."""
-  data = set(_names(axis_name))
-  return [x for x in jax.tree.leaves(tree) if not set(coll.varying_axes(x)) & data]
+  return [x for x in jax.tree.leaves(tree) if not _per_worker(x, axis_name)]
 
 
 def _hold_state(new, old, worker, shared, axis_name, shared_held=False):
@@ -237,10 +238,8 @@ def _hold_state(new, old, worker, shared, axis_name, shared_held=False):
   ``axis_name`` by the ``worker`` verdict, a leaf the same on every worker by the
   ``shared`` one (so it stays the same on every worker), unless ``shared_held``: the
   transform held those itself (:func:`take_verdict`)."""
-  data = set(_names(axis_name))
-
   def hold(n, o):
-    if set(coll.varying_axes(n)) & data:
+    if _per_worker(n, axis_name):
       return _select(worker, n, o)
     return n if shared_held else _select(shared, n, o)
   return jax.tree.map(hold, new, old)

@@ -122,6 +122,12 @@ def _require_params(fn: str, params, what: str = "each worker's own parameters")
     raise ValueError(f"{fn}: `update` needs `params` ({what}).")
 
 
+def _unless_vetoed(due, go):
+  """Whether an exchange that is ``due`` runs: unless the skip's agreed verdict ``go``
+  (:func:`~commopt.transforms._control.take_verdict`; None outside such a skip) is false."""
+  return due if go is None else due & go
+
+
 def _advance(go, count, inner_state, old_inner, axis_name):
   """The next step count and the inner state. ``go`` is the skip's agreed verdict taken by
   the mode (:func:`~commopt.transforms._control.take_verdict`; None outside such a skip):

@@ -16,8 +16,8 @@ from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_inner, take_verdict
 from commopt.transforms._sync._common import (
     _Mode, _advance, _inner_step, _moved, _outer, _outer_step, _planned, _reducer,
-    _require_params,
-    _to_target_or_local, _update_to, _wide, _zero_count, is_sync_step)
+    _require_params, _to_target_or_local, _unless_vetoed, _update_to, _wide, _zero_count,
+    is_sync_step)
 
 
 class PeriodicState(NamedTuple):
@@ -164,7 +164,7 @@ class _DiLoCo(_Mode):
     go = take_verdict(state) if self.period > 1 else None
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
-    synced = self.synced(state.count) if go is None else self.synced(state.count) & go
+    synced = _unless_vetoed(self.synced(state.count), go)
     count, inner_state = _advance(go, state.count, inner_state, state.inner_state,
                                   self.axis_name)
     if self.period == 1:

@@ -14,7 +14,8 @@ from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_inner, take_verdict
 from commopt.transforms._sync._common import (
-    _Mode, _advance, _planned, _reducer, _require_params, _wide, _zero_count, is_sync_step)
+    _Mode, _advance, _planned, _reducer, _require_params, _unless_vetoed, _wide, _zero_count,
+    is_sync_step)
 
 
 class EASGDState(NamedTuple):
@@ -110,7 +111,7 @@ class _EASGD(_Mode):
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     beta = self.alpha * coll.axis_size(self.axis_name) if self.beta is None else self.beta
-    synced = self.synced(state.count) if go is None else self.synced(state.count) & go
+    synced = _unless_vetoed(self.synced(state.count), go)
     pull, centre, reducer_state = coll.cond(
         synced, lambda ops: self._exchange(params, beta, *ops),
         lambda ops: self._no_exchange(params, *ops), (state.centre, state.reducer_state))

@@ -16,8 +16,8 @@ from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import _check_inner, take_verdict
 from commopt.transforms._sync._common import (
-    _Mode, _advance, _inner_step, _outer, _outer_step, _reducer, _require_params, _update_to,
-    _wide, _zero_count)
+    _Mode, _advance, _inner_step, _outer, _outer_step, _reducer, _require_params, _unless_vetoed,
+    _update_to, _wide, _zero_count)
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -185,7 +185,7 @@ class _StreamingDiLoCo(_Mode):
   def _fragment(self, p, t, moved, anchor, reducer_state, outer_state, go=None):
     """Fragment ``p`` after inner step ``t``: its exchange if due (and ``go``), its merge if
     due; its target, anchor, reducer and outer states, and whether it sent."""
-    send = self.sends(t, p) if go is None else self.sends(t, p) & go
+    send = _unless_vetoed(self.sends(t, p), go)
     anchor, reducer_state, outer_state = coll.cond(
         send, self._sync, self._keep, (moved, anchor, reducer_state, outer_state))
     # The merge, `delay` steps after the exchange (the anchor does not move in between).
