@@ -5,7 +5,8 @@ all-reduces apart only by their order on each link. An all-reduce that does not 
 on the one before it (the non-finite verdict beside the exchange) once ran beside it
 across 4 processes and took its messages: gloo aborted the job ("Received data size
 doesn't match expected size. 8 vs 4"). ``coll.after`` makes the exchange wait for the
-verdict. The multi-process case that failed is in ``test_multiprocess.py`` (slow tier);
+verdict (or the verdict for the exchange; where the exchange has a dense bucket, the
+verdict's flag rides in it and has no collective of its own). The multi-process case that failed is in ``test_multiprocess.py`` (slow tier);
 here the compiled programs show the dependency, with the ordering forced on in one
 process.
 """
@@ -82,26 +83,38 @@ TXS = {
 
 
 @pytest.mark.parametrize("name", TXS)
-def test_every_collective_of_the_exchange_waits_for_the_verdict(name, ordered):
+def test_the_verdict_rides_in_the_exchange_or_runs_in_order_with_it(name, ordered):
   params, loss_fn, batch = _mlp()
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   dp = commopt.data_parallel(loss_fn, TXS[name](), mesh, local_params=name.startswith("diloco"))
   p, s = dp.place_params(params), dp.init(params)
-  entry = _entry(dp.lower(p, s, batch).compile().as_text())
-  collectives = [n for n, (line, _) in entry.items() if COLLECTIVE.search(line)]
-  # The verdict: an int32 all-reduce; under a synchronisation mode a conditional around it
-  # (agreed only on the steps that exchange) that returns the agreed bool.
   hlo = dp.lower(p, s, batch).compile().as_text()
+  entry = _entry(hlo)
+  collectives = [n for n, (line, _) in entry.items() if COLLECTIVE.search(line)]
+  # The verdict of its own: an int32 all-reduce; under a synchronisation mode a conditional
+  # around it (agreed only on the steps that exchange) that returns the agreed bool.
   verdict = [n for n in collectives
              if re.search(r"= s32\[\] all-reduce\(", entry[n][0])
              or (re.search(r"= \(pred\[\]\) conditional\(", entry[n][0])
                  and any(re.search(r"s32\[\] all-reduce\(", _computation(hlo, b))
                          for b in _branches(entry[n][0])))]
-  assert len(verdict) == 1, collectives
   others = [n for n in collectives if n not in verdict]
   assert others, collectives
-  for n in others:
-    assert verdict[0] in _reads(entry, n), f"{n} does not wait for {verdict[0]}"
+  if name == "dense":
+    # Every leaf goes through the dense buckets: the flag is one more element of one.
+    assert not verdict and len(others) == 1, collectives
+    assert re.search(r"f32\[1\]", entry[others[0]][0].split("all-reduce(")[0])
+  elif name == "sign two-phase":
+    # Every leaf compressed, no dense bucket to ride in: the verdict's all-reduce runs
+    # after every collective of the exchange.
+    assert len(verdict) == 1, collectives
+    for n in others:
+      assert n in _reads(entry, verdict[0]), f"{verdict[0]} does not wait for {n}"
+  else:
+    # Agreed before the exchange (whose conditional takes the verdict).
+    assert len(verdict) == 1, collectives
+    for n in others:
+      assert verdict[0] in _reads(entry, n), f"{n} does not wait for {verdict[0]}"
   assert not _side_by_side(entry)
 
 
@@ -145,14 +158,19 @@ def test_buckets_run_one_after_the_other(ordered, skip):
 def test_without_processes_the_program_is_unchanged():
   params, loss_fn, batch = _mlp()
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  assert not coll.crosses_processes()
   dp = commopt.data_parallel(loss_fn, TXS["dense"](), mesh)
   p, s = dp.place_params(params), dp.init(params)
-  assert not coll.crosses_processes()
   entry = _entry(dp.lower(p, s, batch).compile().as_text())
-  ar = [n for n, (line, _) in entry.items() if "all-reduce(" in line]
-  assert len(ar) == 2
+  assert len([n for n, (line, _) in entry.items() if "all-reduce(" in line]) == 1
+  dp = commopt.data_parallel(loss_fn, TXS["sign two-phase"](), mesh)
+  p, s = dp.place_params(params), dp.init(params)
+  entry = _entry(dp.lower(p, s, batch).compile().as_text())
+  ar = [n for n, (line, _) in entry.items() if COLLECTIVE.search(line)]
+  verdict = [n for n in ar if re.search(r"= s32\[\] all-reduce\(", entry[n][0])]
+  assert len(ar) > 1 and len(verdict) == 1
   # The exchange and the verdict stay independent: nothing was added between them.
-  assert not set(ar) & (_reads(entry, ar[0]) | _reads(entry, ar[1]))
+  assert not set(ar) & _reads(entry, verdict[0])
 
 
 def test_after_is_the_identity_bit_for_bit(ordered):

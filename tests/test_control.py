@@ -131,6 +131,45 @@ def test_agree_when_must_be_the_same_on_every_worker():
     update(_updates(1), _stack(tx.init({"w": jnp.zeros(64)})))
 
 
+@pytest.mark.parametrize("layout", ["shard_map", "shard_map, flat buckets",
+                                    "shard_map, check_vma=False", "vmap"])
+def test_the_flag_rides_in_the_dense_all_reduce(layout, monkeypatch):
+  # "b" is below min_size, sent dense: the flag rides in its all-reduce. The NaN is in
+  # worker 3's compressed "w", whose error-feedback residuals must stay as they were.
+  from commopt.transforms import _control
+  carried = []
+  landed = _control._landed
+  monkeypatch.setattr(_control, "_landed", lambda p, *a: carried.append(p.reduced is not None)
+                      or landed(p, *a))
+  check_vma = layout != "shard_map, check_vma=False"
+  axis = "workers" if layout == "vmap" else "data"
+  cm = commopt.compressed_mean(commopt.scaled_sign(), axis_name=axis,
+                               bucket_bytes=16 if "flat" in layout else "auto",
+                               error_feedback="auto" if check_vma else False)
+  # The clip turns the infinities of the reduced "w" finite: the output check alone would
+  # let this step through, and only the input's flag skips it.
+  tx = apply_if_finite(optax.chain(cm, optax.clip(0.01), optax.sgd(0.1)), axis_name=axis)
+  params = {"w": jnp.zeros(4096), "b": jnp.zeros(8)}
+  if layout == "vmap":
+    w = commopt.testing.vmap_workers(tx, N)
+    update, state = w.update, w.init(params)
+  else:
+    update = _shard_map_update(tx, jax.make_mesh((N,), ("data",)), "data", check_vma)
+    state = _stack(tx.init(params))
+  grads = lambda seed: {"w": jax.random.normal(jax.random.key(seed), (N, 4096)),
+                        "b": jax.random.normal(jax.random.key(seed + 1), (N, 8))}
+  _, state = update(grads(0), state)
+  before = host_copy(state)
+  out, state = update({**grads(2), "w": grads(2)["w"].at[3, 7].set(jnp.inf)}, state)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+  assert_same_bits(before.inner_state, host_copy(state.inner_state))
+  np.testing.assert_array_equal(state.last_finite, False)
+  out, state = update(grads(4), state)
+  np.testing.assert_array_equal(state.last_finite, True)
+  assert all(np.all(np.isfinite(x)) and np.any(np.asarray(x) != 0) for x in jax.tree.leaves(out))
+  assert carried and all(carried)
+
+
 def test_apply_if_finite_over_a_tuple_of_axes():
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   axes = ("node", "local")

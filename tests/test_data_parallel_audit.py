@@ -65,8 +65,13 @@ def test_no_dense_gradient_all_reduce(name):
       assert not (dtype.startswith(("f", "bf")) and int(np.prod(shape)) in weight_sizes), c.line
 
 
-def test_nonfinite_skip_adds_one_int32_flag(mesh):
-  tx = optax.chain(commopt.compressed_mean(make("scaled_sign"), axis_name="data"), optax.sgd(0.1))
+@pytest.mark.parametrize("min_size", [None, 0])
+def test_nonfinite_skip_adds_one_flag_of_four_bytes(mesh, min_size):
+  # Small leaves sent dense (the default min_size): the flag is one more float32 element
+  # of their all-reduce. Every leaf compressed (min_size=0): an int32 all-reduce of its own.
+  kw = {} if min_size is None else {"min_size": min_size}
+  tx = optax.chain(commopt.compressed_mean(make("scaled_sign"), axis_name="data", **kw),
+                   optax.sgd(0.1))
   params, batch = mlp_params(), make_batch()
   audits = {}
   for skip in (False, True):
@@ -74,7 +79,8 @@ def test_nonfinite_skip_adds_one_int32_flag(mesh):
     audits[skip] = wire.hlo_collectives(dp, params, dp.init(params), batch)
   assert wire.total_bytes(audits[True]) == wire.total_bytes(audits[False]) + 4
   flags = [c for c in audits[True] if "s32" in c.dtypes and c.kind == "all-reduce"]
-  assert flags and all(c.group_size == N for c in flags)
+  assert len(audits[True]) == len(audits[False]) + (min_size == 0)
+  assert len(flags) == (min_size == 0) and all(c.group_size == N for c in flags)
 
 
 def test_identity_is_the_dense_baseline():

@@ -17,10 +17,15 @@ program. How that runs depends on the platform, measured with
 many bytes (``"auto"``: :func:`flat_by_default`), else one all-reduce over the
 tuple of leaves. Leaves are grouped by dtype and by the mesh axes they vary
 over, so a bucket never mixes values typed differently.
+
+A :class:`Passenger` (the non-finite skip's flag) rides as one more element of a
+bucket, so that agreeing on it costs no collective of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Callable, Optional
 
@@ -66,6 +71,58 @@ def resolve(bucket_bytes) -> Optional[int]:
   return bucket_bytes
 
 
+# -- a passenger ------------------------------------------------------------------------
+
+class Passenger:
+  """A float scalar that is 0 on a worker whose ``updates`` are finite and NaN on another,
+  carried to its mean over ``axes`` (NaN where any worker's is NaN) by the first dense
+  all-reduce of ``updates`` over exactly those axes (one more element of a bucket, see
+  :func:`carrying`) instead of a collective of its own. ``reduced`` is that mean once a
+  reduction carried it, else None."""
+
+  def __init__(self, value: jax.Array, updates: Any, axes: tuple):
+    self.value, self.updates, self.axes = value, updates, tuple(axes)
+    self.reduced: Optional[jax.Array] = None
+
+
+_PASSENGER: contextvars.ContextVar = contextvars.ContextVar("commopt_passenger", default=None)
+
+
+@contextlib.contextmanager
+def carrying(passenger: Optional[Passenger]):
+  """While tracing the transform that reduces ``passenger.updates``, offer it a ride."""
+  token = _PASSENGER.set(passenger)
+  try:
+    yield passenger
+  finally:
+    _PASSENGER.reset(token)
+
+
+def boarding(updates: Any, axis_name) -> Optional[Passenger]:
+  """The passenger waiting for a reduction of ``updates`` (the very tree it was offered
+  with, so traced at the same level) over ``axis_name``, or None."""
+  p = _PASSENGER.get()
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if p is None or p.reduced is not None or p.updates is not updates or p.axes != names:
+    return None
+  return p
+
+
+def _seat(xs: list, groups: list, passenger: Optional[Passenger]) -> bool:
+  """Appends the passenger to ``xs`` and to the first floating-point group typed as it is
+  (same varying axes), cast to that group's dtype; False where no group fits."""
+  if passenger is None:
+    return False
+  axes = coll.varying_axes(passenger.value)
+  for idx in groups:
+    x = xs[idx[0]]
+    if base.is_float_dtype(x.dtype) and coll.varying_axes(x) == axes:
+      idx.append(len(xs))
+      xs.append(jnp.reshape(passenger.value, (1,)).astype(x.dtype))
+      return True
+  return False
+
+
 # -- the reduction ------------------------------------------------------------------------
 
 def _groups(xs: list) -> list[list[int]]:
@@ -76,10 +133,13 @@ def _groups(xs: list) -> list[list[int]]:
   return list(groups.values())
 
 
-def _chunks(xs: list, idx: list[int], cap: int) -> list[list[int]]:
-  """``idx`` cut, in order, into runs of at most ``cap`` bytes (a larger leaf alone)."""
+def _chunks(xs: list, idx: list[int], cap: int, seat: Optional[int] = None) -> list[list[int]]:
+  """``idx`` cut, in order, into runs of at most ``cap`` bytes (a larger leaf alone); the
+  passenger's index ``seat`` rides at the end of the first run, whatever its size."""
   out, run, size = [], [], 0
   for i in idx:
+    if i == seat:
+      continue
     nbytes = math.prod(xs[i].shape) * jnp.dtype(xs[i].dtype).itemsize
     if run and size + nbytes > cap:
       out.append(run)
@@ -88,11 +148,13 @@ def _chunks(xs: list, idx: list[int], cap: int) -> list[list[int]]:
     size += nbytes
   if run:
     out.append(run)
+  if seat in idx:
+    out[0].append(seat)
   return out
 
 
 def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
-         bucket_bytes: Optional[int]) -> list:
+         bucket_bytes: Optional[int], passenger: Optional[Passenger] = None) -> list:
   """The mean of each of ``xs`` over ``axis_name``, by ``dense_mean(tree, axis_name)``
   (a strategy's dense reduction, which takes a list of arrays).
 
@@ -103,15 +165,21 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
   collectives cross processes on CPUs): left independent, XLA combines small buffers
   back into one tuple all-reduce (one gloo collective per operand again) and may run
   large ones beside each other, whose messages gloo would mix.
+
+  ``passenger``: a :class:`Passenger` to carry (see :func:`boarding`); its mean lands in
+  ``passenger.reduced`` where a group of ``xs`` could seat it.
   """
+  xs = list(xs)
+  groups = _groups(xs)
+  seated = _seat(xs, groups, passenger)
   out: list = [None] * len(xs)
   prev = ()
-  for idx in _groups(xs):
+  for idx in groups:
     if bucket_bytes is None:
       for i, y in zip(idx, dense_mean([xs[i] for i in idx], axis_name)):
         out[i] = y
       continue
-    for run in _chunks(xs, idx, bucket_bytes):
+    for run in _chunks(xs, idx, bucket_bytes, len(xs) - 1 if seated else None):
       parts = [jnp.ravel(xs[i]) for i in run]
       flat = dense_mean(coll.after(tree.concat_flat(parts), prev), axis_name)
       prev = flat
@@ -120,4 +188,6 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
         n = math.prod(xs[i].shape)
         out[i] = flat[at:at + n].reshape(xs[i].shape)
         at += n
+  if seated:
+    passenger.reduced = out.pop()[0].astype(passenger.value.dtype)
   return out

@@ -376,8 +376,10 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
   dense = [i for i, u in enumerate(leaves.updates) if not tree.is_node(u) and i not in sent]
   out = list(leaves.updates)
   if dense:
+    # The non-finite skip's flag, where it waits for these very updates, rides along.
     means = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,
-                          cfg.reduction.dense_mean, _buckets.resolve(cfg.bucket_bytes))
+                          cfg.reduction.dense_mean, _buckets.resolve(cfg.bucket_bytes),
+                          _buckets.boarding(updates, cfg.axis_name))
     for i, m in zip(dense, means):
       out[i] = m
   new = (list(leaves.residuals), list(leaves.cstates), list(leaves.memories))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base, vma
+from commopt.comm import _buckets
 from commopt.comm import _collectives as coll
 
 
@@ -227,6 +228,38 @@ def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
   return (bad == 0) & agreed, agreed
 
 
+def _passenger(updates, axis_name) -> Optional[_buckets.Passenger]:
+  """This worker's input flag (:func:`nonfinite_flag`), offered to ride in the inner
+  transform's dense all-reduce of these ``updates`` (one more element of its first
+  float bucket: no collective of its own); None where the workers must also agree over
+  model axes, or there are no workers."""
+  if axis_name is None:
+    return None
+  with vma.shard_aware():
+    if _model_axes(updates, axis_name):
+      return None
+    return _buckets.Passenger(nonfinite_flag(updates), updates, _names(axis_name))
+
+
+def _landed(passenger: _buckets.Passenger, axis_name, after) -> jax.Array:
+  """Whether every worker's input was finite: from the passenger's mean where a reduction
+  carried it, else by one int32 all-reduce of the flag after every collective of ``after``
+  (the inner transform's outputs)."""
+  if passenger.reduced is not None:
+    return jnp.isfinite(passenger.reduced)
+  with vma.shard_aware():
+    bad = jnp.isnan(passenger.value).astype(jnp.int32)
+    return coll.psum(coll.after(bad, after), axis_name) == 0
+
+
+def _verdicts_first(updates, inner_state, axis_name, agree_when) -> tuple:
+  """``(worker, agreed, updates)``: :func:`_input_verdicts`, and ``updates`` made to wait for
+  them, so that every collective of ``inner`` runs after the verdict's, not beside it."""
+  with vma.shard_aware():
+    worker, finite = _input_verdicts(updates, inner_state, axis_name, agree_when)
+  return worker, finite, coll.after(updates, finite)
+
+
 def _shared(tree, axis_name) -> list:
   """The leaves of ``tree`` that vary over no axis of ``axis_name`` (the same on every worker,
   sharded over model axes or not): the ones :func:`_reduced_finite` may judge."""
@@ -290,9 +323,12 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
                     ) -> optax.GradientTransformationExtraArgs:
   """Skips, on every worker together, an update in which any worker saw a NaN or Inf.
 
-  Each worker checks its own input updates (:func:`nonfinite_flag`), and one
-  int32 all-reduce over ``axis_name`` (and any model axes a leaf is sharded
-  over) makes every worker agree whether some worker's were not finite. The
+  Each worker checks its own input updates (:func:`nonfinite_flag`), and the
+  workers agree whether some worker's were not finite: with ``strict=True``
+  the flag rides as one more element of the first dense all-reduce of these
+  updates inside ``inner`` (a :func:`~commopt.compressed_mean` bucket); else,
+  or where none carries it, by one int32 all-reduce over ``axis_name`` (and
+  any model axes a leaf is sharded over). The
   output is checked too, since finite inputs can still overflow inside the
   exchange or the optimizer: the reduced update is the same on every worker,
   so every worker reaches the same verdict on it with no further collective.
@@ -318,10 +354,6 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   ``check_vma=False`` no such types exist and every output leaf is read, so
   ``inner`` must reduce over ``axis_name`` after anything per worker (as
   :func:`~commopt.data_parallel` requires).
-
-  The counters count the skip, whichever check caused it, and
-  ``last_finite`` is the agreed flag, the same on every worker (each
-  worker's own with ``agree_when``).
 
   ``optax.apply_if_finite`` does not work across workers: under
   ``jax.shard_map`` its ``lax.cond`` returns the reduced, replicated updates
@@ -388,16 +420,18 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    with vma.shard_aware():
-      worker, finite = _input_verdicts(updates, state.inner_state, axis_name, agree_when)
-    # Every collective of `inner` after the verdict's all-reduce, not beside it.
-    updates = coll.after(updates, finite)
+    passenger = _passenger(updates, axis_name) if strict and agree_when is None else None
+    if passenger is None:
+      worker, finite, updates = _verdicts_first(updates, state.inner_state, axis_name,
+                                                agree_when)
     run = lambda u, inner_state: inner.update(u, inner_state, params, **extra_args)
     scope = _VerdictScope(finite if agree_when is not None else None, state.inner_state)
     if strict:
       # Always run, so every worker runs the same collectives; select after.
-      with scope:
+      with scope, _buckets.carrying(passenger):
         new_updates, new_inner = run(updates, state.inner_state)
+      if passenger is not None:
+        worker = finite = _landed(passenger, axis_name, (new_updates, new_inner))
     else:
       run_inner = finite
       if max_consecutive_errors is not None:
