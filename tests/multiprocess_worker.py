@@ -8,7 +8,7 @@ state gathered to the host. The test runs the same cases in one process
 
 import sys
 
-CASES = ("identity", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical", "zero",
+CASES = ("identity", "identity_nan", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical", "zero",
          "zero_quantized", "zero_state")
 STEPS = 3
 
@@ -35,6 +35,7 @@ def run_case(case: str, local_rows):
     mesh = jax.make_mesh((8,), ("data",))
     axis = "data"
     name, strategy = ("scaled_sign", "two_phase") if case == "two_phase" else (case, "auto")
+    name = "identity" if case == "identity_nan" else name
     # min_size=0: every leaf compressed, so a gather-only case has no dense all-reduce.
     reducer = commopt.compressed_mean(commopt.compressors.make(name), axis_name=axis, strategy=strategy,
                                       min_size=0)
@@ -50,8 +51,11 @@ def run_case(case: str, local_rows):
   dp = commopt.data_parallel(loss, optax.chain(reducer, optax.sgd(0.1)), mesh, axis)
   state = dp.init(params)
   p = params
-  for _ in range(STEPS):
-    batch = dp.local_batch({"x": local_rows(x), "y": local_rows(y)})
+  for t in range(STEPS):
+    xt = x.copy()
+    if case == "identity_nan" and t == 1:
+      xt[20, 3] = np.nan   # worker 5's rows, on the second process: every worker skips
+    batch = dp.local_batch({"x": local_rows(xt), "y": local_rows(y)})
     p, state, _ = dp.step(p, state, batch)
   return multihost_utils.process_allgather((p, state), tiled=True)
 
