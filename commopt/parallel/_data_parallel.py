@@ -401,8 +401,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
 
   Faults: with ``skip_nonfinite=True`` the optimizer runs inside
   :func:`commopt.transforms.apply_if_finite`: a non-finite value in any
-  worker's gradient makes all workers agree, with one int32 all-reduce, to
-  skip the step; so does a non-finite reduced update (finite gradients that
+  worker's gradient makes all workers agree to skip the step (its flag rides
+  in the exchange's dense all-reduce, else one int32 all-reduce of its own); so does a non-finite reduced update (finite gradients that
   overflow in the exchange or the optimizer), which every worker sees the
   same and judges alike with no collective. Parameters, optimizer state
   (error residuals included) and model state stay as they were, and
