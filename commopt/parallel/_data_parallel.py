@@ -402,8 +402,9 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   Faults: with ``skip_nonfinite=True`` the optimizer runs inside
   :func:`commopt.transforms.apply_if_finite`: a non-finite value in any
   worker's gradient makes all workers agree to skip the step (its flag rides
-  in the exchange's dense all-reduce, else one int32 all-reduce of its own); so does a non-finite reduced update (finite gradients that
-  overflow in the exchange or the optimizer), which every worker sees the
+  in the exchange's dense all-reduce, else one int32 all-reduce of its own);
+  so does a non-finite reduced update (finite gradients that overflow in the
+  exchange or the optimizer), which every worker sees the
   same and judges alike with no collective. Parameters, optimizer state
   (error residuals included) and model state stay as they were, and
   ``opt_state.total_notfinite`` counts the skips. The compressed exchange
