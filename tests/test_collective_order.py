@@ -6,9 +6,9 @@ on the one before it (the non-finite verdict beside the exchange) once ran besid
 across 4 processes and took its messages: gloo aborted the job ("Received data size
 doesn't match expected size. 8 vs 4"). ``coll.after`` makes the exchange wait for the
 verdict (or the verdict for the exchange; where the exchange has a dense bucket, the
-verdict's flag rides in it and has no collective of its own). The multi-process case that failed is in ``test_multiprocess.py`` (slow tier);
-here the compiled programs show the dependency, with the ordering forced on in one
-process.
+verdict's flag rides in it and has no collective of its own). The multi-process case
+that failed is in ``test_multiprocess.py`` (slow tier); here the compiled programs show
+the dependency, with the ordering forced on in one process.
 """
 
 import re
