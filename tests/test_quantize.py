@@ -144,6 +144,7 @@ def test_scaled_sign_contraction_per_block(seed, block, d):
   assert err <= (1 - 1 / size) * np.sum(xs**2) + 1e-4
 
 
+@pytest.mark.slow
 @given(seed=st.integers(0, 2**31), d=st.sampled_from([1, 2, 33, 300]))
 def test_onebit_never_worse_than_scaled_sign(seed, d):
   x = rng_x(seed, d=d) + 0.3   # unbalanced signs: where the two means differ

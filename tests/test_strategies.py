@@ -426,7 +426,8 @@ def test_data_parallel_rejects_a_mesh_without_the_axes(mesh):
     commopt.data_parallel(loss, tx, mesh, AXES)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "psum", "gather", "two_phase"])
+@pytest.mark.parametrize("strategy", ["auto", "psum", "gather",
+                                      pytest.param("two_phase", marks=pytest.mark.slow)])
 def test_every_strategy_runs_on_one_device_without_an_axis(strategy):
   """axis_name=None is one local worker: each strategy reduces over it (two_phase's
   all-to-all and all-gather included) and returns that worker's reconstruction."""
