@@ -108,19 +108,20 @@ def boarding(updates: Any, axis_name) -> Optional[Passenger]:
   return p
 
 
-def _seat(xs: list, groups: list, passenger: Optional[Passenger]) -> bool:
+def _seat(xs: list, groups: list, passenger: Optional[Passenger]) -> Optional[int]:
   """Appends the passenger to ``xs`` and to the first floating-point group typed as it is
-  (same varying axes), cast to that group's dtype; False where no group fits."""
+  (same varying axes), cast to that group's dtype: its index in ``xs``, or None where
+  no group fits."""
   if passenger is None:
-    return False
+    return None
   axes = coll.varying_axes(passenger.value)
   for idx in groups:
     x = xs[idx[0]]
     if base.is_float_dtype(x.dtype) and coll.varying_axes(x) == axes:
       idx.append(len(xs))
       xs.append(jnp.reshape(passenger.value, (1,)).astype(x.dtype))
-      return True
-  return False
+      return idx[-1]
+  return None
 
 
 # -- the reduction ------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
   """
   xs = list(xs)
   groups = _groups(xs)
-  seated = _seat(xs, groups, passenger)
+  seat = _seat(xs, groups, passenger)
   out: list = [None] * len(xs)
   prev = ()
   for idx in groups:
@@ -179,7 +180,7 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
       for i, y in zip(idx, dense_mean([xs[i] for i in idx], axis_name)):
         out[i] = y
       continue
-    for run in _chunks(xs, idx, bucket_bytes, len(xs) - 1 if seated else None):
+    for run in _chunks(xs, idx, bucket_bytes, seat):
       parts = [jnp.ravel(xs[i]) for i in run]
       flat = dense_mean(coll.after(tree.concat_flat(parts), prev), axis_name)
       prev = flat
@@ -188,6 +189,6 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
         n = math.prod(xs[i].shape)
         out[i] = flat[at:at + n].reshape(xs[i].shape)
         at += n
-  if seated:
-    passenger.reduced = out.pop()[0].astype(passenger.value.dtype)
+  if seat is not None:
+    passenger.reduced = out.pop(seat)[0].astype(passenger.value.dtype)
   return out
