@@ -98,6 +98,8 @@ def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, met
     # One exchange of ~P/8 bytes (signs) every 8 steps, against a dense all-reduce each step.
     assert other["sent_bytes"] * 8 * 25 < dense["sent_bytes"] * 8
     assert [k for k, _ in other["global_losses"]] == [8, 16]
+    # Its first period (compiling, then its first exchange) counts as typical steps.
+    assert other["compiling_steps"] == 8 and other["compiled_at"] == [0, 7]
     assert other["step_s"] < dense["step_s"]
   elif method.startswith("eager:"):
     # 4-bit pseudo-gradients every 4 steps; the mean anchor after each outer step, scored
@@ -230,3 +232,11 @@ def test_eager_methods_need_three_periods_of_steps(load_script, capsys):
     b.parse_args(["--methods", "dense,eager:diloco(8)+int_quant(4)", "--steps", "20"])
   assert "--steps must be at least 24 with an eager method" in capsys.readouterr().err
   assert b.parse_args(["--methods", "eager:diloco(8)+int_quant(4)", "--steps", "24"]).steps == 24
+
+
+def test_periodic_methods_need_two_periods_of_steps(load_script, capsys):
+  b = load_script(BENCH)
+  with pytest.raises(SystemExit):
+    b.parse_args(["--methods", "dense,diloco(8)+scaled_sign", "--steps", "12"])
+  assert "--steps must be at least 16 with a periodic method" in capsys.readouterr().err
+  assert b.parse_args(["--methods", "diloco(8)+scaled_sign", "--steps", "16"]).steps == 16
