@@ -226,17 +226,13 @@ def test_derive_counts_steps_on_the_global_model(load_script):
   assert b.derive(r, 2, 0.3)["steps_to_target"] == 9
 
 
-def test_eager_methods_need_three_periods_of_steps(load_script, capsys):
+@pytest.mark.parametrize("method,short,enough,kind", [
+    ("eager:diloco(8)+int_quant(4)", 20, 24, "an eager method"),
+    ("diloco(8)+scaled_sign", 12, 16, "a periodic method")])
+def test_methods_with_a_period_need_enough_steps(load_script, capsys, method, short, enough, kind):
+  """An eager method needs three periods (two compile), a periodic one two (one compiles)."""
   b = load_script(BENCH)
   with pytest.raises(SystemExit):
-    b.parse_args(["--methods", "dense,eager:diloco(8)+int_quant(4)", "--steps", "20"])
-  assert "--steps must be at least 24 with an eager method" in capsys.readouterr().err
-  assert b.parse_args(["--methods", "eager:diloco(8)+int_quant(4)", "--steps", "24"]).steps == 24
-
-
-def test_periodic_methods_need_two_periods_of_steps(load_script, capsys):
-  b = load_script(BENCH)
-  with pytest.raises(SystemExit):
-    b.parse_args(["--methods", "dense,diloco(8)+scaled_sign", "--steps", "12"])
-  assert "--steps must be at least 16 with a periodic method" in capsys.readouterr().err
-  assert b.parse_args(["--methods", "diloco(8)+scaled_sign", "--steps", "16"]).steps == 16
+    b.parse_args(["--methods", f"dense,{method}", "--steps", str(short)])
+  assert f"--steps must be at least {enough} with {kind}" in capsys.readouterr().err
+  assert b.parse_args(["--methods", method, "--steps", str(enough)]).steps == enough
