@@ -257,6 +257,11 @@ def dtype_bits(dtype) -> int:
   return int(np.dtype(dtype).itemsize * 8)
 
 
+def axis_names(axis_name) -> tuple:
+  """``axis_name`` as a tuple of axis names: a tuple as it is, one name (or None) as a 1-tuple."""
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
 def leaf_size(shape) -> int:
   return int(math.prod(shape))
 

@@ -102,7 +102,7 @@ def boarding(updates: Any, axis_name) -> Optional[Passenger]:
   """The passenger waiting for a reduction of ``updates`` (the very tree it was offered
   with, so traced at the same level) over ``axis_name``, or None."""
   p = _PASSENGER.get()
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = base.axis_names(axis_name)
   if p is None or p.reduced is not None or p.updates is not updates or p.axes != names:
     return None
   return p

@@ -175,7 +175,7 @@ def check_input(fn: str, tree: Any, axis_name) -> None:
   """
   if axis_name is None:
     return
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = base.axis_names(axis_name)
   missing = [a for a in names if bound_axis_size(a) is None]
   if missing:
     bound = compat.bound_axis_names()
@@ -223,7 +223,7 @@ def check_state_kept(fn: str, axis_name, what: str) -> None:
   """
   if axis_name is None:
     return
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = base.axis_names(axis_name)
   manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
   untracked = [a for a in names if a in manual and not tracks_varying(a)]
   if untracked:

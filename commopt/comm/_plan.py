@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from commopt._src import base
+
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
          "collective-broadcast")
 
@@ -259,7 +261,7 @@ def step_planner_of(tx):
 
 def axis_sizes(axis_name, workers) -> dict:
   """``{axis: workers}`` for ``axis_name`` (a name or tuple) and ``workers`` (an int or tuple)."""
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = base.axis_names(axis_name)
   counts = workers if isinstance(workers, tuple) else (workers,)
   if len(names) != len(counts) or any(
       isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
@@ -302,7 +304,7 @@ def gather_plan(leaf: str, axis_name, sizes: dict, nbytes: int, packed: bool) ->
   Over a tuple of axes the gather runs one axis at a time, the last first,
   each contributing what the previous one gathered.
   """
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = base.axis_names(axis_name)
   entries = []
   for name in reversed(names):
     entries.append(planned(leaf, "all-gather", name, sizes[name], nbytes, packed))

@@ -92,7 +92,7 @@ class DataParallel:
           f"got {self.mesh!r}.")
     if isinstance(self.axis_name, list):
       object.__setattr__(self, "axis_name", tuple(self.axis_name))
-    axes = lay.axes_tuple(self.axis_name)
+    axes = base.axis_names(self.axis_name)
     missing = [a for a in axes if a not in self.mesh.axis_names]
     if not axes or missing or len(set(axes)) != len(axes):
       raise ValueError(
@@ -120,7 +120,7 @@ class DataParallel:
   @property
   def axes(self) -> tuple[str, ...]:
     """The data axes as a tuple."""
-    return lay.axes_tuple(self.axis_name)
+    return base.axis_names(self.axis_name)
 
   @property
   def num_workers(self) -> int:

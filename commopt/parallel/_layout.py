@@ -18,16 +18,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from commopt._src import base
 from commopt._src.vma import spec_axes
 from commopt.comm import _collectives as coll
 
 
 def keystr(path) -> str:
   return jax.tree_util.keystr(path) or "<root>"
-
-
-def axes_tuple(axis_name) -> tuple[str, ...]:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def data_spec(axes: Sequence[str]):
@@ -55,7 +52,7 @@ def local_value_and_grad(loss_fn: Callable, axis_name, *, has_aux: bool = False)
     ``f(params, *args, **kwargs) -> (value, grads)`` like ``jax.value_and_grad``.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-  axes = axes_tuple(axis_name)
+  axes = base.axis_names(axis_name)
 
   def f(params, *args, **kwargs):
     return grad_fn(jax.tree.map(lambda x: coll.vary(x, axes), params), *args, **kwargs)
@@ -92,13 +89,13 @@ def stack_workers(tree, specs, axis_name) -> Any:
   ``specs`` are the state's specs (:meth:`~commopt.DataParallel.state_specs`);
   ``axis_name`` is the data axis or tuple of axes.
   """
-  axes = axes_tuple(axis_name)
+  axes = base.axis_names(axis_name)
   return jax.tree.map(lambda x, s: x[None] if is_stacked(s, axes) else x, tree, specs)
 
 
 def unstack_workers(tree, specs, axis_name) -> Any:
   """Inside ``shard_map``: drops each per-worker leaf's leading worker axis."""
-  axes = axes_tuple(axis_name)
+  axes = base.axis_names(axis_name)
   return jax.tree.map(lambda x, s: x[0] if is_stacked(s, axes) else x, tree, specs)
 
 

@@ -154,7 +154,7 @@ def nnx_data_parallel(model: nnx.Module, loss_fn: Callable, tx: optax.GradientTr
         f"nnx_data_parallel: `model` must be a flax nnx.Module, got {model!r}.")
   has_aux = base.check_bool("has_aux", has_aux, fn="nnx_data_parallel")
   graphdef, _, _ = nnx.split(model, wrt, ...)
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  axes = base.axis_names(axis_name)
 
   def state_loss(params, model_state, batch):
     keys, rest = nnx.split_state(model_state, nnx.RngKey, ...)

@@ -81,7 +81,7 @@ def _check_inner(inner, fn: str) -> optax.GradientTransformationExtraArgs:
 def _check_axes(axis_name, fn: str) -> None:
   if axis_name is None:
     return
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = base.axis_names(axis_name)
   if (not names or not all(isinstance(a, str) for a in names)
       or len(set(names)) != len(names)):
     error = ValueError if isinstance(axis_name, tuple) and all(
@@ -141,7 +141,7 @@ def all_finite(tree) -> jax.Array:
 def _names(axis_name) -> tuple:
   if axis_name is None:
     return ()
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  return base.axis_names(axis_name)
 
 
 def _model_axes(updates, axis_name) -> tuple:

@@ -117,7 +117,7 @@ def sync_levels(axis_name, period: Mapping, fn: str = "local_sgd"
   axis with a shorter period, the axes ordered ``(slow, fast)`` (longer period first; equal
   periods in ``axis_name``'s order)."""
   _check_axes(axis_name, fn)
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  names = base.axis_names(axis_name)
   if axis_name is None or len(names) > 2 or set(period) != set(names):
     raise ValueError(f"{fn}: a `period` per axis needs `axis_name` to be one axis or a pair "
                      f"such as ('node', 'local') and one entry per axis, got axis_name="
