@@ -15,6 +15,10 @@ NAMES = sorted(REGISTRY)
 # Every registered compressor with its defaults, and each registered variant.
 CASES = [(n, {}) for n in NAMES] + [(n, v) for n in NAMES for v in VARIANTS[n]]
 IDS = [n + "".join(f"[{k}={v}]" for k, v in opts.items()) for n, opts in CASES]
+# The same cases, each variant's compile-bound checks in the slow tier (the defaults keep
+# them in the default tier).
+TIERED = [pytest.param(n, opts, id=i, marks=pytest.mark.slow if opts else ())
+          for (n, opts), i in zip(CASES, IDS)]
 # A bf16 payload summed by the all-reduce rounds in a backend-specific order
 # (XLA:CPU sums in f32, vmap in bf16); its residuals cannot see the rounding of
 # the sum itself. Casts get a few bf16 ulps there.
@@ -60,12 +64,18 @@ def test_gathered_sum_in_one_pass_equals_decoding_each_payload(name, opts, dtype
   checks.fused_sum_equals_reference(c, dtype=dtype, exact=name not in INEXACT_DECODE)
 
 
-@pytest.mark.parametrize("name", NAMES)
+# The longest to compile (3-5 s each on 2 cores) in the slow tier.
+ONE_DEVICE_SLOW = {"adaptive_levels", "atomo", "gradient_dropping", "sketch_sgd", "sketchml",
+                   "terngrad", "variance_balanced"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n in ONE_DEVICE_SLOW else n for n in NAMES])
 def test_one_device_shard_map_equals_local(name):
   checks.one_device_equals_local(make(name))
 
 
-@pytest.mark.parametrize("name,opts", CASES, ids=IDS)
+@pytest.mark.parametrize("name,opts", TIERED)
 def test_error_feedback_conservation(name, opts, mesh):
   if make(name, **opts).error_kind == "direction":
     pytest.skip("sign keeps no residual: error feedback is refused for it")
@@ -73,7 +83,7 @@ def test_error_feedback_conservation(name, opts, mesh):
                                      atol=6e-2 if name in BF16_SUM else 1e-4)
 
 
-@pytest.mark.parametrize("name,opts", CASES, ids=IDS)
+@pytest.mark.parametrize("name,opts", TIERED)
 def test_payload_bytes_equal_hlo_audit(name, opts, mesh):
   checks.payload_bytes_equal_hlo_audit(make(name, **opts), mesh)
   # XLA:CPU widens 16-bit all-reduces to f32 when it compiles (GPUs keep them);

@@ -146,8 +146,9 @@ def test_sign_pack_reproduces_scaled_sign():
 
 
 @pytest.mark.parametrize("n, block_size, block", [
-    (1, None, 64), (257, None, 64), (257, 7, 64), (1000, 32, 64), (1000, 64, 64),
-    (1000, 256, 64), (4099, 256, 1024), (300, 512, 1024), (300, 300, 1024)])
+    (1, None, 64), (257, None, 64), (257, 7, 64),
+    pytest.param(1000, 32, 64, marks=pytest.mark.slow), (1000, 64, 64), (1000, 256, 64),
+    pytest.param(4099, 256, 1024, marks=pytest.mark.slow), (300, 512, 1024), (300, 300, 1024)])
 def test_sign_feedback_is_the_separate_steps_bit_for_bit(n, block_size, block):
   """One pass where each scale block fits a program (32 <= block_size <= block, a power of
   two), two otherwise; either way the reference's bits, which are sign_pack of u + e and
@@ -394,8 +395,9 @@ def test_pairwise_sum_is_the_aligned_binary_tree():
   assert kernels.pairwise_sum(jnp.zeros((2, 0))).tolist() == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("n, block_size", [(100, None), (257, 48), (257, 7), (5000, 300),
-                                           (20000, None), (20000, 1024)])
+@pytest.mark.parametrize("n, block_size", [
+    (100, None), (257, 48), (257, 7), pytest.param(5000, 300, marks=pytest.mark.slow),
+    (20000, None), pytest.param(20000, 1024, marks=pytest.mark.slow)])
 def test_sign_pack_scales_are_bit_identical_whatever_the_implementation_and_block(n, block_size):
   """Every block's magnitudes are added in one order, that of pairwise_sum over the block."""
   x = mixed(n, n, specials=False) * 100.0

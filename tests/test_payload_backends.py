@@ -117,11 +117,18 @@ def reference(case):
              jax.random.key(3))
 
 
+# In the slow tier: the cases whose encoder reaches no kernel (the same program under every
+# implementation off GPUs) and the three that interpret longest (6-10 s each on 2 cores).
+SLOW_CASES = {c for c, (_, _, pallas) in CASES.items() if not pallas} | {
+    "sketch_sgd", "sketchml", "adaptive_levels(levels=256)"}
+
+
 @pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
 class TestPayloadBackends:
   """The bound implementation against the reference."""
 
-  @pytest.mark.parametrize("case", sorted(CASES))
+  @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES
+                                    else c for c in sorted(CASES)])
   def test_payload_state_and_decode_are_the_references(self, implementation, case):
     if implementation == REFERENCE or (implementation == "auto"
                                        and jax.default_backend() != "gpu"):

@@ -92,7 +92,8 @@ def test_two_phase_linear_is_the_exact_mean(mesh, name, atol):
                                atol=atol, rtol=1e-2 if name == "cast" else 1e-6)
 
 
-@pytest.mark.parametrize("name", ["scaled_sign", "top_k", "qsgd", "int_quant", "onebit"])
+@pytest.mark.parametrize("name", ["scaled_sign", "top_k", "qsgd",
+                                  pytest.param("int_quant", marks=pytest.mark.slow), "onebit"])
 def test_two_phase_conservation_of_both_memories(mesh, name):
   """Σ outputs + mean worker residual + the server memory = Σ mean inputs (with error
   feedback asked for: C/(1+ω) for the unbiased qsgd and int_quant)."""
@@ -124,7 +125,8 @@ def test_two_phase_whole_memory_from_a_plain_init(mesh):
   np.testing.assert_allclose(sum_out + worker + server.sum(0), sum_in, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("strategy", ["two_phase", "hierarchical"])
+@pytest.mark.parametrize("strategy", ["two_phase",
+                                      pytest.param("hierarchical", marks=pytest.mark.slow)])
 def test_whole_and_per_worker_memories_agree(mesh, mesh2d, strategy):
   """The same steps from either layout: equal outputs, and equal memories once joined."""
   if strategy == "two_phase":

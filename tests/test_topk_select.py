@@ -124,8 +124,9 @@ def run(compressor, updates, mesh, steps=3, **options):
                  marks=pytest.mark.slow),
     pytest.param(lambda: commopt.top_k(0.05), {"residual_dtype": "bfloat16"},
                  marks=pytest.mark.slow),
-    (lambda: commopt.random_k(0.05, shared_seed=False), {}),
-    (lambda: commopt.compressors.make("variance_balanced", ratio=0.05), {}),
+    pytest.param(lambda: commopt.random_k(0.05, shared_seed=False), {}, marks=pytest.mark.slow),
+    pytest.param(lambda: commopt.compressors.make("variance_balanced", ratio=0.05), {},
+                 marks=pytest.mark.slow),
 ], ids=["top_k", "k", "bf16_values", "no_feedback", "bf16_residual", "random_k",
         "variance_balanced"])
 def test_gathered_values_and_indices_equal_the_generic_exchange_bit_for_bit(
