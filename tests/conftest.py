@@ -29,7 +29,10 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.load_profile("ci")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKERS = 8
+"""The simulated devices, all of them data-parallel workers in the 1-D mesh."""
 FAST_COMPILE = "--xla_backend_optimization_level=0"
+"""The default tier's compile flag (see the module docstring)."""
 
 
 def pytest_configure(config):
@@ -38,8 +41,6 @@ def pytest_configure(config):
   flags = os.environ.get("XLA_FLAGS", "")
   if config.option.markexpr == "not slow" and "xla_backend_optimization_level" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
-WORKERS = 8
-"""The simulated devices, all of them data-parallel workers in the 1-D mesh."""
 
 
 @pytest.fixture(scope="session")
