@@ -7,9 +7,10 @@ the robustness studies run as subprocesses or train for many steps);
 The default tier is bound by compiling: it compiles with XLA's backend (LLVM)
 optimisation level 0 (``XLA_FLAGS=--xla_backend_optimization_level=0``, which
 the processes its tests start inherit), a quarter less time on 2 cores; the
-HLO passes, and so every audited program, are the same (``test_fast_compile.py``). The slow tier (the
-benchmarks' runs and the trainings) compiles as users do, and a level the
-caller set in ``XLA_FLAGS`` is kept.
+HLO passes, and so every audited program, are the same
+(``test_fast_compile.py``). The slow tier (the benchmarks' runs and the
+trainings) compiles as users do, and a level the caller set in ``XLA_FLAGS``
+is kept.
 """
 
 import importlib.util
