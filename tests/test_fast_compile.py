@@ -6,8 +6,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 SCRIPT = r'''
 import re, jax, jax.numpy as jnp, optax
 jax.config.update("jax_num_cpu_devices", 8)
