@@ -86,11 +86,15 @@ def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
     min_processes: the fewest to continue on (>= 1).
     max_restarts: restarts after failures before giving up (>= 0).
     rejoin_after: seconds a run on fewer processes lasts before the full
-      count is started again; None never rejoins.
+      count is started again (the request to stop waits until every process
+      catches ``SIGTERM``, as :func:`launch`'s ``stop_after``); None never
+      rejoins.
     devices_per_process: as in :func:`launch`.
     timeout: seconds for the whole supervised job, every start included.
     grace: as in :func:`launch`.
-    stop_grace: seconds a process asked to stop has before ``SIGKILL``.
+    stop_grace: seconds a process asked to stop has before ``SIGKILL`` (give it
+      time to reach its next checkpoint; one ended then still counts as stopped,
+      and the rejoin starts from its last checkpoint).
     heartbeat_timeout: as in :func:`launch` (it also bounds how long the
       survivors of a failure wait in a collective before they fail).
     env: extra environment variables; :data:`ENV_ATTEMPT` is added.
@@ -153,6 +157,11 @@ def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
       say(f"{fn}: done after {len(attempts)} starts")
       return attempts
     if error is None:
+      late = [r.process_id for r in results if r.asked_to_stop and r.returncode != 0]
+      if late:
+        say(f"{fn}: processes {', '.join(map(str, late))} did not stop within stop_grace "
+            f"({stop_grace:g} s) of the request and were ended; their steps since the last "
+            "checkpoint are lost")
       n, why = processes, "rejoin"
       continue
     restarts += 1

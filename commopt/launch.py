@@ -157,8 +157,14 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
     stop_after: seconds after which every process still running is asked to
       stop (``SIGTERM``, which a process that polls :func:`should_stop`
       receives as a request; ``SIGKILL`` after ``stop_grace``); those that
-      then exit 0 end the run normally, marked ``asked_to_stop``. None (the
-      default) never asks.
+      then exit 0 end the run normally, marked ``asked_to_stop``, and so do
+      those still running at the end of ``stop_grace`` (code ``-9``, also
+      ``ended_by_launch``: what they did since their last checkpoint is lost;
+      give a DiLoCo script a ``stop_grace`` longer than a period). On Linux the
+      request waits until every process catches ``SIGTERM`` (it has called
+      ``initialize(handle_sigterm=True)`` or set a handler of its own), so that
+      a process still starting up is not killed by it; one that never catches
+      it is never asked. None (the default) never asks.
     nodes: how many machines run the job (>= 1), each with a launcher of its own.
     node_rank: which of them this one is (``0 <= node_rank < nodes``).
     host_memory: ``"reuse"`` (the default): each process's glibc ``malloc`` keeps the
@@ -172,7 +178,8 @@ def launch(argv: Sequence[str], processes: int, *, devices_per_process: Optional
 
   Returns:
     One :class:`ProcessResult` per process of this machine, in process order (their
-    ``process_id`` is the job's), all exit code 0.
+    ``process_id`` is the job's), all exit code 0 but those ended at the end of
+    ``stop_grace`` after a request to stop.
 
   Raises:
     LaunchError: a process exited non-zero (the others are ended at once), or

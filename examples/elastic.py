@@ -3,7 +3,7 @@
 Run it under the supervisor (one CPU device per process)::
 
     python -m commopt.launch --processes 4 --cpu-devices 1 --supervise --min-processes 2 \\
-        --rejoin-after 40 examples/elastic.py --ckpt /tmp/elastic --kill-at 37
+        --rejoin-after 40 --stop-grace 60 examples/elastic.py --ckpt /tmp/elastic --kill-at 37
 
 Every process trains a small MLP regression (a fixed random teacher, offline data)
 with :func:`commopt.sparseloco` (AdamW inside, chunked top-k 2-bit pseudo-gradients with
@@ -17,7 +17,8 @@ feedback's residuals keep their mean, so nothing it owes the model is lost).
 last by default) sends itself ``SIGKILL`` after step ``S``, with no chance to clean up.
 The supervisor ends the others, starts the job again on the processes left, which go
 back to the last outer step; ``--rejoin-after`` seconds later it asks that run to stop
-(it saves at the next outer step and exits) and starts it on all of them again.
+(it saves at the next outer step and exits; ``--stop-grace`` bounds how long that may
+take) and starts it on all of them again.
 
 The global batch (``--batch`` rows, drawn from the step number) is the same whatever the
 number of workers, split over them. Process 0 appends one JSON line per step to

@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,19 +21,31 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+
+def handlers_shown() -> bool:
+  """Whether this machine shows which signals a process catches (the launcher waits for
+  SIGTERM's handler only there)."""
+  status = pathlib.Path("/proc/self/status")
+  return status.exists() and "SigCgt:" in status.read_text()
+
 # Start 0: the last process dies (SIGKILL). Start 1: every process waits for a stop
 # request and exits 0 on it. Later starts end at once.
+# Mode "late": start 1 catches SIGTERM only after 2 s (a slow start-up, as importing JAX).
+# Mode "deaf": start 1 ignores a request to stop (SIGKILL ends it at stop_grace).
 WORKER = """
 import os, pathlib, signal, sys, time
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))     # a stop request: exit 0
 pid, n = int(os.environ["COMMOPT_PROCESS_ID"]), int(os.environ["COMMOPT_NUM_PROCESSES"])
 start = int(os.environ["COMMOPT_ATTEMPT"])
+if start == 1 and sys.argv[2] == "late":
+  time.sleep(2.0)
+signal.signal(signal.SIGTERM, (lambda *a: None) if start == 1 and sys.argv[2] == "deaf"
+              else (lambda *a: sys.exit(0)))              # a stop request: exit 0
 out = pathlib.Path(sys.argv[1])
 (out / f"{start}-{pid}.pid").write_text(str(os.getpid()))
 (out / f"{start}-{pid}.n").write_text(str(n))
 if start == 0 and pid == n - 1:
   os.kill(os.getpid(), signal.SIGKILL)
-if start == 0 or (start == 1 and sys.argv[2] == "wait"):
+if start == 0 or (start == 1 and sys.argv[2] in ("wait", "late", "deaf")):
   time.sleep(120)
 """
 
@@ -66,6 +79,28 @@ def test_the_supervisor_restarts_on_the_processes_left_and_takes_them_back(tmp_p
   assert lines[1] == "supervise: processes 3 (code -9) failed; restarting on 3"
 
 
+@pytest.mark.skipif(not handlers_shown(), reason="no /proc/PID/status SigCgt here")
+def test_a_request_to_stop_waits_until_every_process_catches_it(tmp_path):
+  """rejoin_after (0.5 s) ends before start 1's processes catch SIGTERM (2 s): asked at
+  once, they would die of it and count as lost; asked later, they stop and rejoin."""
+  t0 = time.monotonic()
+  attempts, _ = _run(tmp_path, "late", min_processes=2, rejoin_after=0.5)
+  assert [(a.processes, a.why) for a in attempts] == [(4, "start"), (3, "lost"), (4, "rejoin")]
+  assert attempts[1].stopped and attempts[1].seconds >= 2.0
+  assert {r.returncode for r in attempts[1].results} == {0}
+  assert time.monotonic() - t0 < 30
+
+
+def test_a_run_that_overruns_its_stop_grace_counts_as_stopped(tmp_path):
+  """Start 1 does not stop within stop_grace: SIGKILL ends it, and that is a stop (the
+  rejoin follows), not 3 more lost workers."""
+  attempts, lines = _run(tmp_path, "deaf", min_processes=2, rejoin_after=0.5, stop_grace=0.5)
+  assert [(a.processes, a.why) for a in attempts] == [(4, "start"), (3, "lost"), (4, "rejoin")]
+  assert attempts[1].stopped
+  assert [(r.returncode, r.ended_by_launch) for r in attempts[1].results] == [(-9, True)] * 3
+  assert "processes 0, 1, 2 did not stop within stop_grace (0.5 s)" in lines[3]
+
+
 def test_without_rejoin_the_run_finishes_on_the_processes_left(tmp_path):
   attempts, _ = _run(tmp_path, "go", min_processes=3)
   assert [(a.processes, a.why) for a in attempts] == [(4, "start"), (3, "lost")]
@@ -93,7 +128,8 @@ def test_elastic_diloco_loses_one_worker_goes_on_with_three_and_takes_it_back(tm
   step at 20, then the fourth joins back at an outer step; it trains throughout."""
   log = tmp_path / "log.jsonl"
   cmd = [sys.executable, "-m", "commopt.launch", "--processes", "4", "--cpu-devices", "1",
-         "--supervise", "--min-processes", "2", "--rejoin-after", "15", "--timeout", "400",
+         "--supervise", "--min-processes", "2", "--rejoin-after", "15", "--stop-grace", "60",
+         "--timeout", "400",
          str(ROOT / "examples" / "elastic.py"), "--ckpt", str(tmp_path / "ckpt"), "--log",
          str(log), "--steps", "300", "--kill-at", "27"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=450,

@@ -32,6 +32,19 @@ class ProcessResult:
 
 
 
+def catches_sigterm(pid: int) -> bool:
+  """Whether process ``pid`` has a handler for SIGTERM (Linux: ``SigCgt`` in
+  ``/proc/PID/status``); True where that cannot be read."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        if line.startswith("SigCgt:"):
+          return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+  except (OSError, ValueError, IndexError):
+    pass
+  return True
+
+
 class ProcessGroup:
   """The processes of one :func:`commopt.launch.launch` on this machine, their logs and
   their ends."""
@@ -50,6 +63,8 @@ class ProcessGroup:
     self.pipe: Optional[int] = None           # the write end the processes watch
     self.asked: set[int] = set()              # the ones asked to stop (stop_after)
     self.first_failed: Optional[int] = None   # a job-wide process id
+    self.exited_at: dict[int, float] = {}
+    self.overran_at: Optional[float] = None   # when those asked to stop got SIGKILL
 
   @contextlib.contextmanager
   def catching_signals(self):
@@ -98,6 +113,7 @@ class ProcessGroup:
 
   def _reap(self, i: int) -> None:
     self.procs[i].wait()
+    self.exited_at[i] = time.monotonic()
     self.done[i].set()
     self.exits.put(i)
 
@@ -111,7 +127,8 @@ class ProcessGroup:
       if self.signal is not None:
         self.end(range(self.n), stop_grace)
         return None
-      if stop_after is not None and not self.asked and time.monotonic() - began > stop_after:
+      if (stop_after is not None and not self.asked and time.monotonic() - began > stop_after
+          and self._can_stop()):
         self.asked.update(i for i in range(self.n) if not self.done[i].is_set())
         self.end(sorted(self.asked), stop_grace, asked=True)   # then read their exits
       try:
@@ -123,7 +140,7 @@ class ProcessGroup:
                         f"ended.{self._tails(range(self.n), lines=10)}")
         continue
       finished += 1
-      if self.procs[i].returncode != 0:
+      if self.procs[i].returncode != 0 and not self._stopped_late(i):
         self.first_failed = self.first_id + i
         self.end(range(self.n), grace)
         return self._failure(i)
@@ -131,11 +148,27 @@ class ProcessGroup:
       self.end(range(self.n), stop_grace)
     return None
 
+  def _can_stop(self) -> bool:
+    """Whether every running process catches SIGTERM, so that a request to stop reaches it
+    as a request: one still starting up (before ``initialize(handle_sigterm=True)`` or its
+    own handler) would die of it instead, and look like a failure. Where the handlers
+    cannot be read (no ``/proc``), True."""
+    return all(self.done[i].is_set() or catches_sigterm(self.procs[i].pid)
+               for i in range(len(self.procs)))
+
+  def _stopped_late(self, i: int) -> bool:
+    """Whether process ``i`` was asked to stop and ended after the launcher's SIGKILL at
+    the end of ``stop_grace`` (a peer's collective may fail first): a stop, not a failure."""
+    return (i in self.asked and self.overran_at is not None
+            and self.exited_at.get(i, self.overran_at) >= self.overran_at)
+
   def end(self, ids, grace: float, asked: bool = False) -> None:
     """SIGTERM to the processes ``ids`` still running (``asked``: a request to stop, which does
     not count as ending them); SIGKILL to those left after ``grace``."""
     running = [i for i in ids if i < len(self.procs) and not self.done[i].is_set()]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+      if asked and sig == signal.SIGKILL:
+        self.overran_at = time.monotonic()
       for i in running:
         if not (asked and sig == signal.SIGTERM):
           self.ended.add(i)
