@@ -151,6 +151,25 @@ def test_a_lossless_compressor_keeps_no_residual():
     assert isinstance(tx.init({"w": jnp.ones(1024)}).residual["w"], optax.MaskedNode)
 
 
+def test_a_bfloat16_cast_keeps_a_residual_only_when_asked():
+  """cast("bfloat16") only rounds (at most 2^-9 of each value, float32's range): "auto"
+  keeps no residual, as PyTorch's bf16 hook; True keeps one. float16 loses values below
+  2^-24 whole, so "auto" keeps one for it."""
+  import optax
+  kept = lambda c, ef: not isinstance(
+      commopt.compressed_mean(c, min_size=0, error_feedback=ef).init(
+          {"w": jnp.ones(1024)}).residual["w"], optax.MaskedNode)
+  bf16, f16 = commopt.cast("bfloat16"), commopt.cast("float16")
+  assert bf16.error_kind == "rounding" and bf16.delta((1024,)) == 1 - 2.0 ** -16
+  assert (kept(bf16, "auto"), kept(bf16, True), kept(bf16, False)) == (False, True, False)
+  assert f16.error_kind == "biased" and f16.delta((1024,)) is None
+  assert (kept(f16, "auto"), kept(f16, True)) == (True, True)
+  # What a residual would keep for float16: a gradient under its smallest subnormal.
+  tx = commopt.compressed_mean(f16, min_size=0)
+  out, state = tx.update({"w": jnp.full(4, 1e-8)}, tx.init({"w": jnp.zeros(4)}))
+  assert float(out["w"][0]) == 0.0 and float(state.residual["w"][0]) == pytest.approx(1e-8)
+
+
 def test_two_phase_server_memory_is_float32_for_bf16():
   tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase", min_size=0)
   state = commopt.testing.vmap_workers(tx, 4, "data").init({"w": jnp.ones(64, jnp.bfloat16)})

@@ -434,7 +434,8 @@ def test_every_strategy_runs_on_one_device_without_an_axis(strategy):
   """axis_name=None is one local worker: each strategy reduces over it (two_phase's
   all-to-all and all-gather included) and returns that worker's reconstruction."""
   c = commopt.cast(jnp.bfloat16) if strategy == "psum" else commopt.scaled_sign()
-  tx = commopt.compressed_mean(c, axis_name=None, strategy=strategy, min_size=0)
+  tx = commopt.compressed_mean(c, axis_name=None, strategy=strategy, min_size=0,
+                               error_feedback=True)
   x = {"w": jnp.linspace(-1.0, 2.0, 50)}
   out, state = tx.update(x, tx.init(x))
   payload, _ = c.encode(x["w"], c.init(x["w"]), jax.random.PRNGKey(0))

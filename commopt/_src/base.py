@@ -90,16 +90,18 @@ class Compressor:
       step follow it.
     error_kind: what the compressor's error is, which decides what error
       feedback does with it (one of :data:`ERROR_KINDS`; see
-      :func:`feedback_compressor`): ``"lossless"``; ``"contractive"`` (for
+      :func:`feedback_compressor`): ``"lossless"``; ``"rounding"`` (each
+      value moved by a tiny fraction of itself, ``|C(x)ᵢ − xᵢ| ≤ u|xᵢ|``, as a
+      cast to bfloat16 rounds it; ``δ = 1 − u²``); ``"contractive"`` (for
       every ``x``, ``‖C(x) − x‖² ≤ (1 − δ)‖x‖²``, the largest entries sent
       first); ``"expected_contractive"`` (the same bound in expectation, the
       kept part drawn at random whatever the magnitudes); ``"unbiased"``
       (``E C(x) = x``, ``E‖C(x) − x‖² ≤ ω‖x‖²``); ``"direction"`` (the output's
       magnitude does not follow the input's, as ``sign``); ``"biased"`` (none
       of these declared; the default for a compressor you write).
-    error_bound: ``error_bound(shape) -> float``: δ for the two contractive
-      kinds, ω for ``"unbiased"``, for a leaf of that shape; ``None`` for the
-      other kinds.
+    error_bound: ``error_bound(shape) -> float``: δ for ``"rounding"`` and the
+      two contractive kinds, ω for ``"unbiased"``, for a leaf of that shape;
+      ``None`` for the other kinds.
     encode_feedback: optional ``encode_feedback(u, e, state, key) -> (payload,
       e′, state)``: ``encode(u + e)`` and ``e′ = u + e − decode(payload)``,
       bit for bit, in fewer passes over the leaf (``scaled_sign``'s fused
@@ -139,7 +141,7 @@ class Compressor:
     if self.error_kind not in ERROR_KINDS:
       raise ValueError(f"Compressor {self.name!r}: `error_kind` must be one of {ERROR_KINDS}, "
                        f"got {self.error_kind!r}.")
-    bounded = self.error_kind in ("contractive", "expected_contractive", "unbiased")
+    bounded = self.error_kind in ("rounding", "contractive", "expected_contractive", "unbiased")
     if bounded != (self.error_bound is not None):
       raise ValueError(
           f"Compressor {self.name!r}: error_kind={self.error_kind!r} "
@@ -149,7 +151,7 @@ class Compressor:
   def delta(self, shape) -> Optional[float]:
     """The contraction ``δ`` this compressor guarantees on a leaf of ``shape``.
 
-    1 for ``"lossless"``; the declared bound for the contractive kinds;
+    1 for ``"lossless"``; the declared bound for ``"rounding"`` and the contractive kinds;
     ``1/(1+ω)`` for ``"unbiased"`` (the contraction of ``C/(1+ω)``, which
     error feedback uses); ``None`` when nothing is declared.
 
@@ -162,7 +164,7 @@ class Compressor:
     """
     if self.error_kind == "lossless":
       return 1.0
-    if self.error_kind in ("contractive", "expected_contractive"):
+    if self.error_kind in ("rounding", "contractive", "expected_contractive"):
       return float(self.error_bound(tuple(shape)))
     if self.error_kind == "unbiased":
       return 1.0 / (1.0 + float(self.error_bound(tuple(shape))))
@@ -205,7 +207,7 @@ class Compressor:
       ``per_leaf`` but not ``flat_chunks``.
     - ``"fused_feedback"``: error feedback and encoding in one fused op
       (:attr:`encode_feedback`).
-    - the error kind (:attr:`error_kind`): ``"lossless"``,
+    - the error kind (:attr:`error_kind`): ``"lossless"``, ``"rounding"``,
       ``"contractive"``, ``"expected_contractive"``, ``"unbiased"``,
       ``"direction"`` or ``"biased"``.
 
@@ -230,8 +232,8 @@ class Compressor:
     return frozenset(caps)
 
 
-ERROR_KINDS = ("lossless", "contractive", "expected_contractive", "unbiased", "direction",
-               "biased")
+ERROR_KINDS = ("lossless", "rounding", "contractive", "expected_contractive", "unbiased",
+               "direction", "biased")
 """What a compressor's error may be declared as (:attr:`Compressor.error_kind`)."""
 
 CAPABILITIES = ("linear", "shared_randomness", "stateful", "protocol", "tree_wide",

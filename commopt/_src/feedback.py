@@ -11,6 +11,10 @@ whose output magnitude does not follow its input (``sign``) has no bound at
 all. A residual also acts as a delay of about ``1/δ`` steps; when the kept
 part is drawn at random whatever the magnitudes (random-k), every coordinate
 waits that long, which is stable only for step sizes below about ``δ/L``.
+A compressor that only rounds each value to a nearby one (a cast to bfloat16:
+at most ``2⁻⁹`` of the value) is a contraction with ``δ`` within ``2⁻¹⁶`` of 1;
+its error does not build up in float32 parameters, so a residual, a copy of
+the model per worker read and written every step, buys nothing by default.
 
 :func:`feedback_compressor` turns a compressor and the user's
 ``error_feedback`` option into the compressor that is run and whether a
@@ -86,6 +90,7 @@ def feedback_compressor(compressor: base.Compressor, error_feedback, fn: str
   error kind            ``"auto"``             ``True``
   ===================== ====================== ======================================
   lossless              no residual            no residual (nothing is lost)
+  rounding              no residual            residual
   contractive           residual               residual
   biased (undeclared)   residual               residual
   expected_contractive  no residual            residual (stable for lr·L ≲ δ)

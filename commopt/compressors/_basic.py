@@ -68,6 +68,16 @@ def cast(dtype="bfloat16") -> base.Compressor:
     raise ValueError(
         f"cast: `dtype` must be one of {_CAST_DTYPES}, got {dtype!r}.")
   bits = int(np.dtype(wire).itemsize * 8)
+  if wire == jnp.float16:
+    # float16's range is narrower than float32's: values below 2^-24 become 0 and
+    # values above 65504 infinite, so no relative bound holds (error feedback keeps
+    # what underflows).
+    error = dict(error_kind="biased")
+  else:
+    # bfloat16 keeps float32's range: rounding to nearest moves each value by at most
+    # eps/2 of itself.
+    error = dict(error_kind="rounding",
+                 error_bound=lambda shape: 1.0 - (float(jnp.finfo(wire).eps) / 2) ** 2)
   return base.Compressor(
       name=f"cast({wire.name})",
       init=base.stateless_init,
@@ -75,9 +85,7 @@ def cast(dtype="bfloat16") -> base.Compressor:
       decode=lambda payload, state, like: payload.astype(like.dtype),
       payload_bits=lambda shape, in_dtype: base.leaf_size(shape) * bits,
       linear=True,
-      # Rounding to nearest moves each value by at most eps/2 of itself.
-      error_kind="contractive",
-      error_bound=lambda shape: 1.0 - (float(jnp.finfo(wire).eps) / 2) ** 2,
+      **error,
   )
 
 
