@@ -152,7 +152,7 @@ def test_a_lossless_compressor_keeps_no_residual():
 
 
 def test_a_bfloat16_cast_keeps_a_residual_only_when_asked():
-  """cast("bfloat16") only rounds (at most 2^-9 of each value, float32's range): "auto"
+  """cast("bfloat16") only rounds (at most 2^-8 of each value, float32's range): "auto"
   keeps no residual, as PyTorch's bf16 hook; True keeps one. float16 loses values below
   2^-24 whole, so "auto" keeps one for it."""
   import optax

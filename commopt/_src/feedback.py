@@ -12,7 +12,7 @@ all. A residual also acts as a delay of about ``1/δ`` steps; when the kept
 part is drawn at random whatever the magnitudes (random-k), every coordinate
 waits that long, which is stable only for step sizes below about ``δ/L``.
 A compressor that only rounds each value to a nearby one (a cast to bfloat16:
-at most ``2⁻⁹`` of the value) is a contraction with ``δ`` within ``2⁻¹⁶`` of 1;
+at most ``2⁻⁸`` of the value) is a contraction with ``δ`` within ``2⁻¹⁶`` of 1;
 its error does not build up in float32 parameters, so a residual, a copy of
 the model per worker read and written every step, buys nothing by default.
 
