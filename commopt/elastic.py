@@ -157,7 +157,7 @@ def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
       say(f"{fn}: done after {len(attempts)} starts")
       return attempts
     if error is None:
-      late = [r.process_id for r in results if r.asked_to_stop and r.returncode != 0]
+      late = [r.process_id for r in results if r.asked_to_stop and r.ended_by_launch]
       if late:
         say(f"{fn}: processes {', '.join(map(str, late))} did not stop within stop_grace "
             f"({stop_grace:g} s) of the request and were ended; their steps since the last "

@@ -63,8 +63,6 @@ class ProcessGroup:
     self.pipe: Optional[int] = None           # the write end the processes watch
     self.asked: set[int] = set()              # the ones asked to stop (stop_after)
     self.first_failed: Optional[int] = None   # a job-wide process id
-    self.exited_at: dict[int, float] = {}
-    self.overran_at: Optional[float] = None   # when those asked to stop got SIGKILL
 
   @contextlib.contextmanager
   def catching_signals(self):
@@ -113,7 +111,6 @@ class ProcessGroup:
 
   def _reap(self, i: int) -> None:
     self.procs[i].wait()
-    self.exited_at[i] = time.monotonic()
     self.done[i].set()
     self.exits.put(i)
 
@@ -157,18 +154,16 @@ class ProcessGroup:
                for i in range(len(self.procs)))
 
   def _stopped_late(self, i: int) -> bool:
-    """Whether process ``i`` was asked to stop and ended after the launcher's SIGKILL at
-    the end of ``stop_grace`` (a peer's collective may fail first): a stop, not a failure."""
-    return (i in self.asked and self.overran_at is not None
-            and self.exited_at.get(i, self.overran_at) >= self.overran_at)
+    """Whether process ``i`` was asked to stop and was still running at the end of
+    ``stop_grace``, when the launcher sent SIGKILL (whatever it then exited with, a peer's
+    collective failing first included): a stop, not a failure."""
+    return i in self.asked and i in self.ended
 
   def end(self, ids, grace: float, asked: bool = False) -> None:
     """SIGTERM to the processes ``ids`` still running (``asked``: a request to stop, which does
     not count as ending them); SIGKILL to those left after ``grace``."""
     running = [i for i in ids if i < len(self.procs) and not self.done[i].is_set()]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-      if asked and sig == signal.SIGKILL:
-        self.overran_at = time.monotonic()
       for i in running:
         if not (asked and sig == signal.SIGTERM):
           self.ended.add(i)
