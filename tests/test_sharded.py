@@ -81,7 +81,7 @@ def sgd_tx(compressor, **kwargs):
 
 # -- the step on tensor-parallel parameters ------------------------------------------------
 
-@pytest.mark.parametrize("name", ["scaled_sign", "int_quant", "qsgd", "top_k", "random_k"])
+@pytest.mark.parametrize("name", ["scaled_sign", "int_quant", "qsgd", "top_k", "random_k", "cast"])
 def test_each_device_sends_the_payload_of_its_shard(name):
   """Over the data axis, each device moves exactly its shard's payload (a quarter of the
   whole leaf's on 2 x 4); over the model axis nothing parameter-sized is gathered."""
@@ -93,7 +93,7 @@ def test_each_device_sends_the_payload_of_its_shard(name):
   assert layout.shard_local
   state = dp.init(params)
   residual = state.inner_state[0].residual["w1"]
-  if not isinstance(residual, optax.MaskedNode):   # unbiased compressors keep none
+  if not isinstance(residual, optax.MaskedNode):   # unbiased and rounding ones keep none
     assert residual.sharding.spec == P("data", None, "model")
     assert residual.addressable_shards[0].data.shape == (1, 16, 64)
   audit = wire.hlo_collectives(dp, params, state, batch())
