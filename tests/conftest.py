@@ -4,13 +4,16 @@ Tiers: the default run skips tests marked ``slow`` (the example scripts and
 the robustness studies run as subprocesses or train for many steps);
 ``pytest -m slow`` runs them, and CI runs both.
 
-The default tier is bound by compiling: it compiles with XLA's backend (LLVM)
+Both tiers are bound by compiling: they compile with XLA's backend (LLVM)
 optimisation level 0 (``XLA_FLAGS=--xla_backend_optimization_level=0``, which
-the processes its tests start inherit), a quarter less time on 2 cores; the
+the processes their tests start inherit): a quarter less time on the default
+tier and less than half on the slow tier's compressor checks, on 2 cores. The
 HLO passes, and so every audited program, are the same
-(``test_fast_compile.py``). The slow tier (the benchmarks' runs and the
-trainings) compiles as users do, and a level the caller set in ``XLA_FLAGS``
-is kept.
+(``test_fast_compile.py``); the compiled code runs slower (2.3x per step of
+``examples/sharded_lm.py``). A test marked ``optimized`` (a long training run
+as a subprocess) starts its processes without the flag, so they compile as
+users do; its own process keeps level 0 (XLA reads its flags once). A level
+the caller set in ``XLA_FLAGS`` is kept.
 """
 
 import importlib.util
@@ -37,11 +40,39 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 def pytest_configure(config):
-  """The default tier (``-m 'not slow'``, the configured default) compiles at
-  :data:`FAST_COMPILE`, set before any test module starts JAX's backend."""
+  """Both tiers compile at :data:`FAST_COMPILE` unless ``XLA_FLAGS`` names a level, set
+  before any test module starts JAX's backend."""
   flags = os.environ.get("XLA_FLAGS", "")
-  if config.option.markexpr == "not slow" and "xla_backend_optimization_level" not in flags:
+  if "xla_backend_optimization_level" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
+
+
+def pytest_addoption(parser):
+  parser.addoption("--every", type=int, default=1, metavar="N",
+                   help="run every N-th collected test only, in collection order, so that each "
+                        "module is sampled (CI's second run on the newest JAX)")
+
+
+def pytest_collection_modifyitems(config, items):
+  """``--every N``: keeps items 0, N, 2N, ... (the same on every xdist worker)."""
+  n = config.getoption("--every")
+  if n < 1:
+    raise pytest.UsageError(f"--every must be a positive integer, got {n}")
+  if n > 1:
+    config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % n])
+    items[:] = items[::n]
+
+
+@pytest.fixture(autouse=True)
+def _optimized_subprocesses(request, monkeypatch):
+  """A test marked ``optimized`` starts its processes without :data:`FAST_COMPILE`."""
+  if request.node.get_closest_marker("optimized") is None:
+    return
+  flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
+  if flags:
+    monkeypatch.setenv("XLA_FLAGS", flags)
+  else:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
 
 
 @pytest.fixture(scope="session")

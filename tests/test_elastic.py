@@ -123,6 +123,7 @@ def test_supervise_checks_its_arguments(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_elastic_diloco_loses_one_worker_goes_on_with_three_and_takes_it_back(tmp_path):
   """4 processes; one is killed mid-period at step 27; the run goes on with 3 from the outer
   step at 20, then the fourth joins back at an outer step; it trains throughout."""

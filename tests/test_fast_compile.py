@@ -1,10 +1,13 @@
-"""The default tier compiles at XLA's backend optimisation level 0 (``conftest.FAST_COMPILE``):
-the optimised HLO, which every audit of the tier reads, is the same as at the default level."""
+"""Both test tiers compile at XLA's backend optimisation level 0 (``conftest.FAST_COMPILE``):
+the optimised HLO, which every audit reads, is the same as at the default level; a test marked
+``optimized`` starts its processes at the default level."""
 
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 SCRIPT = r'''
 import re, jax, jax.numpy as jnp, optax
@@ -32,9 +35,40 @@ def optimized_hlo(flags: str) -> str:
   return proc.stdout
 
 
-def test_level_0_compiles_the_same_optimized_hlo(request):
-  fast = request.config.pluginmanager.get_plugin(
+def fast_compile(request) -> str:
+  return request.config.pluginmanager.get_plugin(
       os.path.join(os.path.dirname(__file__), "conftest.py")).FAST_COMPILE
+
+
+def test_level_0_compiles_the_same_optimized_hlo(request):
+  fast = fast_compile(request)
   default, level0 = optimized_hlo(""), optimized_hlo(fast)
   assert re.search(r"all-reduce|all-gather", default)   # the program exchanges
   assert default == level0
+
+
+def test_processes_started_by_a_test_inherit_level_0(request):
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  if fast_compile(request) not in flags and any("optimization_level" in f for f in flags):
+    pytest.skip("XLA_FLAGS names another level, which the tiers keep")
+  assert fast_compile(request) in os.environ["XLA_FLAGS"].split()
+
+
+@pytest.mark.optimized
+def test_processes_started_by_an_optimized_test_compile_as_users_do(request):
+  assert fast_compile(request) not in os.environ.get("XLA_FLAGS", "").split()
+
+
+def collected(*args) -> tuple[list[str], str]:
+  """The node ids ``pytest --co`` lists for this file with ``args``, and its whole output."""
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider",
+                         *args, __file__], capture_output=True, text=True, timeout=300,
+                        cwd=os.path.dirname(os.path.dirname(__file__)))
+  return [line for line in proc.stdout.splitlines() if "::" in line], proc.stdout + proc.stderr
+
+
+def test_every_n_keeps_every_n_th_test_in_collection_order():
+  whole, _ = collected()
+  assert len(whole) == 4, whole
+  assert collected("--every", "2")[0] == whole[::2]
+  assert "--every must be a positive integer, got 0" in collected("--every", "0")[1]
