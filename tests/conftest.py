@@ -47,14 +47,57 @@ def pytest_configure(config):
     os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
 
 
+LONG = frozenset([
+    "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[diloco(8)+scaled_sign]",
+    "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[eager:diloco(4)+int_quant(4)]",
+    "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[torch:power_sgd(2)]",
+    "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[zero+qwZ+qgZ]",
+    "tests/test_bench_nodes.py::test_bench_nodes_runs_two_shaped_nodes_and_cleans_up",
+    "tests/test_bench_overlap.py::test_bench_overlap_times_every_variant_and_reads_the_programs",
+    "tests/test_bench_sharded.py::test_sharded_benchmark_quick",
+    "tests/test_bench_zero.py::test_bench_zero_beside_tensor_parallelism",
+    "tests/test_bench_zero.py::test_bench_zero_feedback",
+    "tests/test_compressor_suite.py::test_gathered_sum_in_one_pass_equals_decoding_each_payload[adaptive_levels-f32]",
+    "tests/test_compressor_suite.py::test_gathered_sum_in_one_pass_equals_decoding_each_payload[atomo-f32]",
+    "tests/test_delayed.py::test_the_digits_cnn_reaches_the_undelayed_accuracy[identity]",
+    "tests/test_delayed.py::test_the_digits_cnn_reaches_the_undelayed_accuracy[scaled_sign]",
+    "tests/test_elastic.py::test_elastic_diloco_loses_one_worker_goes_on_with_three_and_takes_it_back",
+    "tests/test_examples.py::test_demo_resumes_as_if_never_stopped",
+    "tests/test_examples.py::test_demo_runs_zero_one_adam_and_onebit_lamb",
+    "tests/test_examples.py::test_demo_synchronises_less_often_and_resumes",
+    "tests/test_examples_long.py::test_guide_example_trains[lowcomm.md]",
+    "tests/test_examples_long.py::test_guide_example_trains[zero.md]",
+    "tests/test_lowcomm.py::test_bench_lowcomm_runs_and_states_the_byte_ratios",
+    "tests/test_multiprocess.py::test_collectives_of_a_step_keep_their_order_across_four_processes",
+    "tests/test_properties.py::test_top_k_ratio_contraction",
+    "tests/test_readme.py::test_readme_blocks_run_in_order",
+    "tests/test_sharded_flax.py::test_example_runs_a_few_steps",
+    "tests/test_sharded_flax.py::test_example_trains_at_ten_times_the_steps",
+    "tests/test_sketch.py::test_fetch_sgd_trains_the_demo_cnn",
+    "tests/test_sync.py::test_bench_sync_runs_and_counts_bytes",
+    "tests/test_zero.py::test_the_zero_language_model_example",
+    "tests/test_zero_feedback.py::test_layer_by_layer_memories_restore_onto_another_number_of_devices",
+    "tests/test_zero_feedback.py::test_memories_hold_what_the_payloads_did_not_carry",
+    "tests/test_zero_tp.py::test_quantized_blocks_train_near_dense[explicit]",
+    "tests/test_zero_tp.py::test_stacked_blocks_gathered_layer_by_layer[explicit]",
+])
+"""The slow tier's tests that took 50 s or more on 2 cores (their ``--durations``), marked
+``long``: CI leaves them out to end within its 90 minutes; ``pytest -m long`` runs them."""
+
+
 def pytest_addoption(parser):
   parser.addoption("--every", type=int, default=1, metavar="N",
                    help="run every N-th collected test only, in collection order, so that each "
                         "module is sampled (CI's second run on the newest JAX)")
 
 
+@pytest.hookimpl(tryfirst=True)   # before -m deselects by the marks added here
 def pytest_collection_modifyitems(config, items):
-  """``--every N``: keeps items 0, N, 2N, ... (the same on every xdist worker)."""
+  """Marks the :data:`LONG` tests; ``--every N`` keeps items 0, N, 2N, ... (the same on every
+  xdist worker)."""
+  for item in items:
+    if item.nodeid in LONG:
+      item.add_marker(pytest.mark.long)
   n = config.getoption("--every")
   if n < 1:
     raise pytest.UsageError(f"--every must be a positive integer, got {n}")

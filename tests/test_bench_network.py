@@ -14,6 +14,7 @@ BENCH = ROOT / "benchmarks" / "bench_network.py"
 
 
 @pytest.mark.slow
+@pytest.mark.optimized   # asserts that a sign step beats a dense one on the shaped link
 def test_bench_network_measures_a_shaped_link_and_cleans_up(tmp_path, run_bench):
   proc, left = run_bench(
       BENCH, ["--processes", "2", "--bandwidths", "1gbit", "--steps", "10", "--compute-steps", "3",

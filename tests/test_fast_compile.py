@@ -69,6 +69,15 @@ def collected(*args) -> tuple[list[str], str]:
 
 def test_every_n_keeps_every_n_th_test_in_collection_order():
   whole, _ = collected()
-  assert len(whole) == 4, whole
+  assert len(whole) == 5, whole
   assert collected("--every", "2")[0] == whole[::2]
   assert "--every must be a positive integer, got 0" in collected("--every", "0")[1]
+
+
+def test_every_test_listed_long_exists_and_is_slow(request):
+  long = request.config.pluginmanager.get_plugin(
+      os.path.join(os.path.dirname(__file__), "conftest.py")).LONG
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider",
+                         "-m", "long and slow", "tests"], capture_output=True, text=True,
+                        timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert {line for line in proc.stdout.splitlines() if "::" in line} == set(long)

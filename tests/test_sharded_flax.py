@@ -235,7 +235,6 @@ def test_the_guide_states_the_steps_and_factors():
 
 
 @pytest.mark.slow
-@pytest.mark.long
 @pytest.mark.optimized
 def test_example_trains_at_ten_times_the_steps(tmp_path):
   out = tmp_path / "lm.json"

@@ -310,7 +310,6 @@ def test_fetch_sgd_zeroing_modes_take_the_applied_coordinates_out():
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_fetch_sgd_trains_the_demo_cnn(mesh):
   """The demo's CNN (1.07M parameters, without batch norm and dropout) on the digits,
   8 workers, global batch 128, 12 epochs: fetch_sgd with a 5 × 20000 sketch (a tenth of
