@@ -35,9 +35,14 @@ def optimized_hlo(flags: str) -> str:
   return proc.stdout
 
 
-def fast_compile(request) -> str:
+def conftest(request):
+  """``tests/conftest.py`` as loaded (not importable by name under ``--import-mode=importlib``)."""
   return request.config.pluginmanager.get_plugin(
-      os.path.join(os.path.dirname(__file__), "conftest.py")).FAST_COMPILE
+      os.path.join(os.path.dirname(__file__), "conftest.py"))
+
+
+def fast_compile(request) -> str:
+  return conftest(request).FAST_COMPILE
 
 
 def test_level_0_compiles_the_same_optimized_hlo(request):
@@ -51,7 +56,7 @@ def test_processes_started_by_a_test_inherit_level_0(request):
   flags = os.environ.get("XLA_FLAGS", "").split()
   if fast_compile(request) not in flags and any("optimization_level" in f for f in flags):
     pytest.skip("XLA_FLAGS names another level, which the tiers keep")
-  assert fast_compile(request) in os.environ["XLA_FLAGS"].split()
+  assert fast_compile(request) in flags
 
 
 @pytest.mark.optimized
@@ -59,10 +64,10 @@ def test_processes_started_by_an_optimized_test_compile_as_users_do(request):
   assert fast_compile(request) not in os.environ.get("XLA_FLAGS", "").split()
 
 
-def collected(*args) -> tuple[list[str], str]:
-  """The node ids ``pytest --co`` lists for this file with ``args``, and its whole output."""
+def collected(*args, where=__file__) -> tuple[list[str], str]:
+  """The node ids ``pytest --co`` lists under ``where`` with ``args``, and its whole output."""
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider",
-                         *args, __file__], capture_output=True, text=True, timeout=300,
+                         *args, where], capture_output=True, text=True, timeout=300,
                         cwd=os.path.dirname(os.path.dirname(__file__)))
   return [line for line in proc.stdout.splitlines() if "::" in line], proc.stdout + proc.stderr
 
@@ -75,9 +80,5 @@ def test_every_n_keeps_every_n_th_test_in_collection_order():
 
 
 def test_every_test_listed_long_exists_and_is_slow(request):
-  long = request.config.pluginmanager.get_plugin(
-      os.path.join(os.path.dirname(__file__), "conftest.py")).LONG
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider",
-                         "-m", "long and slow", "tests"], capture_output=True, text=True,
-                        timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-  assert {line for line in proc.stdout.splitlines() if "::" in line} == set(long)
+  listed, _ = collected("-m", "long and slow", where="tests")
+  assert set(listed) == conftest(request).LONG
