@@ -45,6 +45,7 @@ def fast_compile(request) -> str:
   return conftest(request).FAST_COMPILE
 
 
+@pytest.mark.slow
 def test_level_0_compiles_the_same_optimized_hlo(request):
   fast = fast_compile(request)
   default, level0 = optimized_hlo(""), optimized_hlo(fast)
@@ -64,6 +65,18 @@ def test_processes_started_by_an_optimized_test_compile_as_users_do(request):
   assert fast_compile(request) not in os.environ.get("XLA_FLAGS", "").split()
 
 
+def process_facts() -> dict:
+  """What :func:`test_call_in_process_runs_a_function_where_users_would` reads in its process."""
+  import jax
+  return {"devices": jax.device_count(), "flags": os.environ.get("XLA_FLAGS", "")}
+
+
+@pytest.mark.optimized
+def test_call_in_process_runs_a_function_where_users_would(request, call_in_process):
+  facts = call_in_process("test_fast_compile", "process_facts", timeout=120)
+  assert facts["devices"] == 8 and fast_compile(request) not in facts["flags"].split()
+
+
 def collected(*args, where=__file__) -> tuple[list[str], str]:
   """The node ids ``pytest --co`` lists under ``where`` with ``args``, and its whole output."""
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider",
@@ -72,13 +85,27 @@ def collected(*args, where=__file__) -> tuple[list[str], str]:
   return [line for line in proc.stdout.splitlines() if "::" in line], proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_every_n_keeps_every_n_th_test_in_collection_order():
-  whole, _ = collected()
-  assert len(whole) == 5, whole
-  assert collected("--every", "2")[0] == whole[::2]
+  every = ("-m", "slow or not slow")
+  whole, _ = collected(*every)
+  assert len(whole) == 7, whole
+  assert collected(*every, "--every", "2")[0] == whole[::2]
   assert "--every must be a positive integer, got 0" in collected("--every", "0")[1]
 
 
+@pytest.mark.slow
 def test_every_test_listed_long_exists_and_is_slow(request):
   listed, _ = collected("-m", "long and slow", where="tests")
   assert set(listed) == conftest(request).LONG
+
+
+@pytest.mark.slow
+def test_every_heavy_case_is_slow_beside_a_case_of_its_test_in_the_default_tier(request):
+  heavy = conftest(request).HEAVY
+  default, _ = collected(where="tests")
+  assert heavy and not heavy & set(default)
+  slow, _ = collected("-m", "slow", where="tests")
+  assert heavy <= set(slow), sorted(heavy - set(slow))[:5]
+  tests = {nodeid.split("[")[0] for nodeid in default}
+  assert all(nodeid.split("[")[0] in tests for nodeid in heavy)
