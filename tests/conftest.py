@@ -206,7 +206,8 @@ def _call_in_process(module: str, function: str, timeout: float, devices: int = 
                          str(devices)], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=timeout)
   lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-  assert proc.returncode == 0 and lines, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+  assert proc.returncode == 0 and lines, (proc.returncode, proc.stdout[-3000:],
+                                          proc.stderr[-3000:])
   return json.loads(lines[-1][len("RESULT "):])
 
 

@@ -1,6 +1,8 @@
-"""Both test tiers compile at XLA's backend optimisation level 0 (``conftest.FAST_COMPILE``):
-the optimised HLO, which every audit reads, is the same as at the default level; a test marked
-``optimized`` starts its processes at the default level."""
+"""The test tiers' own machinery (``tests/conftest.py``): both compile at XLA's backend
+optimisation level 0 (``conftest.FAST_COMPILE``), whose optimised HLO, which every audit reads,
+is the same as at the default level; a test marked ``optimized`` starts its processes (and
+``call_in_process``'s) at the default level; ``--every N`` samples; the ``LONG`` and ``HEAVY``
+lists name tests that exist."""
 
 import os
 import re
