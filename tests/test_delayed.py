@@ -460,8 +460,7 @@ one may end (measured: 0.978 against 0.978 dense, 0.981 against 0.983 with scale
 def digits_cnn_accuracies(name: str) -> dict:
   """``{"undelayed": accuracy, "delayed": accuracy}`` of
   :func:`test_the_digits_cnn_reaches_the_undelayed_accuracy`'s runs (in a process of its
-  own, with 8 CPU devices)."""
-  sys.path.insert(0, str(ROOT / "examples"))
+  own, with 8 CPU devices; ``call_in_process`` puts ``examples/`` on its path)."""
   import digits_cnn
   x_train, y_train, x_test, y_test = digits_cnn.load_digits_split()
   params0, logits_fn, loss_fn = digits_cnn.model_fns(0)

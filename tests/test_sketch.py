@@ -311,7 +311,7 @@ def test_fetch_sgd_zeroing_modes_take_the_applied_coordinates_out():
 
 def fetch_sgd_demo_cnn_accuracy() -> float:
   """The test accuracy of :func:`test_fetch_sgd_trains_the_demo_cnn`'s run (in a process of
-  its own, with 8 CPU devices)."""
+  its own, with 8 CPU devices; ``call_in_process`` puts ``examples/`` on its path)."""
   from digits_cnn import load_digits_split, model_fns
   x_train, y_train, x_test, y_test = load_digits_split()
   params, logits_fn, loss_fn = model_fns(0)
