@@ -393,12 +393,13 @@ def test_nnx_merge_and_update_model_survive_the_next_step(mesh):
   assert np.isfinite(np.asarray(evaluated(b["x"]))).all()
 
 
-def test_nonfinite_model_state_alone_skips_the_step(mesh):
+@pytest.mark.parametrize("skip", [True, "zero"])
+def test_nonfinite_model_state_alone_skips_the_step(mesh, skip):
   def loss_state(p, ms, b):
     stat = jnp.mean(b["y"])                       # reaches the state, not the gradient
     return loss_fn(p, {"x": b["x"], "y": jnp.nan_to_num(b["y"])}), {"stat": ms["stat"] + stat}
 
-  dp = commopt.data_parallel(loss_state, sign_sgd(), mesh, has_state=True)
+  dp = commopt.data_parallel(loss_state, sign_sgd(), mesh, has_state=True, skip_nonfinite=skip)
   params, b = make_params(), make_batches(1)[0]
   p, s = copy(params), dp.init(params)
   ms = {"stat": jnp.zeros(())}

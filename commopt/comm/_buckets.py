@@ -24,7 +24,6 @@ bucket, so that agreeing on it costs no collective of its own.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import math
 from typing import Any, Callable, Optional
@@ -32,7 +31,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from commopt._src import base, tree
+from commopt._src import base, scope, tree
 from commopt.comm import _collectives as coll
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -88,14 +87,9 @@ class Passenger:
 _PASSENGER: contextvars.ContextVar = contextvars.ContextVar("commopt_passenger", default=None)
 
 
-@contextlib.contextmanager
 def carrying(passenger: Optional[Passenger]):
   """While tracing the transform that reduces ``passenger.updates``, offer it a ride."""
-  token = _PASSENGER.set(passenger)
-  try:
-    yield passenger
-  finally:
-    _PASSENGER.reset(token)
+  return scope.bound(_PASSENGER, passenger)
 
 
 def boarding(updates: Any, axis_name) -> Optional[Passenger]:

@@ -17,7 +17,7 @@ import optax
 
 def optimizer(tx, axis_name, skip_nonfinite, local=False) -> optax.GradientTransformation:
   """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip
-  (``skip_nonfinite``: True, False or ``"fast"``, see :func:`apply_if_finite`).
+  (``skip_nonfinite``: True, False, ``"fast"`` or ``"zero"``, see :func:`apply_if_finite`).
 
   ``local``: the workers keep their own parameters and nothing else makes them meet
   on every step (``local_params`` without model state). Then, for a ``tx`` that
@@ -29,8 +29,10 @@ def optimizer(tx, axis_name, skip_nonfinite, local=False) -> optax.GradientTrans
   from commopt.comm import _plan
   from commopt.transforms._control import apply_if_finite
   strict = skip_nonfinite != "fast"
-  exchanges = _plan.exchanges_of(tx) if local and strict else None
-  return apply_if_finite(tx, axis_name=axis_name, strict=strict, agree_when=exchanges)
+  zero = skip_nonfinite == "zero"
+  exchanges = _plan.exchanges_of(tx) if local and strict and not zero else None
+  return apply_if_finite(tx, axis_name=axis_name, strict=strict, agree_when=exchanges,
+                         on_skip="zero" if zero else "keep")
 
 
 def poison_if_nonfinite(dp, grads, new_model_state):

@@ -16,6 +16,7 @@ from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-ex
 from commopt.comm import _collectives as coll
 from commopt.comm import _buckets, _plan, _shards, _strategies, _words
 from commopt.comm._channel import Channel, exchange, leaf_specs, worker_key
+from commopt.transforms import _zero_skip
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
 INNER_STRATEGIES = ("auto", "psum", "gather", "two_phase")
@@ -401,9 +402,13 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
     _reduce_each_leaf(cfg, leaves, compressed, wkey, out, new,
                       [out[i] for i in dense])
   unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
-  return unflat(out), CompressedMeanState(
+  new_state = CompressedMeanState(
       count=optax.safe_int32_increment(state.count), key=state.key, residual=unflat(new[0]),
       compressor_state=unflat(new[1]), server_residual=unflat(new[2]))
+  # apply_if_finite(on_skip="zero") around these very updates: a zero mean and this
+  # state as it was where a worker's input or a mean is not finite.
+  out, new_state = _zero_skip.settle(updates, cfg.axis_name, out, new_state, state)
+  return unflat(out), new_state
 
 
 def compressed_mean(

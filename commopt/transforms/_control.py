@@ -26,6 +26,7 @@ import optax
 from commopt._src import base, vma
 from commopt.comm import _buckets
 from commopt.comm import _collectives as coll
+from commopt.transforms import _zero_skip
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -193,6 +194,45 @@ def _check_agree_when(agree_when, axis_name, strict, max_consecutive_errors) -> 
         f"max_consecutive_errors={max_consecutive_errors!r}.")
 
 
+def _apply_if_finite_options(inner, axis_name, strict, max_consecutive_errors, agree_when,
+                             on_skip) -> tuple:
+  """``(inner, strict, max_consecutive_errors, zero)`` checked; ``zero``: whether
+  ``on_skip`` asks for the zero-gradient skip, refused with options it does not serve."""
+  fn = "apply_if_finite"
+  inner = _check_inner(inner, fn)
+  _check_axes(axis_name, fn)
+  strict = base.check_bool("strict", strict, fn=fn)
+  if max_consecutive_errors is not None:
+    max_consecutive_errors = base.check_int("max_consecutive_errors", max_consecutive_errors,
+                                            fn=fn, minimum=0)
+  _check_agree_when(agree_when, axis_name, strict, max_consecutive_errors)
+  base.check_choice("on_skip", on_skip, ("keep", "zero"), fn)
+  if on_skip == "zero" and (not strict or max_consecutive_errors is not None
+                            or agree_when is not None):
+    raise ValueError(
+        "apply_if_finite: `on_skip` 'zero' needs strict=True, max_consecutive_errors=None "
+        f"and agree_when=None, got strict={strict!r}, "
+        f"max_consecutive_errors={max_consecutive_errors!r}, agree_when={agree_when!r}.")
+  return inner, strict, max_consecutive_errors, on_skip == "zero"
+
+
+def _run_if_finite(finite, state, max_consecutive_errors, run, updates):
+  """``strict=False``: ``run`` inside one ``lax.cond`` on the agreed input verdict."""
+  run_inner = finite
+  if max_consecutive_errors is not None:
+    # optax's rule: past `m` consecutive non-finite updates, apply the next one anyway.
+    run_inner = finite | (state.notfinite_count >= max_consecutive_errors)
+  # The verdict is the same on every worker, so every worker takes the same branch
+  # and none waits in a collective of `inner` that another one skipped.
+  return _run_or_hold(run_inner, run, updates, state.inner_state)
+
+
+def _reduced_finite_output(new_updates, axis_name) -> jax.Array:
+  """:func:`_reduced_finite` of ``inner``'s output, judged alike on every worker."""
+  with vma.shard_aware():
+    return _reduced_finite(new_updates, axis_name)
+
+
 def _per_worker(x, axis_name) -> bool:
   """Whether ``x`` is typed varying over an axis of ``axis_name`` (differs between workers)."""
   return bool(set(coll.varying_axes(x)) & set(_names(axis_name)))
@@ -319,8 +359,8 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
                     axis_name: Optional[str | tuple[str, ...]] = None,
                     max_consecutive_errors: Optional[int] = None,
                     strict: bool = True,
-                    agree_when: Optional[Callable[[Any], Any]] = None
-                    ) -> optax.GradientTransformationExtraArgs:
+                    agree_when: Optional[Callable[[Any], Any]] = None,
+                    on_skip: str = "keep") -> optax.GradientTransformationExtraArgs:
   """Skips, on every worker together, an update in which any worker saw a NaN or Inf.
 
   Each worker checks its own input updates (:func:`nonfinite_flag`), and the
@@ -356,11 +396,10 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   :func:`~commopt.data_parallel` requires).
 
   ``optax.apply_if_finite`` does not work across workers: under
-  ``jax.shard_map`` its ``lax.cond`` returns the reduced, replicated updates
-  from one branch and zeros shaped like the per-worker gradients from the
-  other, which ``lax.cond`` rejects; with ``check_vma=False`` its predicate is
-  each worker's own, so a worker with a NaN skips the branch holding the
-  reduction that the other workers wait in, and the step deadlocks.
+  ``jax.shard_map`` its ``lax.cond`` gets branches of different varying types
+  (reduced updates against per-worker zeros) and is rejected; with
+  ``check_vma=False`` a worker with a NaN skips the reduction that the others
+  wait in, and the step deadlocks.
 
   Args:
     inner: the transform to guard, e.g. ``optax.chain(compressed_mean(c,
@@ -373,6 +412,15 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     strict: always run ``inner`` and keep its state as it was on any skip
       (True, the default), or run it inside a ``lax.cond`` on the agreed
       input verdict (False; see above).
+    on_skip: ``"keep"`` (the default: see ``strict``) or ``"zero"``: the
+      :func:`~commopt.compressed_mean` that ``inner`` starts with (as in
+      ``chain(compressed_mean(...), optimizer)``) judges the workers' inputs and
+      its mean, returns a zero mean on a skip and keeps its own state (residuals);
+      the optimizer after it takes that zero gradient (its state moves as on one,
+      with no select over it) and the parameters stay. An overflow inside the
+      optimizer from a finite mean is not caught. Any other ``inner`` is kept
+      whole, as with ``"keep"``. Needs ``strict=True`` and neither
+      ``max_consecutive_errors`` nor ``agree_when``.
     agree_when: for an ``inner`` that exchanges only on some steps (the
       synchronisation modes, whose workers keep their own parameters in
       between): a function of ``inner``'s state, the same on every worker,
@@ -404,13 +452,8 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   References:
     ``optax.apply_if_finite``, whose state and counting this follows.
   """
-  inner = _check_inner(inner, "apply_if_finite")
-  _check_axes(axis_name, "apply_if_finite")
-  strict = base.check_bool("strict", strict, fn="apply_if_finite")
-  if max_consecutive_errors is not None:
-    max_consecutive_errors = base.check_int("max_consecutive_errors", max_consecutive_errors,
-                                            fn="apply_if_finite", minimum=0)
-  _check_agree_when(agree_when, axis_name, strict, max_consecutive_errors)
+  inner, strict, max_consecutive_errors, zero = _apply_if_finite_options(
+      inner, axis_name, strict, max_consecutive_errors, agree_when, on_skip)
 
   def init_fn(params):
     return ApplyIfFiniteState(
@@ -426,38 +469,37 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
                                                 agree_when)
     run = lambda u, inner_state: inner.update(u, inner_state, params, **extra_args)
     scope = _VerdictScope(finite if agree_when is not None else None, state.inner_state)
+    request = (_zero_skip.Request(updates, _names(axis_name), passenger,
+                                  None if passenger is not None else finite)
+               if zero and axis_name is not None else None)
     if strict:
       # Always run, so every worker runs the same collectives; select after.
-      with scope, _buckets.carrying(passenger):
+      with scope, _buckets.carrying(passenger), _zero_skip.requesting(request):
         new_updates, new_inner = run(updates, state.inner_state)
       if passenger is not None:
         worker = finite = _landed(passenger, axis_name, (new_updates, new_inner))
     else:
-      run_inner = finite
-      if max_consecutive_errors is not None:
-        # optax's rule: past `m` consecutive non-finite updates, apply the next one anyway.
-        run_inner = finite | (state.notfinite_count >= max_consecutive_errors)
-      # The verdict is the same on every worker, so every worker takes the same branch
-      # and none waits in a collective of `inner` that another one skipped.
-      new_updates, new_inner = _run_or_hold(run_inner, run, updates, state.inner_state)
-    with vma.shard_aware():
-      # The reduced output is the same on every worker: so is this verdict (a leaf
-      # sharded over model axes asks its shards, over those axes only).
-      out_ok = _reduced_finite(new_updates, axis_name)
-    finite, worker = finite & out_ok, worker & out_ok
+      new_updates, new_inner = _run_if_finite(finite, state, max_consecutive_errors, run,
+                                              updates)
+    settled = request is not None and request.taken
+    if settled:
+      # The exchange judged its inputs and its mean, zeroed the mean and kept its state.
+      finite = worker = request.verdict
+    else:
+      out_ok = _reduced_finite_output(new_updates, axis_name)
+      finite, worker = finite & out_ok, worker & out_ok
     notfinite_count = jnp.where(worker, jnp.zeros([], jnp.int32),
                                 optax.safe_int32_increment(state.notfinite_count))
     apply = worker
     if max_consecutive_errors is not None:
       apply = worker | (notfinite_count > max_consecutive_errors)
     new_updates = jax.tree.map(lambda u: jnp.where(apply, u, _skip_zeros(u)), new_updates)
-    if strict:
+    if strict and not settled:
       new_inner = _hold_state(new_inner, state.inner_state, apply,
                               apply if agree_when is None else finite, axis_name,
                               shared_held=scope.taken and not _shared(new_updates, axis_name))
     return new_updates, ApplyIfFiniteState(
-        notfinite_count=notfinite_count,
-        last_finite=worker,
+        notfinite_count=notfinite_count, last_finite=worker,
         total_notfinite=jnp.where(worker, state.total_notfinite,
                                   optax.safe_int32_increment(state.total_notfinite)),
         inner_state=new_inner)

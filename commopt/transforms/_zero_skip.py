@@ -1,0 +1,90 @@
+"""The zero-gradient skip: ``apply_if_finite(..., on_skip="zero")``.
+
+The default skip keeps the whole inner state on a skipped step, by a select per
+state leaf after the optimizer ran, and checks the optimizer's output; both keep
+values alive beside the new ones, which costs about a third of a memory-bound
+step. Here the exchange that reduces the wrapper's very input
+(:func:`~commopt.compressed_mean`, first in the chain) reads the workers' agreed
+verdict on their inputs once its dense all-reduce has carried the flag, adds its
+own mean's, and on a skip returns a zero mean and holds its own state
+(error-feedback residuals) by itself (:func:`settle`). The transforms after it
+(the optimizer) then take a zero gradient: their state moves as on one, with no
+select over it. Where no exchange settles the verdict, the wrapper keeps the
+whole inner state as the default skip does.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from commopt._src import base, scope, vma
+from commopt.comm import _buckets
+from commopt.comm import _collectives as coll
+
+
+class Request:
+  """A zero-gradient skip waiting for the exchange of ``updates`` over ``axes``: its
+  verdict is ``verdict`` where the workers agreed before the exchange, else the
+  ``passenger``'s (the input flag riding in the exchange's dense all-reduce).
+  ``taken`` says whether an exchange zeroed its mean on it."""
+
+  def __init__(self, updates: Any, axes: tuple, passenger: Optional[_buckets.Passenger],
+               verdict: Optional[jax.Array]):
+    self.updates, self.axes, self.passenger, self.verdict = updates, tuple(axes), passenger, verdict
+    self.taken = False
+
+
+_REQUEST: contextvars.ContextVar = contextvars.ContextVar("commopt_zero_skip", default=None)
+
+
+def requesting(request: Optional[Request]):
+  """While tracing ``apply_if_finite``'s inner update: offer ``request`` to its exchange."""
+  return scope.bound(_REQUEST, request)
+
+
+def settle(updates: Any, axis_name, out: list, new_state, state):
+  """For the exchange of ``updates`` over ``axis_name`` whose means are ``out`` (a list of
+  leaves) and whose state moves from ``state`` to ``new_state``: ``(out, new_state)`` as
+  they are, or where a zero-gradient skip waits for these very updates, the means zeroed
+  and ``state`` kept unless every worker's input and every mean are finite (the verdict,
+  the same on every worker, left in the request)."""
+  r = _REQUEST.get()
+  if (r is None or r.taken or r.updates is not updates
+      or r.axes != base.axis_names(axis_name)):
+    return out, new_state
+  from commopt.transforms._control import _reduced_finite
+  with vma.shard_aware():
+    if r.verdict is None:
+      p = r.passenger
+      if p.reduced is None:
+        # No dense bucket carried the flag (every leaf compressed): its own all-reduce.
+        p.reduced = coll.psum(p.value, p.axes)
+      r.verdict = jnp.isfinite(p.reduced)
+    # The means are the same on every worker: so is their verdict (shards of a leaf cut
+    # over model axes agree over those axes).
+    ok = r.verdict & _reduced_finite(out, axis_name)
+  r.verdict, r.taken = ok, True
+  return [zero_unless(ok, o) for o in out], hold_unless(ok, new_state, state)
+
+
+def zero_unless(ok: jax.Array, x):
+  """``x`` where ``ok``, else zeros of its shape and dtype (an array leaf; a placeholder
+  such as ``None`` as it is)."""
+  if not isinstance(x, jax.Array):
+    return x
+  return jnp.where(ok, x, jnp.zeros((), x.dtype))
+
+
+def hold_unless(ok: jax.Array, new, old):
+  """``new`` where ``ok``, else ``old``, leaf by leaf (a leaf ``new`` shares with ``old``
+  unchanged, so no select reads it)."""
+  def hold(n, o):
+    if n is o:
+      return n
+    out = jnp.where(ok, n, o)
+    return out if out.dtype == o.dtype else out.astype(o.dtype)
+  return jax.tree.map(hold, new, old)

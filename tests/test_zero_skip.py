@@ -1,0 +1,222 @@
+"""The zero-gradient skip: ``data_parallel(..., skip_nonfinite="zero")``.
+
+On a step with a non-finite gradient on any worker the exchange returns a zero
+mean and keeps its own state, the optimizer after it takes that zero gradient
+(adam's moments decay, its count advances), and the parameters stay as they were.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import commopt
+from commopt.testing import assert_same_bits, host_copy
+from commopt.transforms import apply_if_finite
+
+N = 8
+B1, B2 = 0.9, 0.999
+
+
+def _loss(p, b):
+  return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+def _params():
+  return {"w": 0.1 * jax.random.normal(jax.random.key(9), (32, 64)), "b": jnp.zeros(64)}
+
+
+def _batch(seed, bad_worker=None, rows=4):
+  kx, ky = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (N * rows, 32))
+  if bad_worker is not None:
+    x = x.at[bad_worker * rows, 3].set(jnp.nan)
+  return {"x": x, "y": jax.random.normal(ky, (N * rows, 64))}
+
+
+def _adam(state):
+  """adam's ScaleByAdamState inside data_parallel's optimizer state."""
+  return state.inner_state[1][0]
+
+
+COMPRESSORS = {
+    # Both leaves dense: the flag rides in the one bucket.
+    "identity": dict(compressor=commopt.compressors.identity()),
+    # w compressed with an error-feedback residual, b dense (carries the flag).
+    "scaled_sign": dict(compressor=commopt.scaled_sign()),
+    # Every leaf compressed: no dense bucket, the flag's own all-reduce.
+    "top_k": dict(compressor=commopt.top_k(0.1), min_size=0),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_a_skipped_step_is_a_zero_gradient_for_the_optimizer(mesh, name):
+  tx = optax.chain(commopt.compressed_mean(axis_name="data", **COMPRESSORS[name]),
+                   optax.adam(1e-2, b1=B1, b2=B2))
+  dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite="zero")
+  params = _params()
+  state = dp.init(params)
+  for t in range(2):
+    params, state, _ = dp.step(params, state, _batch(t))
+  before_p, before = host_copy(params), host_copy(state)
+  if name != "identity":
+    assert np.any(np.asarray(before.inner_state[0].residual["w"]) != 0)
+
+  params, state, losses = dp.step(params, state, _batch(2, bad_worker=3))
+  assert np.isnan(np.asarray(losses)[3])
+  assert_same_bits(host_copy(params), before_p)
+  # The exchange kept its state (residuals, count); adam took a zero gradient.
+  assert_same_bits(host_copy(state.inner_state[0]), before.inner_state[0])
+  assert int(_adam(state).count) == 3
+  for k in ("w", "b"):
+    np.testing.assert_allclose(_adam(state).mu[k], B1 * _adam(before).mu[k], rtol=1e-6)
+    np.testing.assert_allclose(_adam(state).nu[k], B2 * _adam(before).nu[k], rtol=1e-6)
+  assert not bool(state.last_finite)
+  assert int(state.total_notfinite) == 1 and int(state.notfinite_count) == 1
+
+  for t in range(3, 5):
+    params, state, losses = dp.step(params, state, _batch(t))
+    assert np.all(np.isfinite(losses)) and bool(state.last_finite)
+  assert np.all(np.isfinite(params["w"])) and np.any(np.asarray(params["w"]) != before_p["w"])
+  assert int(state.total_notfinite) == 1 and int(_adam(state).count) == 5
+
+
+def test_finite_steps_are_the_default_skips_bit_for_bit(mesh):
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
+                   optax.adam(1e-2))
+  runs = {}
+  for skip in (True, "zero"):
+    dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite=skip)
+    params, state = _params(), dp.init(_params())
+    for t in range(3):
+      params, state, _ = dp.step(params, state, _batch(t))
+    runs[skip] = host_copy((params, state))
+  assert_same_bits(runs[True], runs["zero"])
+
+
+def test_without_a_leading_exchange_the_whole_state_is_kept(mesh):
+  # The exchange after the optimizer (EF-SGD style) sees updates, not the wrapper's
+  # input: nothing claims the verdict, so the skip keeps everything as the default does.
+  tx = optax.chain(optax.adam(1e-2),
+                   commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"))
+  dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite="zero")
+  params = _params()
+  state = dp.init(params)
+  params, state, _ = dp.step(params, state, _batch(0))
+  before_p, before = host_copy(params), host_copy(state)
+  params, state, _ = dp.step(params, state, _batch(1, bad_worker=5))
+  assert_same_bits(host_copy(params), before_p)
+  assert_same_bits(host_copy(state.inner_state), before.inner_state)
+  assert int(state.total_notfinite) == 1
+
+
+def test_a_mean_that_overflows_from_finite_gradients_is_skipped(mesh):
+  # One gradient element of 1e38 on every worker: each worker's gradients, and their
+  # sums, are finite (the input flag passes), but the sum over 8 workers overflows inside
+  # the exchange; the exchange's check of its own mean skips the step.
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
+                   optax.adam(1e-2))
+  dp = commopt.data_parallel(lambda p, b: jnp.mean(b["x"] @ p["w"]), tx, mesh,
+                             skip_nonfinite="zero")
+  params = {"w": jnp.zeros(4)}
+  state = dp.init(params)
+  params, state, losses = dp.step(params, state, {"x": jnp.tile(jnp.array([1e38, 1.0, 1.0, 1.0]), (N, 1))})
+  assert np.all(np.isfinite(losses))
+  assert_same_bits(host_copy(params), {"w": np.zeros(4, np.float32)})
+  assert int(state.total_notfinite) == 1 and int(_adam(state).count) == 1
+  assert all(np.all(np.asarray(x) == 0) for x in (_adam(state).mu["w"], _adam(state).nu["w"]))
+
+
+def test_a_nonfinite_shard_of_a_tensor_parallel_model(mesh):
+  # Leaves sharded over a model axis: the workers agree before the exchange (no flag
+  # rides), and the exchange of each shard zeroes its mean on that verdict.
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  specs = {"w": P(None, "model"), "b": P("model")}
+  place = lambda p: {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p.items()}
+  tx = optax.chain(commopt.compressed_mean(commopt.top_k(0.1), axis_name="data", min_size=0),
+                   optax.adam(1e-2, b1=B1, b2=B2))
+  dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite="zero", donate=False)
+  params = place(_params())
+  state = dp.init(params)
+  params, state, _ = dp.step(params, state, _batch(0, rows=16))
+  before_p, before = host_copy(params), host_copy(state)
+  bad = _batch(1, rows=16)
+  bad["y"] = bad["y"].at[0, 0].set(jnp.inf)      # worker 0, the shard of column 0 only
+  params, state, _ = dp.step(params, state, bad)
+  assert_same_bits(host_copy(params), before_p)
+  assert_same_bits(host_copy(state.inner_state[0]), before.inner_state[0])
+  np.testing.assert_allclose(_adam(state).mu["w"], B1 * _adam(before).mu["w"], rtol=1e-6)
+  assert int(_adam(state).count) == 2 and int(state.total_notfinite) == 1
+  assert params["w"].sharding.spec == specs["w"]
+
+
+def test_the_step_inside_a_users_jit_and_scan(mesh):
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
+                   optax.adam(1e-2))
+  dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite="zero", donate=False)
+  batches = [_batch(t, bad_worker=2 if t == 3 else None) for t in range(6)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+  params = _params()
+
+  @jax.jit
+  def train(params, state, stacked):
+    def body(carry, b):
+      p, s = carry
+      p, s, losses = dp.step_fn(p, s, b)
+      return (p, s), jnp.mean(losses)
+    return jax.lax.scan(body, (params, state), stacked)
+
+  (p_scan, s_scan), _ = train(params, dp.init(params), stacked)
+  p, s = params, dp.init(params)
+  for b in batches:
+    p, s, _ = dp.step(p, s, b)
+  assert int(s_scan.total_notfinite) == 1 == int(s.total_notfinite)
+  np.testing.assert_allclose(p_scan["w"], p["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_training_with_occasional_nans_reaches_the_default_skips_loss(mesh):
+  # A linear model, a NaN on some worker every fifth step: the zero skip's loss ends
+  # where the default skip's does (adam's moments decay over 8 skips of 40).
+  rng = np.random.default_rng(0)
+  w_true = rng.normal(size=(32, 64)).astype(np.float32)
+  def batch(t):
+    x = rng.normal(size=(N * 4, 32)).astype(np.float32)
+    b = {"x": jnp.asarray(x), "y": jnp.asarray(x @ w_true)}
+    if t % 5 == 4:
+      b["x"] = b["x"].at[(t % N) * 4, 0].set(jnp.nan)
+    return b
+  batches = [batch(t) for t in range(40)]
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
+                   optax.adam(0.05))
+  final = {}
+  for skip in (True, "zero"):
+    dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite=skip)
+    params = {"w": jnp.zeros((32, 64)), "b": jnp.zeros(64)}
+    state = dp.init(params)
+    first = None
+    for b in batches:
+      params, state, losses = dp.step(params, state, b)
+      first = float(np.nanmean(losses)) if first is None else first
+    assert int(state.total_notfinite) == 8
+    final[skip] = float(jnp.mean(jnp.stack([_loss(params, b) for b in batches[:4]])))
+  assert final["zero"] < 0.2 * first
+  assert final["zero"] < 1.5 * final[True]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"on_skip": "drop"}, r"`on_skip` .* got 'drop'"),
+    ({"on_skip": 0}, r"`on_skip`"),
+    ({"on_skip": "zero", "strict": False}, r"`on_skip` 'zero' needs strict=True.* got strict=False"),
+    ({"on_skip": "zero", "max_consecutive_errors": 2}, r"max_consecutive_errors=2"),
+])
+def test_apply_if_finite_on_skip_is_checked(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    apply_if_finite(optax.sgd(0.1), axis_name="data", **kwargs)
+
+
+def test_data_parallel_names_the_skip_modes(mesh):
+  with pytest.raises(ValueError, match=r"`skip_nonfinite` must be True, False, 'fast' or 'zero', "
+                                       r"got 'zeros'"):
+    commopt.data_parallel(_loss, optax.sgd(0.1), mesh, skip_nonfinite="zeros")
