@@ -4,8 +4,9 @@ Every row trains the same MLP (64 -> 1024 -> 1024 -> 1024 -> 10, 2.1M
 parameters, adam, ``--rows`` rows per worker) one step at a time, and is
 timed as the median of ``--steps`` steps (each blocked until ready), in
 ``--rounds`` interleaved rounds so that a slow spell on a shared machine hits
-every row alike; the best round's median is reported, and the ratio to the
-fastest plain-JAX row of the same round, its median over the rounds:
+every row alike; the best round's median is reported, and the ratios to the
+fastest plain-JAX row and to ``identity, no skip`` of the same round, their
+medians over the rounds:
 
 - ``plain``: ``jax.jit(jax.shard_map(step))`` whose gradients are averaged by
   ``lax.pmean`` on the tree (the parameters cast to per-worker values first, so the
@@ -244,12 +245,14 @@ def measure(mesh, params, loss_fn, batch, n_steps: int, rounds: int, log=print,
 
 def summary(per_round: dict) -> dict:
   """``{label: {"ms": best round's median, "ratio": median over rounds of the row against
-  that round's fastest plain row}}``: a ratio taken within each round is what a machine
-  whose speed drifts between rounds leaves comparable."""
+  that round's fastest plain row, "vs_no_skip": the same against identity without the
+  skip}}``: a ratio taken within each round is what a machine whose speed drifts between
+  rounds leaves comparable; the second isolates what a skip costs."""
   plains = [k for k in per_round if k.startswith("plain") and "skip" not in k]
   fastest = [min(per_round[k][r] for k in plains) for r in range(len(per_round[plains[0]]))]
-  return {k: {"ms": min(v) * 1e3,
-              "ratio": statistics.median(t / f for t, f in zip(v, fastest))}
+  ratio = lambda v, base: statistics.median(t / b for t, b in zip(v, base))
+  return {k: {"ms": min(v) * 1e3, "ratio": ratio(v, fastest),
+              "vs_no_skip": ratio(v, per_round["identity, no skip"])}
           for k, v in per_round.items()}
 
 
@@ -315,14 +318,15 @@ def main(argv=None) -> int:
       misses.append(layout)
   import jax
   unit = "CPU ms/step" if args.clock == "cpu" else "ms/step"
-  print(f"\n| layout | step | {unit} (best round) | × fastest plain (median over rounds) |"
-        "\n|---|---|---|---|")
+  print(f"\n| layout | step | {unit} (best round) | × fastest plain | × identity, no skip |"
+        "\n|---|---|---|---|---|")
   for layout, rows in results.items():
     for label, r in rows.items():
       mark = ""
       if label == "identity":
         mark = f" (target ≤ {TARGET}{', **missed**' if layout in misses else ''})"
-      print(f"| {layout} ({args.workers}) | {label} | {r['ms']:.1f} | {r['ratio']:.2f}{mark} |")
+      print(f"| {layout} ({args.workers}) | {label} | {r['ms']:.1f} | {r['ratio']:.2f}{mark} "
+            f"| {r['vs_no_skip']:.2f} |")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   path = out / f"base_{jax.default_backend()}.json"

@@ -220,3 +220,20 @@ def test_data_parallel_names_the_skip_modes(mesh):
   with pytest.raises(ValueError, match=r"`skip_nonfinite` must be True, False, 'fast' or 'zero', "
                                        r"got 'zeros'"):
     commopt.data_parallel(_loss, optax.sgd(0.1), mesh, skip_nonfinite="zeros")
+
+
+def test_a_bfloat16_model_is_judged_from_its_means(mesh):
+  # 16-bit leaves are summed pre-scaled and their means scaled up after, so their sums
+  # do not judge the means: the exchange reads the means themselves. Training moves the
+  # parameters, and a NaN on one worker still skips the step.
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
+                   optax.sgd(0.1))
+  loss = lambda p, b: jnp.mean((b["x"].astype(jnp.bfloat16) @ p["w"]).astype(jnp.float32) ** 2)
+  dp = commopt.data_parallel(loss, tx, mesh, skip_nonfinite="zero", donate=False)
+  params = {"w": jnp.ones((32, 4), jnp.bfloat16)}
+  state = dp.init(params)
+  p1, state, _ = dp.step(params, state, _batch(0))
+  assert p1["w"].dtype == jnp.bfloat16 and np.any(np.asarray(p1["w"] != params["w"]))
+  p2, state, _ = dp.step(p1, state, _batch(1, bad_worker=6))
+  assert_same_bits(host_copy(p2), host_copy(p1))
+  assert int(state.total_notfinite) == 1

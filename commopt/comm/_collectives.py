@@ -11,85 +11,18 @@ typed invariant, so a reduced value can leave the map replicated.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commopt._src import base, compat
+from commopt._src import base, compat, scope
 from commopt._src.vma import vary, vary_like, varying_axes  # noqa: F401  (re-exported)
-
-
-class Event(NamedTuple):
-  """One collective one device ran (see :class:`Recorder`).
-
-  Attributes:
-    kind: ``"all-reduce"``, ``"all-gather"``, ...
-    nbytes: bytes the device put in.
-    index: the device's position in the map: its linear index over every
-      bound axis (the worker index on a 1-D mesh or under one ``vmap``).
-    axis: the axis (or tuple of axes) the collective ran over.
-  """
-  kind: str
-  nbytes: int
-  index: int
-  axis: Any
-
-
-class Recorder:
-  """Collectives that ran, one :class:`Event` per device per collective.
-
-  Filled at run time by the programs traced while :func:`recording` is
-  active: a collective inside a branch that does not run records nothing.
-  Each device records its own events with its index over every bound axis,
-  so on a 2-D mesh (``("data", "model")``, the optimizer manual over both)
-  a device's events are its own, once each, and ``axis`` tells the
-  data-axis exchange from the gathers inside a model group.
-  """
-
-  def __init__(self):
-    self.events: list[Event] = []
-
-  def add(self, kind: str, nbytes: int, axis, index) -> None:
-    for i in np.ravel(np.asarray(index)):
-      self.events.append(Event(kind, nbytes, int(i), axis))
-
-  def of_worker(self, index: int = 0, axis=None) -> list[tuple[str, int]]:
-    """The ``(kind, bytes)`` of every collective device ``index`` ran, in order
-    (over ``axis`` only, if given)."""
-    return [(e.kind, e.nbytes) for e in self.events
-            if e.index == index and (axis is None or e.axis == axis)]
-
-  def clear(self) -> None:
-    self.events.clear()
-
-
-_RECORDERS: list[Recorder] = []
-
-
-@contextlib.contextmanager
-def recording():
-  """Programs traced inside record each collective of this module when it runs."""
-  rec = Recorder()
-  _RECORDERS.append(rec)
-  try:
-    yield rec
-  finally:
-    _RECORDERS.remove(rec)
-
-
-def _record(kind: str, tree, axis_name) -> None:
-  if not _RECORDERS or axis_name is None:
-    return
-  nbytes = sum(int(np.prod(jnp.shape(x))) * jnp.result_type(x).itemsize
-               for x in jax.tree.leaves(tree))
-  bound = compat.bound_axis_names()
-  device = jax.lax.axis_index(bound if bound else axis_name)
-  jax.debug.callback(functools.partial(_RECORDERS[-1].add, kind, nbytes, axis_name), device)
+from commopt.comm._recording import (  # noqa: F401  (re-exported)
+    Event, Recorder, _record, recording)
 
 
 def _all_gather_invariant(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = False):
@@ -133,7 +66,6 @@ _INPUTS_UNCHECKED: contextvars.ContextVar = contextvars.ContextVar(
     "commopt_inputs_unchecked", default=False)
 
 
-@contextlib.contextmanager
 def inputs_unchecked():
   """Reductions traced inside skip :func:`check_input`'s varying-type check.
 
@@ -142,11 +74,7 @@ def inputs_unchecked():
   optimizer state typed invariant that the step keeps per worker. Whether
   the axis is bound is still checked.
   """
-  token = _INPUTS_UNCHECKED.set(True)
-  try:
-    yield
-  finally:
-    _INPUTS_UNCHECKED.reset(token)
+  return scope.bound(_INPUTS_UNCHECKED, True)
 
 
 def check_input(fn: str, tree: Any, axis_name) -> None:
@@ -373,16 +301,11 @@ _MODEL_AXES: contextvars.ContextVar = contextvars.ContextVar("commopt_model_axes
                                                              default=frozenset())
 
 
-@contextlib.contextmanager
 def model_axes(axes):
   """Code traced inside treats ``axes`` as model axes: a value varying over them is one
   device's shard of a leaf (see :func:`shard_axes`); entered by
   :func:`commopt.comm.model_sharding`."""
-  token = _MODEL_AXES.set(frozenset(axes))
-  try:
-    yield
-  finally:
-    _MODEL_AXES.reset(token)
+  return scope.bound(_MODEL_AXES, frozenset(axes))
 
 
 def shard_axes(x, axis_name) -> tuple[str, ...]:
@@ -481,7 +404,31 @@ def pmean(x: Any, axis_name: Optional[str]) -> Any:
     return (total / jnp.asarray(post, jnp.result_type(v))).astype(v.dtype)
 
   sent = jax.tree.map(lambda v: scale(v, pre) if _prescaled(v) else v, x)
-  return jax.tree.map(finish, jax.lax.psum(sent, axis_name), x)
+  totals = jax.lax.psum(sent, axis_name)
+  _judge_sums(x, totals)
+  return jax.tree.map(finish, totals, x)
+
+
+_SUM_FLAGS: contextvars.ContextVar = contextvars.ContextVar("commopt_sum_flags", default=None)
+
+
+def sums_judged(flags: Optional[list]):
+  """While tracing inside: each :func:`pmean` appends to ``flags`` (unless None), for each
+  floating-point leaf, a float32 scalar that is 0 where the all-reduce's sum is finite and
+  NaN where not, read from the sum itself before the division (a reduction over the
+  collective's own output buffer: XLA:CPU writes an elementwise result out whole before
+  it reduces it); None for a leaf summed pre-scaled, whose mean must be judged itself."""
+  return scope.bound(_SUM_FLAGS, flags)
+
+
+def _judge_sums(x, totals) -> None:
+  flags = _SUM_FLAGS.get()
+  if flags is None:
+    return
+  for v, t in zip(jax.tree.leaves(x), jax.tree.leaves(totals)):
+    if _is_float(v):
+      s = jnp.sum(t, dtype=jnp.float32)
+      flags.append(None if _prescaled(v) else s - s)
 
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16}

@@ -376,11 +376,13 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
   sent = set(compressed)
   dense = [i for i, u in enumerate(leaves.updates) if not tree.is_node(u) and i not in sent]
   out = list(leaves.updates)
+  sums = None
   if dense:
     # The non-finite skip's flag, where it waits for these very updates, rides along.
-    means = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,
-                          cfg.reduction.dense_mean, _buckets.resolve(cfg.bucket_bytes),
-                          _buckets.boarding(updates, cfg.axis_name))
+    with _zero_skip.judging_sums(updates, cfg.axis_name) as sums:
+      means = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,
+                            cfg.reduction.dense_mean, _buckets.resolve(cfg.bucket_bytes),
+                            _buckets.boarding(updates, cfg.axis_name))
     for i, m in zip(dense, means):
       out[i] = m
   new = (list(leaves.residuals), list(leaves.cstates), list(leaves.memories))
@@ -407,7 +409,8 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
       compressor_state=unflat(new[1]), server_residual=unflat(new[2]))
   # apply_if_finite(on_skip="zero") around these very updates: a zero mean and this
   # state as it was where a worker's input or a mean is not finite.
-  out, new_state = _zero_skip.settle(updates, cfg.axis_name, out, new_state, state)
+  out, new_state = _zero_skip.settle(updates, cfg.axis_name, out, new_state, state, dense,
+                                     sums)
   return unflat(out), new_state
 
 

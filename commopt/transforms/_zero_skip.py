@@ -16,6 +16,7 @@ whole inner state as the default skip does.
 from __future__ import annotations
 
 import contextvars
+import functools
 from typing import Any, Optional
 
 import jax
@@ -46,15 +47,34 @@ def requesting(request: Optional[Request]):
   return scope.bound(_REQUEST, request)
 
 
-def settle(updates: Any, axis_name, out: list, new_state, state):
+def waiting(updates: Any, axis_name) -> Optional[Request]:
+  """The zero-gradient skip waiting for the exchange of these very ``updates``, or None."""
+  r = _REQUEST.get()
+  if (r is None or r.taken or r.updates is not updates
+      or r.axes != base.axis_names(axis_name)):
+    return None
+  return r
+
+
+def judging_sums(updates: Any, axis_name):
+  """Around the exchange's dense all-reduces of ``updates``: where a zero-gradient skip
+  waits for them and no leaf is cut over model axes (its flag rides: the sums are the
+  same on every device), the list that collects each sum's flag
+  (:func:`coll.sums_judged`), else None."""
+  r = waiting(updates, axis_name)
+  return coll.sums_judged([] if r is not None and r.passenger is not None else None)
+
+
+def settle(updates: Any, axis_name, out: list, new_state, state, dense=(), sums=None):
   """For the exchange of ``updates`` over ``axis_name`` whose means are ``out`` (a list of
   leaves) and whose state moves from ``state`` to ``new_state``: ``(out, new_state)`` as
   they are, or where a zero-gradient skip waits for these very updates, the means zeroed
   and ``state`` kept unless every worker's input and every mean are finite (the verdict,
-  the same on every worker, left in the request)."""
-  r = _REQUEST.get()
-  if (r is None or r.taken or r.updates is not updates
-      or r.axes != base.axis_names(axis_name)):
+  the same on every worker, left in the request). ``dense``: the indices of ``out``
+  averaged by dense all-reduces, whose sums' flags ``sums`` holds (from
+  :func:`judging_sums`), or None to judge those means themselves."""
+  r = waiting(updates, axis_name)
+  if r is None:
     return out, new_state
   from commopt.transforms._control import _reduced_finite
   with vma.shard_aware():
@@ -65,8 +85,15 @@ def settle(updates: Any, axis_name, out: list, new_state, state):
         p.reduced = coll.psum(p.value, p.axes)
       r.verdict = jnp.isfinite(p.reduced)
     # The means are the same on every worker: so is their verdict (shards of a leaf cut
-    # over model axes agree over those axes).
-    ok = r.verdict & _reduced_finite(out, axis_name)
+    # over model axes agree over those axes). The dense means are judged from their
+    # all-reduces' sums where every one could be (:func:`judging_sums`).
+    ok = r.verdict
+    if sums is not None and all(f is not None for f in sums):
+      ok = ok & jnp.isfinite(functools.reduce(jnp.add, sums, jnp.zeros((), jnp.float32)))
+      out_judged = [o for i, o in enumerate(out) if i not in set(dense)]
+    else:
+      out_judged = out
+    ok = ok & _reduced_finite(out_judged, axis_name)
   r.verdict, r.taken = ok, True
   return [zero_unless(ok, o) for o in out], hold_unless(ok, new_state, state)
 
