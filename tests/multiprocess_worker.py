@@ -8,7 +8,7 @@ state gathered to the host. The test runs the same cases in one process
 
 import sys
 
-CASES = ("identity", "identity_nan", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical", "zero",
+CASES = ("identity", "identity_nan", "identity_nan_zero", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical", "zero",
          "zero_quantized", "zero_state")
 STEPS = 3
 
@@ -35,7 +35,7 @@ def run_case(case: str, local_rows):
     mesh = jax.make_mesh((8,), ("data",))
     axis = "data"
     name, strategy = ("scaled_sign", "two_phase") if case == "two_phase" else (case, "auto")
-    name = "identity" if case == "identity_nan" else name
+    name = "identity" if case.startswith("identity_nan") else name
     # min_size=0: every leaf compressed, so a gather-only case has no dense all-reduce.
     reducer = commopt.compressed_mean(commopt.compressors.make(name), axis_name=axis, strategy=strategy,
                                       min_size=0)
@@ -48,12 +48,16 @@ def run_case(case: str, local_rows):
   def loss(p, b):
     return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 
-  dp = commopt.data_parallel(loss, optax.chain(reducer, optax.sgd(0.1)), mesh, axis)
+  # identity_nan_zero: the zero-gradient skip, whose momentum decays on the skipped step.
+  zero_skip = case == "identity_nan_zero"
+  opt = optax.sgd(0.1, momentum=0.9) if zero_skip else optax.sgd(0.1)
+  dp = commopt.data_parallel(loss, optax.chain(reducer, opt), mesh, axis,
+                             skip_nonfinite="zero" if zero_skip else True)
   state = dp.init(params)
   p = params
   for t in range(STEPS):
     xt = x.copy()
-    if case == "identity_nan" and t == 1:
+    if case.startswith("identity_nan") and t == 1:
       xt[20, 3] = np.nan   # worker 5's rows, on the second process: every worker skips
     batch = dp.local_batch({"x": local_rows(xt), "y": local_rows(y)})
     p, state, _ = dp.step(p, state, batch)
