@@ -41,6 +41,17 @@ def _adam(state):
   return state.inner_state[1][0]
 
 
+def _good_then_bad(dp, bad_worker, rows=4):
+  """One finite step, then one with a NaN on ``bad_worker``: the host copies of params and
+  state before the bad step, and the params and state after it."""
+  params = _params()
+  state = dp.init(params)
+  params, state, _ = dp.step(params, state, _batch(0, rows=rows))
+  before_p, before = host_copy(params), host_copy(state)
+  params, state, _ = dp.step(params, state, _batch(1, bad_worker=bad_worker, rows=rows))
+  return before_p, before, params, state
+
+
 COMPRESSORS = {
     # Both leaves dense: the flag rides in the one bucket.
     "identity": dict(compressor=commopt.compressors.identity()),
@@ -102,11 +113,7 @@ def test_without_a_leading_exchange_the_whole_state_is_kept(mesh):
   tx = optax.chain(optax.adam(1e-2),
                    commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"))
   dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite="zero")
-  params = _params()
-  state = dp.init(params)
-  params, state, _ = dp.step(params, state, _batch(0))
-  before_p, before = host_copy(params), host_copy(state)
-  params, state, _ = dp.step(params, state, _batch(1, bad_worker=5))
+  before_p, before, params, state = _good_then_bad(dp, bad_worker=5)
   assert_same_bits(host_copy(params), before_p)
   assert_same_bits(host_copy(state.inner_state), before.inner_state)
   assert int(state.total_notfinite) == 1
@@ -205,11 +212,71 @@ def test_training_with_occasional_nans_reaches_the_default_skips_loss(mesh):
   assert final["zero"] < 1.5 * final[True]
 
 
+def test_hierarchical_dense_means_are_judged_as_means(mesh2d):
+  # A hierarchical exchange averages its dense leaves inside each node, then across: no
+  # all-reduce spans every worker, so the dense means are judged themselves (the
+  # inner sums differ between the nodes). The step traces, and a NaN skips it.
+  axes = ("node", "local")
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name=axes,
+                                           strategy="hierarchical"),
+                   optax.adam(1e-2, b1=B1, b2=B2))
+  dp = commopt.data_parallel(_loss, tx, mesh2d, axes, skip_nonfinite="zero")
+  before_p, before, params, state = _good_then_bad(dp, bad_worker=6)
+  assert_same_bits(host_copy(params), before_p)
+  assert_same_bits(host_copy(state.inner_state[0]), before.inner_state[0])
+  np.testing.assert_allclose(_adam(state).nu["b"], B2 * _adam(before).nu["b"], rtol=1e-6)
+  assert int(_adam(state).count) == 2 and int(state.total_notfinite) == 1
+
+
+def test_a_stateful_transform_before_the_exchange_keeps_its_state(mesh):
+  # A gradient-norm logger first, returning the updates as they came: the exchange gets the
+  # very input, but the logger's state took the NaN, so the skip keeps the whole state.
+  def logger():
+    return optax.GradientTransformation(lambda p: jnp.zeros(()),
+                                        lambda u, s, p=None: (u, s + optax.tree.norm(u)))
+  tx = optax.chain(logger(), commopt.compressed_mean(commopt.compressors.identity(),
+                                                     axis_name="data"), optax.adam(1e-2))
+  dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite="zero")
+  _, before, params, state = _good_then_bad(dp, bad_worker=2)
+  assert_same_bits(host_copy(state.inner_state), before.inner_state)
+  assert np.all(np.isfinite(np.asarray(state.inner_state[0])))
+  assert int(state.total_notfinite) == 1
+
+
+def test_apply_if_finite_zero_in_a_users_shard_map(mesh):
+  tx = apply_if_finite(optax.chain(
+      commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
+      optax.sgd(0.1, momentum=0.9)), axis_name="data", on_skip="zero")
+  params = jnp.zeros(3)
+
+  @jax.jit
+  def run(x, trace):
+    def body(g, trace):
+      state = tx.init(params)
+      state = state._replace(inner_state=(state.inner_state[0],
+                                          (optax.TraceState(trace=trace),) + state.inner_state[1][1:]))
+      u, s = tx.update(g[0], state, params)
+      return u[None], s.last_finite[None], s.inner_state[1][0].trace
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()),
+                         out_specs=(P("data"), P("data"), P()))(x, trace)
+
+  put = lambda v: jax.device_put(v, NamedSharding(mesh, P("data")))
+  x = jnp.arange(N * 3, dtype=jnp.float32).reshape(N, 3)
+  trace = jnp.array([1.0, 2.0, 3.0])
+  u, ok, new_trace = run(put(x), trace)
+  assert np.all(np.asarray(ok))
+  np.testing.assert_allclose(new_trace, 0.9 * trace + np.asarray(x).mean(0), rtol=1e-6)
+  u, ok, new_trace = run(put(x.at[3, 1].set(jnp.nan)), trace)
+  assert not np.any(np.asarray(ok)) and np.all(np.asarray(u) == 0)
+  np.testing.assert_allclose(new_trace, 0.9 * trace, rtol=1e-6)      # a zero gradient
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"on_skip": "drop"}, r"`on_skip` .* got 'drop'"),
     ({"on_skip": 0}, r"`on_skip`"),
     ({"on_skip": "zero", "strict": False}, r"`on_skip` 'zero' needs strict=True.* got strict=False"),
     ({"on_skip": "zero", "max_consecutive_errors": 2}, r"max_consecutive_errors=2"),
+    ({"on_skip": "zero", "agree_when": lambda s: True}, r"`on_skip` 'zero' needs .* agree_when="),
 ])
 def test_apply_if_finite_on_skip_is_checked(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -227,7 +294,7 @@ def test_a_bfloat16_model_is_judged_from_its_means(mesh):
   # do not judge the means: the exchange reads the means themselves. Training moves the
   # parameters, and a NaN on one worker still skips the step.
   tx = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
-                   optax.sgd(0.1))
+                   optax.adam(1e-2))
   loss = lambda p, b: jnp.mean((b["x"].astype(jnp.bfloat16) @ p["w"]).astype(jnp.float32) ** 2)
   dp = commopt.data_parallel(loss, tx, mesh, skip_nonfinite="zero", donate=False)
   params = {"w": jnp.ones((32, 4), jnp.bfloat16)}
@@ -236,4 +303,4 @@ def test_a_bfloat16_model_is_judged_from_its_means(mesh):
   assert p1["w"].dtype == jnp.bfloat16 and np.any(np.asarray(p1["w"] != params["w"]))
   p2, state, _ = dp.step(p1, state, _batch(1, bad_worker=6))
   assert_same_bits(host_copy(p2), host_copy(p1))
-  assert int(state.total_notfinite) == 1
+  assert int(state.total_notfinite) == 1 and int(_adam(state).count) == 2   # settled

@@ -405,25 +405,36 @@ def pmean(x: Any, axis_name: Optional[str]) -> Any:
 
   sent = jax.tree.map(lambda v: scale(v, pre) if _prescaled(v) else v, x)
   totals = jax.lax.psum(sent, axis_name)
-  _judge_sums(x, totals)
+  _judge_sums(x, totals, axis_name)
   return jax.tree.map(finish, totals, x)
 
 
 _SUM_FLAGS: contextvars.ContextVar = contextvars.ContextVar("commopt_sum_flags", default=None)
 
 
-def sums_judged(flags: Optional[list]):
-  """While tracing inside: each :func:`pmean` appends to ``flags`` (unless None), for each
-  floating-point leaf, a float32 scalar that is 0 where the all-reduce's sum is finite and
-  NaN where not, read from the sum itself before the division (a reduction over the
-  collective's own output buffer: XLA:CPU writes an elementwise result out whole before
-  it reduces it); None for a leaf summed pre-scaled, whose mean must be judged itself."""
-  return scope.bound(_SUM_FLAGS, flags)
+class SumFlags(list):
+  """The flags :func:`sums_judged` collects, from the all-reduces over ``axes``."""
+
+  def __init__(self, axes: tuple):
+    super().__init__()
+    self.axes = axes
 
 
-def _judge_sums(x, totals) -> None:
+def sums_judged(axis_name, active: bool = True):
+  """While tracing inside (and ``active``): each :func:`pmean` over exactly ``axis_name``
+  appends to the :class:`SumFlags` this yields, for each floating-point leaf, a float32
+  scalar that is 0 where the all-reduce's sum is finite and NaN where not, read from the
+  sum itself before the division (a reduction over the collective's own output buffer:
+  XLA:CPU writes an elementwise result out whole before it reduces it); None for a leaf
+  summed pre-scaled, whose mean must be judged itself. A mean over part of the axes (a
+  hierarchical strategy's) appends nothing: its sum differs between the workers. Yields
+  None where not ``active``."""
+  return scope.bound(_SUM_FLAGS, SumFlags(base.axis_names(axis_name)) if active else None)
+
+
+def _judge_sums(x, totals, axis_name) -> None:
   flags = _SUM_FLAGS.get()
-  if flags is None:
+  if flags is None or base.axis_names(axis_name) != flags.axes:
     return
   for v, t in zip(jax.tree.leaves(x), jax.tree.leaves(totals)):
     if _is_float(v):

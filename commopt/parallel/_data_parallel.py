@@ -424,7 +424,10 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   state, and the parameters and model state stay as they were. The cheapest
   skip (the guide's Performance page); it does not check the optimizer's
   output, so an overflow inside the optimizer from a finite mean is not
-  caught. A ``tx`` that does not start with ``compressed_mean`` is skipped as
+  caught; and the optimizer's update is dropped while its state moves, so an
+  optimizer whose state assumes its update was applied (lookahead,
+  schedule-free) should keep the default. A ``tx`` that does not start with
+  ``compressed_mean`` (or has a transform with state before it) is skipped as
   with True. With ``local_params=True``, no
   model state and a synchronisation mode (:func:`~commopt.diloco`,
   :func:`~commopt.local_sgd`, :func:`~commopt.streaming_diloco`,

@@ -379,7 +379,7 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
   sums = None
   if dense:
     # The non-finite skip's flag, where it waits for these very updates, rides along.
-    with _zero_skip.judging_sums(updates, cfg.axis_name) as sums:
+    with _zero_skip.judging_sums(updates, cfg.axis_name, state) as sums:
       means = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,
                             cfg.reduction.dense_mean, _buckets.resolve(cfg.bucket_bytes),
                             _buckets.boarding(updates, cfg.axis_name))

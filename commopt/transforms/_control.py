@@ -470,7 +470,7 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     run = lambda u, inner_state: inner.update(u, inner_state, params, **extra_args)
     scope = _VerdictScope(finite if agree_when is not None else None, state.inner_state)
     request = (_zero_skip.Request(updates, _names(axis_name), passenger,
-                                  None if passenger is not None else finite)
+                                  None if passenger is not None else finite, state.inner_state)
                if zero and axis_name is not None else None)
     if strict:
       # Always run, so every worker runs the same collectives; select after.

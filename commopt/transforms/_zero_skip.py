@@ -34,9 +34,23 @@ class Request:
   ``taken`` says whether an exchange zeroed its mean on it."""
 
   def __init__(self, updates: Any, axes: tuple, passenger: Optional[_buckets.Passenger],
-               verdict: Optional[jax.Array]):
+               verdict: Optional[jax.Array], state: Any):
     self.updates, self.axes, self.passenger, self.verdict = updates, tuple(axes), passenger, verdict
+    self.state = state          # the wrapped transform's state
     self.taken = False
+
+  def first_state(self, state) -> bool:
+    """Whether ``state`` is the wrapped transform's, or that of the first transform of a
+    chain (a tuple) or named chain (a dict): then no transform with state ran before the
+    exchange, whose state would take the non-finite input."""
+    own = self.state
+    if state is own:
+      return True
+    if isinstance(own, (tuple, list)) and own:
+      return state is own[0]
+    if isinstance(own, dict) and own:
+      return state is next(iter(own.values()))
+    return False
 
 
 _REQUEST: contextvars.ContextVar = contextvars.ContextVar("commopt_zero_skip", default=None)
@@ -47,22 +61,23 @@ def requesting(request: Optional[Request]):
   return scope.bound(_REQUEST, request)
 
 
-def waiting(updates: Any, axis_name) -> Optional[Request]:
-  """The zero-gradient skip waiting for the exchange of these very ``updates``, or None."""
+def waiting(updates: Any, axis_name, state) -> Optional[Request]:
+  """The zero-gradient skip waiting for the exchange of these very ``updates``, whose state
+  is ``state`` (first in the wrapped transform: :meth:`Request.first_state`), or None."""
   r = _REQUEST.get()
   if (r is None or r.taken or r.updates is not updates
-      or r.axes != base.axis_names(axis_name)):
+      or r.axes != base.axis_names(axis_name) or not r.first_state(state)):
     return None
   return r
 
 
-def judging_sums(updates: Any, axis_name):
+def judging_sums(updates: Any, axis_name, state):
   """Around the exchange's dense all-reduces of ``updates``: where a zero-gradient skip
   waits for them and no leaf is cut over model axes (its flag rides: the sums are the
-  same on every device), the list that collects each sum's flag
+  same on every device), the list that collects each full all-reduce's flag
   (:func:`coll.sums_judged`), else None."""
-  r = waiting(updates, axis_name)
-  return coll.sums_judged([] if r is not None and r.passenger is not None else None)
+  r = waiting(updates, axis_name, state)
+  return coll.sums_judged(axis_name, active=r is not None and r.passenger is not None)
 
 
 def settle(updates: Any, axis_name, out: list, new_state, state, dense=(), sums=None):
@@ -73,7 +88,7 @@ def settle(updates: Any, axis_name, out: list, new_state, state, dense=(), sums=
   the same on every worker, left in the request). ``dense``: the indices of ``out``
   averaged by dense all-reduces, whose sums' flags ``sums`` holds (from
   :func:`judging_sums`), or None to judge those means themselves."""
-  r = waiting(updates, axis_name)
+  r = waiting(updates, axis_name, state)
   if r is None:
     return out, new_state
   from commopt.transforms._control import _reduced_finite
@@ -81,14 +96,16 @@ def settle(updates: Any, axis_name, out: list, new_state, state, dense=(), sums=
     if r.verdict is None:
       p = r.passenger
       if p.reduced is None:
-        # No dense bucket carried the flag (every leaf compressed): its own all-reduce.
-        p.reduced = coll.psum(p.value, p.axes)
+        # No dense bucket carried the flag (every leaf compressed): its own all-reduce,
+        # after every collective of the exchange (gloo needs them in one order).
+        p.reduced = coll.psum(coll.after(p.value, [o for o in out if o is not None]),
+                              p.axes)
       r.verdict = jnp.isfinite(p.reduced)
     # The means are the same on every worker: so is their verdict (shards of a leaf cut
     # over model axes agree over those axes). The dense means are judged from their
     # all-reduces' sums where every one could be (:func:`judging_sums`).
     ok = r.verdict
-    if sums is not None and all(f is not None for f in sums):
+    if sums and all(f is not None for f in sums):
       ok = ok & jnp.isfinite(functools.reduce(jnp.add, sums, jnp.zeros((), jnp.float32)))
       out_judged = [o for i, o in enumerate(out) if i not in set(dense)]
     else:
