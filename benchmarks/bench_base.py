@@ -75,7 +75,8 @@ def parse_args(argv=None):
   p.add_argument("--workers", type=int, default=4, help="devices or processes")
   p.add_argument("--rows", type=int, default=64, help="rows per worker per step")
   p.add_argument("--steps", type=int, default=15, help="timed steps per row and round")
-  p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best time, median ratio)")
+  p.add_argument("--rounds", type=int, default=3,
+                 help="interleaved rounds (best time, median ratio)")
   p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                  help="wall: seconds per step; cpu: this process's CPU seconds per step "
                       "(the work done, steadier on a shared machine; devices layout only)")

@@ -8,7 +8,8 @@ state gathered to the host. The test runs the same cases in one process
 
 import sys
 
-CASES = ("identity", "identity_nan", "identity_nan_zero", "top_k_nan_zero", "scaled_sign", "top_k", "power_sgd", "two_phase", "hierarchical", "zero",
+CASES = ("identity", "identity_nan", "identity_nan_zero", "top_k_nan_zero", "scaled_sign", "top_k",
+         "power_sgd", "two_phase", "hierarchical", "zero",
          "zero_quantized", "zero_state")
 STEPS = 3
 

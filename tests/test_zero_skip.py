@@ -129,7 +129,8 @@ def test_a_mean_that_overflows_from_finite_gradients_is_skipped(mesh):
                              skip_nonfinite="zero")
   params = {"w": jnp.zeros(4)}
   state = dp.init(params)
-  params, state, losses = dp.step(params, state, {"x": jnp.tile(jnp.array([1e38, 1.0, 1.0, 1.0]), (N, 1))})
+  x = jnp.tile(jnp.array([1e38, 1.0, 1.0, 1.0]), (N, 1))
+  params, state, losses = dp.step(params, state, {"x": x})
   assert np.all(np.isfinite(losses))
   assert_same_bits(host_copy(params), {"w": np.zeros(4, np.float32)})
   assert int(state.total_notfinite) == 1 and int(_adam(state).count) == 1
@@ -253,8 +254,8 @@ def test_apply_if_finite_zero_in_a_users_shard_map(mesh):
   def run(x, trace):
     def body(g, trace):
       state = tx.init(params)
-      state = state._replace(inner_state=(state.inner_state[0],
-                                          (optax.TraceState(trace=trace),) + state.inner_state[1][1:]))
+      sgd = (optax.TraceState(trace=trace),) + state.inner_state[1][1:]
+      state = state._replace(inner_state=(state.inner_state[0], sgd))
       u, s = tx.update(g[0], state, params)
       return u[None], s.last_finite[None], s.inner_state[1][0].trace
     return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()),
@@ -274,7 +275,8 @@ def test_apply_if_finite_zero_in_a_users_shard_map(mesh):
 @pytest.mark.parametrize("kwargs, match", [
     ({"on_skip": "drop"}, r"`on_skip` .* got 'drop'"),
     ({"on_skip": 0}, r"`on_skip`"),
-    ({"on_skip": "zero", "strict": False}, r"`on_skip` 'zero' needs strict=True.* got strict=False"),
+    ({"on_skip": "zero", "strict": False},
+     r"`on_skip` 'zero' needs strict=True.* got strict=False"),
     ({"on_skip": "zero", "max_consecutive_errors": 2}, r"max_consecutive_errors=2"),
     ({"on_skip": "zero", "agree_when": lambda s: True}, r"`on_skip` 'zero' needs .* agree_when="),
 ])

@@ -107,7 +107,8 @@ def settle(updates: Any, axis_name, out: list, new_state, state, dense=(), sums=
     ok = r.verdict
     if sums and all(f is not None for f in sums):
       ok = ok & jnp.isfinite(functools.reduce(jnp.add, sums, jnp.zeros((), jnp.float32)))
-      out_judged = [o for i, o in enumerate(out) if i not in set(dense)]
+      judged = set(dense)
+      out_judged = [o for i, o in enumerate(out) if i not in judged]
     else:
       out_judged = out
     ok = ok & _reduced_finite(out_judged, axis_name)
