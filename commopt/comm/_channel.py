@@ -9,7 +9,6 @@ alike.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 from typing import Any, Callable, Optional
@@ -17,22 +16,18 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from commopt._src import scope
 from commopt.comm import _collectives as coll
 
 
 _LEAF_SPECS: contextvars.ContextVar = contextvars.ContextVar("commopt_leaf_specs", default=())
 
 
-@contextlib.contextmanager
 def leaf_specs(specs):
   """The :class:`Channel` objects made inside carry ``specs``: the ``PartitionSpec`` over the
   model axes of each leaf the protocol is handed (``P()``: whole on this device; None:
   sharded, dimensions unknown). Set by :func:`~commopt.compressed_mean` per reduction."""
-  token = _LEAF_SPECS.set(tuple(specs))
-  try:
-    yield
-  finally:
-    _LEAF_SPECS.reset(token)
+  return scope.bound(_LEAF_SPECS, tuple(specs))
 
 
 @dataclasses.dataclass(frozen=True)

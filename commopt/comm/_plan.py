@@ -8,7 +8,6 @@ entry.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import itertools
 import re
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commopt._src import base
+from commopt._src import base, scope
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
          "collective-broadcast")
@@ -164,16 +163,10 @@ def exchanges_of(tx):
   return _lookup(_EXCHANGES, tx)
 
 
-@contextlib.contextmanager
 def recording(workers, step=None):
   """While active, every transform registered by :func:`with_planner` records its planner
   when its ``update`` is traced; yields the :class:`_Recording` (see :func:`traced_plans`)."""
-  rec = _Recording(workers, step)
-  reset = _RECORDING.set(rec)
-  try:
-    yield rec
-  finally:
-    _RECORDING.reset(reset)
+  return scope.bound(_RECORDING, _Recording(workers, step))
 
 
 def subjaxprs(value):

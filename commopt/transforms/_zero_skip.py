@@ -127,9 +127,5 @@ def zero_unless(ok: jax.Array, x):
 def hold_unless(ok: jax.Array, new, old):
   """``new`` where ``ok``, else ``old``, leaf by leaf (a leaf ``new`` shares with ``old``
   unchanged, so no select reads it)."""
-  def hold(n, o):
-    if n is o:
-      return n
-    out = jnp.where(ok, n, o)
-    return out if out.dtype == o.dtype else out.astype(o.dtype)
-  return jax.tree.map(hold, new, old)
+  from commopt.transforms._control import _select
+  return jax.tree.map(lambda n, o: n if n is o else _select(ok, n, o), new, old)
