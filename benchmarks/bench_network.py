@@ -51,7 +51,8 @@ Methods (``--methods``):
   eager outer steps (``eager_diloco``): each exchange runs on a thread of its own beside
   the whole next inner phase and the outer step is taken at once on the eager estimate of
   the mean (the worker's own pseudo-gradient for its share, the others' from the exchange
-  before). The global model scored is the workers' mean anchor after each outer step,
+  before); ``eager(w=1):...`` lets the worker's own pseudo-gradient stand for the whole
+  mean until the exchange arrives (``own_weight=1.0``). The global model scored is the workers' mean anchor after each outer step,
   kept on the host and scored after the run (no collective while an exchange is in
   flight). Its steps that compile or wait for a compiled program (the first, the first
   outer step's and the one that collects the first exchange: ``compiled_at``) count as
@@ -136,6 +137,7 @@ COMBINED = {
     # through a compressor. Outer: sgd(1.0) throughout, the module's choice over an
     # error-feedback residual (scaled_sign), passed for int_quant, which keeps none (its default
     # there, Nesterov 0.7/0.9, compounds with the inner momentum and diverges on this MLP).
+    "diloco(3)+int_quant(4)": (3, "int_quant", {"bits": 4}, "two_phase", "sgd(1.0)"),
     "diloco(4)+int_quant(4)": (4, "int_quant", {"bits": 4}, "two_phase", "sgd(1.0)"),
     "diloco(8)+int_quant(4)": (8, "int_quant", {"bits": 4}, "two_phase", "sgd(1.0)"),
     "diloco(8)+scaled_sign": (8, "scaled_sign", {}, "two_phase", None),
@@ -158,12 +160,16 @@ OVERLAPPED = {
 """commopt's per-step methods one step delayed, run by ``overlapped_data_parallel``: the
 exchange of the kept gradient on a thread of its own beside the next backward pass."""
 EAGER = {
-    # label: the combined method (COMBINED) whose outer steps are eager
-    "eager:diloco(4)+int_quant(4)": "diloco(4)+int_quant(4)",
-    "eager:diloco(8)+int_quant(4)": "diloco(8)+int_quant(4)",
+    # label: (the combined method (COMBINED) whose outer steps are eager, own_weight)
+    "eager:diloco(4)+int_quant(4)": ("diloco(4)+int_quant(4)", None),
+    "eager:diloco(8)+int_quant(4)": ("diloco(8)+int_quant(4)", None),
+    "eager(w=1):diloco(3)+int_quant(4)": ("diloco(3)+int_quant(4)", 1.0),
+    "eager(w=1):diloco(4)+int_quant(4)": ("diloco(4)+int_quant(4)", 1.0),
+    "eager(w=1):diloco(8)+int_quant(4)": ("diloco(8)+int_quant(4)", 1.0),
 }
 """commopt's combined methods with eager outer steps (``eager_diloco``): each outer exchange on
-a thread of its own beside the whole next inner phase, the outer step taken at once."""
+a thread of its own beside the whole next inner phase, the outer step taken at once; the
+worker's own pseudo-gradient weighs 1/M in its estimate (the paper's), or 1 (``w=1``)."""
 TORCH_METHODS = ("torch:dense", "torch:fp16", "torch:power_sgd(2)")
 """The PyTorch peer (``benchmarks/_torch_peer.py``): DDP over gloo, plain and with its hooks."""
 ALL_METHODS = [*METHODS, *COMBINED, *EAGER, *OVERLAPPED, *ZERO, *TORCH_METHODS]
@@ -205,7 +211,7 @@ def parse_args(argv=None):
     p.error(f"--processes: each count must be at least 2, got {args.processes}")
   if args.steps < 10:
     p.error(f"--steps must be at least 10, got {args.steps}")
-  eager = [COMBINED[EAGER[m]][0] for m in args.methods if m in EAGER]
+  eager = [COMBINED[EAGER[m][0]][0] for m in args.methods if m in EAGER]
   if eager and args.steps < 3 * max(eager):
     p.error(f"--steps must be at least {3 * max(eager)} with an eager method (three periods: "
             f"two compile, one is timed), got {args.steps}")
@@ -315,8 +321,9 @@ class EagerTrainer:
 
   def __init__(self, label: str, loss_fn, lr: float, mesh):
     import commopt
-    self.run = commopt.eager_diloco(loss_fn, mesh=mesh,
-                                    **combined_options(EAGER[label], lr))
+    combined, own_weight = EAGER[label]
+    self.run = commopt.eager_diloco(loss_fn, mesh=mesh, own_weight=own_weight,
+                                    **combined_options(combined, lr))
     self.place_params, self.local_batch = self.run.place_params, self.run.local_batch
     self.init, self.step = self.run.init, self.run.step
 
@@ -398,7 +405,7 @@ def worker(config_path: str, result_path: str) -> None:
       dp, period, local_params = ZeroTrainer(label, loss_fn, cfg["lr"], global_mesh), 1, False
       whole = dp.whole
     elif eager:
-      tx, period, local_params = make_tx(EAGER[label], cfg["lr"])
+      tx, period, local_params = make_tx(EAGER[label][0], cfg["lr"])
       dp = EagerTrainer(label, loss_fn, cfg["lr"], global_mesh)
     elif overlapped:
       tx, period, local_params = make_tx(OVERLAPPED[label], cfg["lr"])
@@ -898,7 +905,7 @@ def summarize(results: dict, bandwidths, processes) -> dict:
           "commopt best combined": soonest(rows, [m for m in ours if m in COMBINED
                                                   or m in OVERLAPPED or m in EAGER
                                                   or m.startswith(("diloco(", "overlap:",
-                                                                   "eager:"))]),
+                                                                   "eager:", "eager("))]),
           "PyTorch dense": "torch:dense" if "torch:dense" in rows else None,
           "PyTorch fp16": "torch:fp16" if "torch:fp16" in rows else None,
           "PyTorch PowerSGD": soonest(rows, [m for m in torch if m.startswith("torch:power_sgd")]),

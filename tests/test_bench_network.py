@@ -70,7 +70,7 @@ def torch_missing():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["diloco(8)+scaled_sign", "torch:power_sgd(2)",
                                     "zero+qwZ+qgZ", "overlap:scaled_sign/gather",
-                                    "eager:diloco(4)+int_quant(4)"])
+                                    "eager(w=1):diloco(4)+int_quant(4)"])
 def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, method, run_bench):
   if method.startswith("torch:") and torch_missing():
     pytest.skip(f"PyTorch is not importable here ({torch_missing()}); "
@@ -102,7 +102,7 @@ def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, met
     # Its first period (compiling, then its first exchange) counts as typical steps.
     assert other["compiling_steps"] == 8 and other["compiled_at"] == [0, 7]
     assert other["step_s"] < dense["step_s"]
-  elif method.startswith("eager:"):
+  elif method.startswith("eager"):
     # 4-bit pseudo-gradients every 4 steps; the mean anchor after each outer step, scored
     # after the run; its first two periods (compiling) count as typical steps.
     assert other["sent_bytes"] * 20 < dense["sent_bytes"]

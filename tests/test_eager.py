@@ -1,5 +1,5 @@
 """eager_diloco: DiLoCo whose outer exchange overlaps the whole next inner phase, the outer
-step taken at once on the eager estimate Δ/M + mean(Δ⁻) − Δ⁻/M."""
+step taken at once on the eager estimate w·Δ + mean(Δ⁻) − w·Δ⁻ (w = 1/M by default)."""
 
 import sys
 import pathlib
@@ -46,12 +46,14 @@ def test_one_worker_is_diloco():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), p2, p1)
 
 
-def test_finish_makes_the_workers_agree_under_a_linear_outer_step(mesh):
+@pytest.mark.parametrize("own_weight", [None, 1.0])
+def test_finish_makes_the_workers_agree_under_a_linear_outer_step(mesh, own_weight):
   """Each worker's anchor differs by its own current term until the last exchange's mean
   is in: after finish, with outer sgd, every worker holds the same anchor (the sum of every
   exchange's mean), and training goes on from it."""
   params, x, y = _mlp()
-  run = commopt.eager_diloco(_mlp_loss, optax.adam(3e-3), mesh, optax.sgd(0.8), period=3)
+  run = commopt.eager_diloco(_mlp_loss, optax.adam(3e-3), mesh, optax.sgd(0.8), period=3,
+                             own_weight=own_weight)
   p, s = run.place_params(params), run.init(params)
   batches = _batches(x, y, 12, 64)
   for b in batches:
@@ -71,13 +73,14 @@ def test_finish_makes_the_workers_agree_under_a_linear_outer_step(mesh):
   run.close()
 
 
-@pytest.mark.parametrize("compressed", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["dense", "chunk_top_k"])
-def test_eager_trains_close_to_blocking_diloco(mesh, compressed):
+@pytest.mark.parametrize("compressed,own_weight", [
+    (False, None), pytest.param(True, None, marks=pytest.mark.slow), (False, 1.0)],
+    ids=["dense", "chunk_top_k", "dense-own_weight=1"])
+def test_eager_trains_close_to_blocking_diloco(mesh, compressed, own_weight):
   """8 workers on their own batches, H = 4, the outer step sgd(1.0) (eager's default): the
   eager run's loss falls and stays within 1.3x of DiLoCo's (whose every exchange is waited
   for), dense and with a sparse 2-bit exchange whose error feedback replaces the outer
-  momentum."""
+  momentum, and with the worker's own term standing for the whole mean."""
   params, x, y = _mlp()
   inner, period = optax.adam(3e-3), 4
   kw = dict(compressor=commopt.chunk_top_k(16, chunk=32, bits=2), min_size=0) if compressed \
@@ -85,7 +88,7 @@ def test_eager_trains_close_to_blocking_diloco(mesh, compressed):
   want = commopt.data_parallel(_mlp_loss, commopt.diloco(inner, optax.sgd(1.0), axis_name="data",
                                                          period=period, **kw),
                                mesh, local_params=True)
-  run = commopt.eager_diloco(_mlp_loss, inner, mesh, period=period, **kw)
+  run = commopt.eager_diloco(_mlp_loss, inner, mesh, period=period, own_weight=own_weight, **kw)
   p1, s1 = want.place_params(params), want.init(params)
   p2, s2 = run.place_params(params), run.init(params)
   l1s, l2s = [], []
@@ -99,11 +102,47 @@ def test_eager_trains_close_to_blocking_diloco(mesh, compressed):
   assert np.mean(l2s[-8:]) < 1.3 * np.mean(l1s[-8:]), (l1s[-8:], l2s[-8:])
 
 
+@pytest.mark.parametrize("own_weight", [None, 1.0, 0.0])
+def test_the_mean_anchor_takes_w_of_this_exchange_and_the_rest_of_the_last(mesh, own_weight):
+  """With outer sgd(1.0) and a dense exchange, each outer step moves the workers' mean anchor
+  by w·mean(Δ) + (1 − w)·mean(Δ⁻): w = 1 moves it by this exchange's whole mean at once, as
+  blocking DiLoCo moves its anchor; w = 1/M by a share of it; w = 0 by the last one only."""
+  params, x, y = _mlp()
+  run = commopt.eager_diloco(_mlp_loss, optax.sgd(0.05, momentum=0.9), mesh, period=2,
+                             own_weight=own_weight)
+  w = 1 / mesh.size if own_weight is None else own_weight
+  assert run.own_weight == w
+  p, s = run.place_params(params), run.init(params)
+  mean = lambda tree: {k: np.asarray(v, np.float64).mean(0) for k, v in tree.items()}
+  anchor, last = mean(s.anchors), mean(s.previous)
+  outer_steps = 0
+  for k, b in enumerate(_batches(x, y, 8, 64)):
+    p, s, _ = run.step(p, s, b)
+    if (k + 1) % 2:
+      continue
+    outer_steps += 1
+    now, delta = mean(s.anchors), mean(s.previous)
+    for leaf in now:
+      np.testing.assert_allclose(now[leaf], anchor[leaf] - w * delta[leaf]
+                                 - (1 - w) * last[leaf], rtol=1e-4, atol=1e-6)
+    assert np.abs(delta["w1"]).max() > 1e-3
+    anchor, last = now, delta
+  assert outer_steps == 4
+  run.close()
+
+
 def test_eager_diloco_checks_its_arguments(mesh):
   with pytest.raises(ValueError, match="eager_diloco: `period`"):
     commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=0)
   with pytest.raises(ValueError, match="eager_diloco"):
     commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, axis_name=None)
+  for bad in (1.5, -0.1, float("nan")):
+    with pytest.raises(ValueError, match=r"eager_diloco: `own_weight` must be a number in "
+                                         r"\[0.0, 1.0\], got"):
+      commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, own_weight=bad)
+  for bad in ("1", True):
+    with pytest.raises(TypeError, match="eager_diloco: `own_weight`"):
+      commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, own_weight=bad)
 
 
 @pytest.mark.parametrize("driver", ["eager", "overlapped"])
