@@ -143,9 +143,11 @@ def main(argv=None) -> dict:
              "own_weight": None if kind == "blocking" else weight_label(w),
              "losses": losses, **summarise(losses, args.target_loss)}
       rows.append(row)
-      print(f"  H={period} {kind}{'' if w is None and kind == 'blocking' else ' w=' + weight_label(w)}: "
-            f"target at step {row['steps_to_target']}, worst after {row['worst_after']}, "
-            f"last {row['last']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+      worst = row["worst_after"]
+      print(f"  H={period} {kind}{'' if kind == 'blocking' else ' w=' + weight_label(w)}: "
+            f"target at step {row['steps_to_target']}, worst after "
+            f"{'-' if worst is None else f'{worst:.3f}'}, last {row['last']:.3f} "
+            f"({time.perf_counter() - t0:.0f} s)", flush=True)
   report = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
