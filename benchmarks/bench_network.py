@@ -52,11 +52,12 @@ Methods (``--methods``):
   the whole next inner phase and the outer step is taken at once on the eager estimate of
   the mean (the worker's own pseudo-gradient for its share, the others' from the exchange
   before); ``eager(w=1):...`` lets the worker's own pseudo-gradient stand for the whole
-  mean until the exchange arrives (``own_weight=1.0``). The global model scored is the workers' mean anchor after each outer step,
-  kept on the host and scored after the run (no collective while an exchange is in
-  flight). Its steps that compile or wait for a compiled program (the first, the first
-  outer step's and the one that collects the first exchange: ``compiled_at``) count as
-  typical ones; its step time is the median over the periods after the first two.
+  mean until the exchange arrives (``own_weight=1.0``). The global model scored is the
+  workers' mean anchor after each outer step, kept on the host and scored after the run
+  (no collective while an exchange is in flight). Its steps that compile or wait for a
+  compiled program (the first, the first outer step's and the one that collects the first
+  exchange: ``compiled_at``) count as typical ones; its step time is the median over the
+  periods after the first two.
 - commopt overlapped (``OVERLAPPED``): ``overlap:dense`` and
   ``overlap:scaled_sign/gather``, the per-step method one step delayed
   (``overlapped_data_parallel``: its exchange of the gradient kept from the
@@ -696,6 +697,7 @@ def plot(results: dict, bandwidths, processes, target: float, path: pathlib.Path
   import matplotlib.pyplot as plt
   shaped = [b for b in bandwidths if b != "unlimited"]
   xs = {b: rate_bits(b) / 1e9 for b in shaped}
+  palette = [*plt.cm.tab20.colors, *plt.cm.tab20b.colors]    # one colour per known method
   fig, axes = plt.subplots(1, len(processes), figsize=(6.5 * len(processes), 4.5), squeeze=False)
   for ax, n in zip(axes[0], processes):
     by_bw = results.get(str(n), {})
@@ -707,7 +709,7 @@ def plot(results: dict, bandwidths, processes, target: float, path: pathlib.Path
       if pts:
         pts.sort()
         # One colour per method in every panel.
-        ax.plot(*zip(*pts), marker="o", label=m, color=plt.cm.tab20(order(m) % 20),
+        ax.plot(*zip(*pts), marker="o", label=m, color=palette[order(m) % len(palette)],
                 linestyle="--" if m in TORCH_METHODS else ":" if m in COMBINED or m in OVERLAPPED
                 or m in EAGER else "-")
     ax.set_xscale("log")

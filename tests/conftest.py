@@ -65,6 +65,7 @@ def pytest_configure(config):
 LONG = frozenset([
     "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[diloco(8)+scaled_sign]",
     "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[eager:diloco(4)+int_quant(4)]",
+    "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[eager(w=1):diloco(4)+int_quant(4)]",
     "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[torch:power_sgd(2)]",
     "tests/test_bench_network.py::test_bench_network_runs_a_combined_method_and_the_pytorch_peer[zero+qwZ+qgZ]",
     "tests/test_bench_nodes.py::test_bench_nodes_runs_two_shaped_nodes_and_cleans_up",

@@ -29,9 +29,9 @@ def test_bench_eager_scores_blocking_and_each_weight(tmp_path):
     reached = [k for k, loss in r["losses"] if loss <= 2.3]
     assert r["steps_to_target"] == (reached[0] if reached else None)
     assert r["last"] == r["losses"][-1][1]
-  # With two workers and one exchange's worth of steps, the first outer step of w = 1 moves
-  # the mean anchor as blocking DiLoCo moves its anchor (by the whole mean at once), w = 1/M
-  # by half of it.
+  # At the first outer step (the same inner phase from the same start), w = 1 moves the mean
+  # anchor by the whole mean at once, as blocking DiLoCo moves its anchor (which takes the
+  # exchange's 4-bit mean, the mean anchor the exact one: close, not equal), w = 1/M by half.
   for period in (2, 3):
     block, share, whole = (r for r in rows if r["period"] == period)
     assert whole["losses"][0][1] == pytest.approx(block["losses"][0][1], rel=1e-3)

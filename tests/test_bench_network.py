@@ -70,6 +70,7 @@ def torch_missing():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["diloco(8)+scaled_sign", "torch:power_sgd(2)",
                                     "zero+qwZ+qgZ", "overlap:scaled_sign/gather",
+                                    "eager:diloco(4)+int_quant(4)",
                                     "eager(w=1):diloco(4)+int_quant(4)"])
 def test_bench_network_runs_a_combined_method_and_the_pytorch_peer(tmp_path, method, run_bench):
   if method.startswith("torch:") and torch_missing():
@@ -196,12 +197,15 @@ def test_summary_picks_each_role_and_compares_the_best_of_each_side(load_script)
   assert "torch:" not in b.verdicts(derived, ["1gbit"], [4])
 
 
-def test_summary_counts_eager_diloco_as_combined(load_script):
+@pytest.mark.parametrize("eager", ["eager:diloco(4)+int_quant(4)",
+                                   "eager(w=1):diloco(3)+int_quant(4)",
+                                   "eager(w=0.5):diloco(5)+int_quant(4)"])   # from an older json
+def test_summary_counts_eager_diloco_as_combined(load_script, eager):
   b = load_script(BENCH)
   rows = {"dense": row(0.9, 9.0), "diloco(4)+int_quant(4)": row(0.12, 1.5),
-          "eager:diloco(4)+int_quant(4)": row(0.05, 0.8), "torch:dense": row(0.8, 8.0)}
+          eager: row(0.05, 0.8), "torch:dense": row(0.8, 8.0)}
   one = b.summarize({"4": {"1gbit": rows}}, ["1gbit"], [4])["4"]["1gbit"]
-  assert one["roles"]["commopt best combined"]["method"] == "eager:diloco(4)+int_quant(4)"
+  assert one["roles"]["commopt best combined"]["method"] == eager
   assert "commopt best compressed" not in one["roles"]     # eager is not a per-step method
   assert one["combined_vs_dense"] == pytest.approx(9.0 / 0.8)
 

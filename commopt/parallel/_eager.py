@@ -78,8 +78,8 @@ class EagerDiLoCo:
   ``w·Δₘ + mean(Δ⁻) − w·Δₘ⁻`` (``w = own_weight``, ``1/M`` by default; see
   :mod:`commopt.parallel._eager`) and starts the exchange of its ``Δₘ`` on a thread, which
   the next outer step collects: a link slower than one outer step costs nothing while it is
-  faster than ``period`` inner steps. With one worker and ``own_weight`` None or 1 it is
-  :func:`~commopt.diloco` exactly.
+  faster than ``period`` inner steps. With one worker, a dense exchange and ``own_weight``
+  None or 1 it is :func:`~commopt.diloco` exactly.
 
   The driver is host-level, as :class:`~commopt.parallel.OverlappedDiLoCo` (two programs
   and a thread; every process calls it in the same order; run no collective of your own
