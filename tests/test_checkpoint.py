@@ -333,6 +333,10 @@ def _damage(file: pathlib.Path, how: str):
     file.write_bytes(raw[:len(raw) // 2] + b"\x00" + raw[len(raw) // 2 + 1:])
 
 
+# Reading a damaged manifest, orbax's asyncio loop may close before tensorstore's callback
+# for the failed read arrives ("Event loop is closed", raised on tensorstore's thread and
+# reported at teardown now and then): a race inside the libraries on this error path.
+@pytest.mark.filterwarnings("ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("file,how,problem", [
     ("_METADATA", "truncate", "orbax's tree metadata _METADATA is truncated or garbled"),
     ("_METADATA", "garble", "orbax's tree metadata _METADATA is truncated or garbled"),
