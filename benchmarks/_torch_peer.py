@@ -133,6 +133,7 @@ def main(config_path: str, result_path: str) -> None:
   from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
   from torch.nn.parallel import DistributedDataParallel as DDP
 
+  from bench_network import batch_rows    # the same batches as the JAX side (this directory)
   cfg = json.loads(pathlib.Path(config_path).read_text())
   arrays = np.load(cfg["arrays"])
   x_all, y_all = arrays["x"], arrays["y"].astype(np.int64)
@@ -163,7 +164,7 @@ def main(config_path: str, result_path: str) -> None:
       return x
 
   def my_rows(step):
-    idx = np.random.default_rng([step, 7]).choice(len(x_all), rows * workers, replace=False)
+    idx = batch_rows(len(x_all), step, rows * workers)
     mine = np.split(idx, workers)[process_id]
     return torch.from_numpy(x_all[mine]), torch.from_numpy(y_all[mine])
 

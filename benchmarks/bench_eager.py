@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
   import commopt
   sys.path.insert(0, str(ROOT / "examples"))
   sys.path.insert(0, str(ROOT / "benchmarks"))
-  from bench_network import eval_rows
+  from bench_network import batch_rows, eval_rows
   from digits_cnn import load_digits_flat, mlp_fns
 
   x_all, y_all = load_digits_flat()
@@ -103,8 +103,7 @@ def main(argv=None) -> dict:
   held_out = {"x": x_all[scored], "y": y_all[scored]}
 
   def batch(step):       # bench_network's rows: worker i takes the i-th share
-    idx = np.random.default_rng([step, 7]).choice(len(x_all), args.batch * args.workers,
-                                                  replace=False)
+    idx = batch_rows(len(x_all), step, args.batch * args.workers)
     return {"x": x_all[idx], "y": y_all[idx]}
 
   def options(period):

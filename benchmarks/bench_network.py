@@ -244,6 +244,14 @@ def eval_rows(n: int):
   return np.sort(np.random.default_rng(2024).choice(n, min(EVAL_ROWS, n), replace=False))
 
 
+def batch_rows(n: int, step: int, rows: int):
+  """The indices (of ``n`` digits) of step ``step``'s global batch of ``rows`` rows, the same
+  for every method, the PyTorch peer and ``bench_eager.py``; worker ``i`` takes the ``i``-th
+  share."""
+  import numpy as np
+  return np.random.default_rng([step, 7]).choice(n, rows, replace=False)
+
+
 def per_step(times, period: int = 1) -> float:
   """A typical step: the median of ``times``; for a method that exchanges every ``period`` steps,
   the median over consecutive runs of ``period`` steps (each holding one exchange) of their mean."""
@@ -365,7 +373,7 @@ def worker(config_path: str, result_path: str) -> None:
   params0, loss_fn = mlp_fns(hidden)      # host copies: every run places its own
 
   def my_rows(step):
-    idx = np.random.default_rng([step, 7]).choice(len(x_all), rows * workers, replace=False)
+    idx = batch_rows(len(x_all), step, rows * workers)
     mine = np.split(idx, ctx.num_processes)[ctx.process_id]
     return {"x": x_all[mine], "y": y_all[mine]}
 
