@@ -1,11 +1,14 @@
 """Step time of every compressor against dense (identity), under data_parallel.
 
 Each row is one ``commopt.data_parallel`` training step with
-``optax.chain(compressed_mean(c, axis_name="data", strategy=s), optax.sgd(0.1))``, timed
-as the median of ``--steps`` steps after two warm-up steps, every step blocked
-until ready, and reported as a ratio to the identity compressor's step
-measured in the same run. ``majority_vote`` and ``dgc`` are their own
-reducing transforms; ``power_sgd`` runs its own protocol whatever the strategy.
+``optax.chain(compressed_mean(c, axis_name="data", strategy=s), optax.sgd(0.1))``, and is
+reported as a ratio to the identity compressor's step on the same model. A row is timed
+in ``--rounds`` rounds of ``--steps`` steps (after a compile and one warm-up step), each
+round beside a round of identity's step, every step blocked until ready: its ratio is the
+median over the rounds of the row's median against identity's median of the same round,
+so that a slow spell of a shared machine hits both sides of a ratio alike (the ms figure
+is the row's best round). ``majority_vote`` and ``dgc`` are their own reducing
+transforms; ``power_sgd`` runs its own protocol whatever the strategy.
 
 Models (``--models``):
 
@@ -13,15 +16,17 @@ Models (``--models``):
 - ``cnn``: the demo's digits CNN without batch norm or dropout (1.07M
   parameters), global batch 256 of the bundled 8x8 digits.
 
-On CPU it simulates ``--workers`` devices (8 by default); on a GPU it uses the
-GPUs present (one worker per GPU). ``--check`` exits 1 when a ratio misses
+On CPU it simulates ``--workers`` devices (8 by default), with the host memory kept from
+step to step (``--host-memory reuse``, :func:`commopt.launch.reuse_host_memory`); on a GPU
+it uses the GPUs present (one worker per GPU). ``--check`` exits 1 when a ratio misses
 its target (``TARGETS``), or when the identity step costs more than
 ``BASE_TARGET`` times the hand-written step beside it (``plain``: the same
 model and sgd in ``jax.jit(jax.shard_map(...))`` with ``lax.pmean`` on the
-gradients); the identity step without the non-finite skip (``identity, no skip``) is
-reported beside it. Every step is given a batch placed beforehand, as the plain one is.
+gradients, timed in the same interleaved rounds); the identity step without the
+non-finite skip (``identity, no skip``) is reported beside it. Every step is given a batch
+placed beforehand, as the plain one is.
 
-    python benchmarks/bench_step.py                            # everything, ~10 min on 2 cores
+    python benchmarks/bench_step.py                            # everything, ~25 min on 2 cores
     python benchmarks/bench_step.py --compressors scaled_sign,top_k --models mlp --check
 """
 
@@ -59,14 +64,21 @@ def parse_args(argv=None):
                  help="compressed_mean strategies to time (each where the compressor takes "
                       "it); auto is timed only where it is neither of the others (psum)")
   p.add_argument("--models", default="mlp,cnn", help="mlp, cnn or both (comma-separated)")
-  p.add_argument("--steps", type=int, default=12, help="timed steps per row (median)")
+  p.add_argument("--steps", type=int, default=4, help="timed steps per row and round (median)")
+  p.add_argument("--rounds", type=int, default=3,
+                 help="rounds per row, each beside a round of identity's step (median ratio)")
   p.add_argument("--workers", type=int, default=8, help="simulated CPU devices (CPU only)")
   p.add_argument("--batch", type=int, default=256, help="global batch")
+  p.add_argument("--host-memory", default="reuse", choices=("reuse", "system"),
+                 help="reuse: malloc keeps freed memory (commopt.launch.reuse_host_memory, "
+                      "CPU); system: glibc's defaults")
   p.add_argument("--check", action="store_true", help="exit 1 when a row misses its target")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
   args = p.parse_args(argv)
-  if args.steps < 3:
-    p.error(f"--steps must be >= 3, got {args.steps}")
+  if args.steps < 1:
+    p.error(f"--steps must be >= 1, got {args.steps}")
+  if args.rounds < 1:
+    p.error(f"--rounds must be >= 1, got {args.rounds}")
   if args.workers < 1:
     p.error(f"--workers must be >= 1, got {args.workers}")
   return args
@@ -126,11 +138,28 @@ def reducer(name, strategy):
     return str(e).split(";")[0]
 
 
-def time_step(dp, params, batch, steps):
-  """(median seconds, compile seconds) of ``dp.step``, the batch placed once beforehand
-  (``dp.place_batch``), as :func:`time_plain` places its own: an input pipeline that
-  prefetches hands the step a placed batch, and a step given a batch on one device
-  would also time splitting it over the devices."""
+def runner(step, p, s, batch):
+  """``run(n)``: the median seconds of ``n`` more steps of ``step(p, s, batch)``, each
+  blocked until ready, going on from where the last call left off."""
+  import jax
+  state = [p, s]
+
+  def run(n):
+    times = []
+    for _ in range(n):
+      t0 = time.perf_counter()
+      state[0], state[1], _ = jax.block_until_ready(step(state[0], state[1], batch)[:3])
+      times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+  return run
+
+
+def dp_runner(dp, params, batch):
+  """``(run, compile seconds)`` for ``dp.step`` (:func:`runner`), after its compile and one
+  warm-up step, on a batch placed once beforehand (``dp.place_batch``), as
+  :func:`plain_runner` places its own: an input pipeline that prefetches hands the step a
+  placed batch, and a step given a batch on one device would also time splitting it over
+  the devices."""
   import jax
   params = jax.tree.map(lambda x: x.copy(), params)   # the step donates what it is given
   batch = jax.block_until_ready(dp.place_batch(batch))
@@ -138,13 +167,9 @@ def time_step(dp, params, batch, steps):
   state = dp.init(params)
   p, s, _ = jax.block_until_ready(dp.step(params, state, batch)[:3])
   compile_s = time.perf_counter() - t0
-  p, s, _ = jax.block_until_ready(dp.step(p, s, batch)[:3])
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    p, s, _ = jax.block_until_ready(dp.step(p, s, batch)[:3])
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), compile_s
+  run = runner(dp.step, p, s, batch)
+  run(1)
+  return run, compile_s
 
 
 def plain_step(mesh, loss_fn, opt):
@@ -167,8 +192,8 @@ def plain_step(mesh, loss_fn, opt):
                                out_specs=(P(), P(), P("data"))), donate_argnums=(0, 1))
 
 
-def time_plain(mesh, loss_fn, params, batch, steps):
-  """Median seconds of :func:`plain_step` (sgd 0.1, as the rows)."""
+def plain_runner(mesh, loss_fn, params, batch):
+  """:func:`runner` for :func:`plain_step` (sgd 0.1, as the rows), after two warm-up steps."""
   import jax
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -177,19 +202,31 @@ def time_plain(mesh, loss_fn, params, batch, steps):
   replicated = NamedSharding(mesh, P())
   p = jax.device_put(jax.tree.map(lambda x: x.copy(), params), replicated)
   s = jax.device_put(opt.init(p), replicated)
-  batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  for _ in range(2):
-    p, s, _ = jax.block_until_ready(step(p, s, batch))
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    p, s, _ = jax.block_until_ready(step(p, s, batch))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  run = runner(step, p, s, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+  run(2)
+  return run
+
+
+def interleaved(runs: dict, rounds: int, steps: int) -> dict:
+  """``{label: [each round's median seconds]}``: every run in ``runs`` for ``steps`` steps
+  per round, one after the other, for ``rounds`` rounds."""
+  out = {label: [] for label in runs}
+  for _ in range(rounds):
+    for label, run in runs.items():
+      out[label].append(run(steps))
+  return out
+
+
+def ratio(times, base) -> float:
+  """The median over the rounds of ``times[r] / base[r]``."""
+  return statistics.median(t / b for t, b in zip(times, base))
 
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.host_memory == "reuse":
+    from commopt import launch
+    launch.reuse_host_memory()   # before JAX starts its runtime
   import jax
   jax.config.update("jax_num_cpu_devices", args.workers)   # the CPU backend only
   import optax
@@ -216,32 +253,38 @@ def main(argv=None):
 
   mesh = jax.make_mesh((workers,), ("data",), devices=jax.devices()[:workers])
   print(f"{jax.default_backend()} ({jax.devices()[0].device_kind}), {workers} workers, "
-        f"jax {jax.__version__}, median of {args.steps} steps", flush=True)
+        f"jax {jax.__version__}, {args.rounds} rounds of {args.steps} steps per row, each "
+        f"beside a round of identity's", flush=True)
   rows, misses = [], []
   for model, (params, loss_fn, batch) in models(model_names, args.batch).items():
     def dp_for(tx, skip_nonfinite=True):
       return commopt.data_parallel(loss_fn, optax.chain(tx, optax.sgd(0.1)), mesh,
                                    skip_nonfinite=skip_nonfinite)
 
-    plain = time_plain(mesh, loss_fn, params, batch, args.steps)
-    base, base_compile = time_step(dp_for(reducer("identity", "gather")), params, batch, args.steps)
-    ok = base / plain <= BASE_TARGET
-    print(f"[{model}] plain shard_map + pmean: {plain * 1e3:.1f} ms/step; identity: "
-          f"{base * 1e3:.1f} ms/step, {base / plain:.2f}x plain (target <= {BASE_TARGET}x"
-          f"{'' if ok else ', MISSED'}; compile {base_compile:.1f} s)", flush=True)
+    identity, base_compile = dp_runner(dp_for(reducer("identity", "gather")), params, batch)
+    bare, _ = dp_runner(dp_for(reducer("identity", "gather"), False), params, batch)
+    t = interleaved({"plain": plain_runner(mesh, loss_fn, params, batch),
+                     "identity": identity, "no skip": bare}, args.rounds, args.steps)
+    vs_plain = ratio(t["identity"], t["plain"])
+    ok = vs_plain <= BASE_TARGET
+    bare_vs_plain = ratio(t["no skip"], t["plain"])
+    print(f"[{model}] plain shard_map + pmean: {min(t['plain']) * 1e3:.1f} ms/step; identity: "
+          f"{min(t['identity']) * 1e3:.1f} ms/step, {vs_plain:.2f}x plain (target <= "
+          f"{BASE_TARGET}x{'' if ok else ', MISSED'}; compile {base_compile:.1f} s)", flush=True)
     rows.append({"model": model, "compressor": "plain (shard_map + pmean)", "strategy": "-",
-                 "ms": plain * 1e3, "ratio": plain / base})
+                 "ms": min(t["plain"]) * 1e3, "ratio": ratio(t["plain"], t["identity"])})
     rows.append({"model": model, "compressor": "identity", "strategy": "psum",
-                 "ms": base * 1e3, "ratio": 1.0, "vs_plain": base / plain,
+                 "ms": min(t["identity"]) * 1e3, "ratio": 1.0, "vs_plain": vs_plain,
                  "target_vs_plain": BASE_TARGET, "met": ok})
     if not ok:
       misses.append(rows[-1])
     # The same step without the non-finite skip, whose guarantee the plain step lacks.
-    bare, _ = time_step(dp_for(reducer("identity", "gather"), False), params, batch, args.steps)
-    print(f"[{model}] identity, no skip: {bare * 1e3:.1f} ms/step, {bare / plain:.2f}x plain",
-          flush=True)
+    print(f"[{model}] identity, no skip: {min(t['no skip']) * 1e3:.1f} ms/step, "
+          f"{bare_vs_plain:.2f}x plain", flush=True)
     rows.append({"model": model, "compressor": "identity, no skip", "strategy": "psum",
-                 "ms": bare * 1e3, "ratio": bare / base, "vs_plain": bare / plain})
+                 "ms": min(t["no skip"]) * 1e3, "ratio": ratio(t["no skip"], t["identity"]),
+                 "vs_plain": bare_vs_plain})
+    del bare, t
     for name in names:
       if name == "identity":
         continue
@@ -251,17 +294,21 @@ def main(argv=None):
           if (strategy == strategies[0] or tx != "its own protocol") and strategy != "auto":
             print(f"[{model}] {name} [{strategy}]: skipped ({tx})", flush=True)
           continue
-        seconds, compile_s = time_step(dp_for(tx), params, batch, args.steps)
+        run, compile_s = dp_runner(dp_for(tx), params, batch)
+        t = interleaved({"identity": identity, "row": run}, args.rounds, args.steps)
+        del run
         label = "auto (psum)" if strategy == "auto" else strategy
-        ratio = seconds / base
+        r = ratio(t["row"], t["identity"])
         target = TARGETS.get(name)
-        ok = target is None or ratio <= target
-        row = {"model": model, "compressor": name, "strategy": label, "ms": seconds * 1e3,
-               "ratio": ratio, "target": target, "met": ok, "compile_s": compile_s}
+        ok = target is None or r <= target
+        row = {"model": model, "compressor": name, "strategy": label,
+               "ms": min(t["row"]) * 1e3, "ratio": r, "target": target, "met": ok,
+               "compile_s": compile_s,
+               "round_ratios": [a / b for a, b in zip(t["row"], t["identity"])]}
         rows.append(row)
         if not ok:
           misses.append(row)
-        print(f"[{model}] {name} [{label}]: {seconds * 1e3:.1f} ms/step, {ratio:.2f}x identity"
+        print(f"[{model}] {name} [{label}]: {row['ms']:.1f} ms/step, {r:.2f}x identity"
               f" (target {'-' if target is None else f'<= {target}x'}"
               f"{'' if ok else ', MISSED'}; compile {compile_s:.1f} s)", flush=True)
 
@@ -282,7 +329,8 @@ def main(argv=None):
   path = out / f"step_{jax.default_backend()}.json"
   meta = {"jax": jax.__version__, "backend": jax.default_backend(), "workers": workers,
           "device": str(jax.devices()[0].device_kind), "python": platform.python_version(),
-          "steps": args.steps, "batch": args.batch}
+          "steps": args.steps, "rounds": args.rounds, "batch": args.batch,
+          "host_memory": args.host_memory}
   path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
   judged = [r for r in rows if "met" in r]
   print(f"wrote {path}; {len(misses)} of {len(judged)} rows missed their target")

@@ -167,9 +167,13 @@ def onebit() -> base.Compressor:
 
   def decode(payload, state, like):
     n = base.leaf_size(like.shape)
-    neg = kernels.unpack_bits(payload["signs"], 1, n) == 1
-    # A select, not a gather from the two means: it fuses into a gathered sum.
-    return _out(jnp.where(neg, payload["means"][1], payload["means"][0]), like)
+    neg = kernels.unpack_bits(payload["signs"], 1, n).astype(jnp.float32)
+    # Each mean times a 0/1 weight, summed: exact for finite means (x·1 + y·0 = x), fused
+    # into a gathered sum, and on XLA:CPU about a third of the cost of a select between
+    # the two means there (bench_step's 8-device MLP under two_phase: 1.67x -> 1.36x
+    # identity). A non-finite mean makes every coordinate non-finite (inf·0 is NaN).
+    means = payload["means"]
+    return _out(means[0] * (1.0 - neg) + means[1] * neg, like)
 
   return base.Compressor(
       name="onebit", init=base.stateless_init, encode=encode, decode=decode,
