@@ -7,7 +7,8 @@ in ``--rounds`` rounds of ``--steps`` steps (after a compile and one warm-up ste
 round beside a round of identity's step, every step blocked until ready: its ratio is the
 median over the rounds of the row's median against identity's median of the same round,
 so that a slow spell of a shared machine hits both sides of a ratio alike (the ms figure
-is the row's best round). ``majority_vote`` and ``dgc`` are their own reducing
+is the row's best round, so two rows' ms need not divide to their ratio; the JSON keeps
+every round). ``majority_vote`` and ``dgc`` are their own reducing
 transforms; ``power_sgd`` runs its own protocol whatever the strategy.
 
 Models (``--models``):
@@ -26,7 +27,7 @@ gradients, timed in the same interleaved rounds); the identity step without the
 non-finite skip (``identity, no skip``) is reported beside it. Every step is given a batch
 placed beforehand, as the plain one is.
 
-    python benchmarks/bench_step.py                            # everything, ~25 min on 2 cores
+    python benchmarks/bench_step.py                            # everything, ~23 min on 2 cores
     python benchmarks/bench_step.py --compressors scaled_sign,top_k --models mlp --check
 """
 
@@ -71,7 +72,7 @@ def parse_args(argv=None):
   p.add_argument("--batch", type=int, default=256, help="global batch")
   p.add_argument("--host-memory", default="reuse", choices=("reuse", "system"),
                  help="reuse: malloc keeps freed memory (commopt.launch.reuse_host_memory, "
-                      "CPU); system: glibc's defaults")
+                      "set before JAX starts; it matters on CPUs); system: glibc's defaults")
   p.add_argument("--check", action="store_true", help="exit 1 when a row misses its target")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
   args = p.parse_args(argv)
@@ -209,10 +210,11 @@ def plain_runner(mesh, loss_fn, params, batch):
 
 def interleaved(runs: dict, rounds: int, steps: int) -> dict:
   """``{label: [each round's median seconds]}``: every run in ``runs`` for ``steps`` steps
-  per round, one after the other, for ``rounds`` rounds."""
+  per round, one after the other, for ``rounds`` rounds, in the given order in even rounds
+  and the reverse in odd ones (so that no row always runs first)."""
   out = {label: [] for label in runs}
-  for _ in range(rounds):
-    for label, run in runs.items():
+  for r in range(rounds):
+    for label, run in (list(runs.items()) if r % 2 == 0 else reversed(list(runs.items()))):
       out[label].append(run(steps))
   return out
 
@@ -272,10 +274,12 @@ def main(argv=None):
           f"{min(t['identity']) * 1e3:.1f} ms/step, {vs_plain:.2f}x plain (target <= "
           f"{BASE_TARGET}x{'' if ok else ', MISSED'}; compile {base_compile:.1f} s)", flush=True)
     rows.append({"model": model, "compressor": "plain (shard_map + pmean)", "strategy": "-",
-                 "ms": min(t["plain"]) * 1e3, "ratio": ratio(t["plain"], t["identity"])})
+                 "ms": min(t["plain"]) * 1e3, "ratio": ratio(t["plain"], t["identity"]),
+                 "round_ms": [x * 1e3 for x in t["plain"]]})
     rows.append({"model": model, "compressor": "identity", "strategy": "psum",
                  "ms": min(t["identity"]) * 1e3, "ratio": 1.0, "vs_plain": vs_plain,
-                 "target_vs_plain": BASE_TARGET, "met": ok})
+                 "target_vs_plain": BASE_TARGET, "met": ok,
+                 "round_ms": [x * 1e3 for x in t["identity"]]})
     if not ok:
       misses.append(rows[-1])
     # The same step without the non-finite skip, whose guarantee the plain step lacks.
@@ -283,8 +287,10 @@ def main(argv=None):
           f"{bare_vs_plain:.2f}x plain", flush=True)
     rows.append({"model": model, "compressor": "identity, no skip", "strategy": "psum",
                  "ms": min(t["no skip"]) * 1e3, "ratio": ratio(t["no skip"], t["identity"]),
-                 "vs_plain": bare_vs_plain})
+                 "vs_plain": bare_vs_plain, "round_ms": [x * 1e3 for x in t["no skip"]]})
     del bare, t
+    # The identity runner goes on training on the one batch through every row of the model:
+    # its step's cost does not depend on the values.
     for name in names:
       if name == "identity":
         continue
@@ -303,7 +309,8 @@ def main(argv=None):
         ok = target is None or r <= target
         row = {"model": model, "compressor": name, "strategy": label,
                "ms": min(t["row"]) * 1e3, "ratio": r, "target": target, "met": ok,
-               "compile_s": compile_s,
+               "compile_s": compile_s, "round_ms": [x * 1e3 for x in t["row"]],
+               "identity_round_ms": [x * 1e3 for x in t["identity"]],
                "round_ratios": [a / b for a, b in zip(t["row"], t["identity"])]}
         rows.append(row)
         if not ok:
@@ -311,6 +318,7 @@ def main(argv=None):
         print(f"[{model}] {name} [{label}]: {row['ms']:.1f} ms/step, {r:.2f}x identity"
               f" (target {'-' if target is None else f'<= {target}x'}"
               f"{'' if ok else ', MISSED'}; compile {compile_s:.1f} s)", flush=True)
+    del identity
 
   print("\n| model | compressor | strategy | ms/step | × identity | target |")
   print("|---|---|---|---|---|---|")

@@ -153,6 +153,25 @@ def test_onebit_never_worse_than_scaled_sign(seed, d):
   assert e1 <= e2 * (1 + 1e-5) + 1e-6
 
 
+@given(seed=st.integers(0, 2**31), d=st.sampled_from([1, 33, 300]),
+       scale=st.sampled_from([1e-30, 1.0, 1e30]))
+def test_onebit_decodes_each_sign_to_its_groups_mean_exactly(seed, d, scale):
+  """Each coordinate decodes to the mean of its sign group, bit for bit, alone and summed
+  over gathered payloads (its decode weighs the two means by the sign bit)."""
+  c = commopt.onebit()
+  x = rng_x(seed, d=d) * scale
+  payload, _ = c.encode(x, None, None)
+  means = np.asarray(payload["means"])
+  xs = np.asarray(x)
+  expect = np.where(xs < 0, means[1], means[0]).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda pl: c.decode(pl, None, x))(payload)),
+                                expect)
+  assert np.all(expect[xs >= 0] == means[0]) and np.all(expect[xs < 0] == means[1])
+  acc = jax.jit(lambda pl: c.add_decoded(c.add_decoded(jnp.zeros(d), pl, None, x), pl, None, x))(
+      payload)
+  np.testing.assert_array_equal(np.asarray(acc), expect + expect)
+
+
 @given(seed=st.integers(0, 2**31), nbits=st.sampled_from([4, 8]), block=st.sampled_from([4, 64, 256]))
 def test_int_quant_nearest_contraction(seed, nbits, block):
   x = rng_x(seed, d=256)
