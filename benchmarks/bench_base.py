@@ -57,12 +57,14 @@ import argparse
 import json
 import pathlib
 import platform
-import statistics
 import sys
 import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_step import ratio, runner  # noqa: E402  (after the path)
+
 TARGET = 1.05
 """The most the identity step may cost, as a multiple of the fastest plain step."""
 SIZES = (64, 1024, 1024, 1024, 10)
@@ -224,21 +226,12 @@ def measure(mesh, params, loss_fn, batch, n_steps: int, rounds: int, log=print,
   runs = {}
   for label, (init, step) in rows.items():
     p = jax.device_put(jax.tree.map(lambda x: x.copy(), params), replicated)
-    s = init(p)
-    for _ in range(2):                       # compile, then one warm step
-      p, s, _ = jax.block_until_ready(step(p, s, batch))
-    runs[label] = [p, s]
+    runs[label] = runner(step, p, init(p), batch, clock)
+    runs[label](2)                           # compile, then one warm step
   per_round = {label: [] for label in rows}
   for r in range(rounds):
-    for label, (_, step) in rows.items():
-      p, s = runs[label]
-      times = []
-      for _ in range(n_steps):
-        t0 = clock()
-        p, s, _ = jax.block_until_ready(step(p, s, batch))
-        times.append(clock() - t0)
-      runs[label] = [p, s]
-      per_round[label].append(statistics.median(times))
+    for label, run in runs.items():
+      per_round[label].append(run(n_steps))
     log(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms"
                                          for k, v in per_round.items()))
   return per_round
@@ -251,7 +244,6 @@ def summary(per_round: dict) -> dict:
   rounds leaves comparable; the second isolates what a skip costs."""
   plains = [k for k in per_round if k.startswith("plain") and "skip" not in k]
   fastest = [min(per_round[k][r] for k in plains) for r in range(len(per_round[plains[0]]))]
-  ratio = lambda v, base: statistics.median(t / b for t, b in zip(v, base))
   return {k: {"ms": min(v) * 1e3, "ratio": ratio(v, fastest),
               "vs_no_skip": ratio(v, per_round["identity, no skip"])}
           for k, v in per_round.items()}

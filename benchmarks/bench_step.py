@@ -139,18 +139,19 @@ def reducer(name, strategy):
     return str(e).split(";")[0]
 
 
-def runner(step, p, s, batch):
-  """``run(n)``: the median seconds of ``n`` more steps of ``step(p, s, batch)``, each
-  blocked until ready, going on from where the last call left off."""
+def runner(step, p, s, batch, clock=time.perf_counter):
+  """``run(n)``: the median seconds by ``clock`` of ``n`` more steps of ``step(p, s, batch)``,
+  each blocked until ready, going on from where the last call left off (``bench_base.py``
+  times its rows with it too)."""
   import jax
   state = [p, s]
 
   def run(n):
     times = []
     for _ in range(n):
-      t0 = time.perf_counter()
+      t0 = clock()
       state[0], state[1], _ = jax.block_until_ready(step(state[0], state[1], batch)[:3])
-      times.append(time.perf_counter() - t0)
+      times.append(clock() - t0)
     return statistics.median(times)
   return run
 
