@@ -136,11 +136,12 @@ def test_agree_when_must_be_the_same_on_every_worker():
 def test_the_flag_rides_in_the_dense_all_reduce(layout, monkeypatch):
   # "b" is below min_size, sent dense: the flag rides in its all-reduce. The NaN is in
   # worker 3's compressed "w", whose error-feedback residuals must stay as they were.
+  # The exchange answers the skip in its state (commopt._src.finite): it carried the flag.
   from commopt.transforms import _control
   carried = []
-  landed = _control._landed
-  monkeypatch.setattr(_control, "_landed", lambda p, *a: carried.append(p.reduced is not None)
-                      or landed(p, *a))
+  answers = _control._answers
+  monkeypatch.setattr(_control, "_answers",
+                      lambda s: (lambda r: carried.append(bool(r[0])) or r)(answers(s)))
   check_vma = layout != "shard_map, check_vma=False"
   axis = "workers" if layout == "vmap" else "data"
   cm = commopt.compressed_mean(commopt.scaled_sign(), axis_name=axis,
@@ -415,7 +416,6 @@ def test_multi_steps_accumulates_bf16_in_float32():
     ({"max_consecutive_errors": 2.0}, "max_consecutive_errors"),
     ({"axis_name": "data", "agree_when": True}, "agree_when"),
     ({"agree_when": lambda s: True}, "agree_when"),                       # no axis
-    ({"axis_name": "data", "agree_when": lambda s: True, "strict": False}, "agree_when"),
     ({"axis_name": "data", "agree_when": lambda s: True, "max_consecutive_errors": 1},
      "agree_when"),
 ])
@@ -423,6 +423,13 @@ def test_apply_if_finite_arguments(kwargs, name):
   kwargs = {"inner": optax.sgd(0.1), **kwargs}
   with pytest.raises(ValueError, match=rf"apply_if_finite: `{name}` .* got"):
     apply_if_finite(**kwargs)
+
+
+def test_apply_if_finite_strict_false_names_its_replacement():
+  with pytest.raises(ValueError, match=r"strict=False was removed.*on_skip='zero'.*"
+                                       r"optax.apply_if_finite"):
+    apply_if_finite(optax.sgd(0.1), axis_name="data", strict=False)
+  apply_if_finite(optax.sgd(0.1), axis_name="data", strict=True)    # what it always does
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -197,7 +197,7 @@ def _loss(p, b):
   return jnp.mean(b["x"] @ p["w"])
 
 
-@pytest.mark.parametrize("skip", [True, "fast"])
+@pytest.mark.parametrize("skip", [True])
 def test_data_parallel_skips_a_reduced_update_that_overflows(mesh, skip):
   # The gradients are finite on every worker (about 1e18); the step size makes
   # the reduced update overflow. The step is skipped on every worker.
@@ -217,22 +217,12 @@ def test_data_parallel_skips_a_reduced_update_that_overflows(mesh, skip):
   assert_same_bits(host_copy(params), params_before)
   assert not bool(state.last_finite)
   assert int(state.total_notfinite) == 1 and int(state.notfinite_count) == 1
-  if skip is True:
-    assert_same_bits(host_copy(state.inner_state), state_before.inner_state)
-  else:
-    # The inputs were finite, so the optimizer ran: its state advanced, finite, and its
-    # residual now holds the spike that overflowed.
-    assert int(state.inner_state[0].count) == 2
-    assert np.all(np.isfinite(np.asarray(state.inner_state[0].residual["w"])))
+  assert_same_bits(host_copy(state.inner_state), state_before.inner_state)
 
   params, state, losses = dp.step(params, state, batch(1e-25))
   assert np.all(np.isfinite(params["w"]))
-  if skip is True:
-    assert bool(state.last_finite) and int(state.total_notfinite) == 1
-    assert int(state.inner_state[0].count) == 2
-  else:
-    # The residual's spike overflows the next update too: skipped again, counted.
-    assert int(state.notfinite_count) == 2 and int(state.inner_state[0].count) == 3
+  assert bool(state.last_finite) and int(state.total_notfinite) == 1
+  assert int(state.inner_state[0].count) == 2
 
 
 def test_reduced_update_check_adds_no_collective(mesh):

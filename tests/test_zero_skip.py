@@ -275,8 +275,6 @@ def test_apply_if_finite_zero_in_a_users_shard_map(mesh):
 @pytest.mark.parametrize("kwargs, match", [
     ({"on_skip": "drop"}, r"`on_skip` .* got 'drop'"),
     ({"on_skip": 0}, r"`on_skip`"),
-    ({"on_skip": "zero", "strict": False},
-     r"`on_skip` 'zero' needs strict=True.* got strict=False"),
     ({"on_skip": "zero", "max_consecutive_errors": 2}, r"max_consecutive_errors=2"),
     ({"on_skip": "zero", "agree_when": lambda s: True}, r"`on_skip` 'zero' needs .* agree_when="),
 ])
@@ -286,9 +284,12 @@ def test_apply_if_finite_on_skip_is_checked(kwargs, match):
 
 
 def test_data_parallel_names_the_skip_modes(mesh):
-  with pytest.raises(ValueError, match=r"`skip_nonfinite` must be True, False, 'fast' or 'zero', "
+  with pytest.raises(ValueError, match=r"`skip_nonfinite` must be True, False or 'zero', "
                                        r"got 'zeros'"):
     commopt.data_parallel(_loss, optax.sgd(0.1), mesh, skip_nonfinite="zeros")
+  # The removed mode names its replacements.
+  with pytest.raises(ValueError, match=r"skip_nonfinite='fast' was removed: use True .* 'zero'"):
+    commopt.data_parallel(_loss, optax.sgd(0.1), mesh, skip_nonfinite="fast")
 
 
 def test_a_bfloat16_model_is_judged_from_its_means(mesh):

@@ -1,8 +1,10 @@
-"""Values offered to the transforms traced inside a ``with`` block (context variables).
+"""A context variable set for the code inside a ``with`` block.
 
-A wrapper (``apply_if_finite``) offers a value to whichever transform inside it can use
-it (a passenger for its all-reduce, a verdict to settle) without threading it through
-``optax``'s update signature.
+commopt keeps three, each with a comment at its definition saying why it is not an
+argument: the kernels' implementation (``kernels/_dispatch.py``), ``comm_plan``'s recorder
+(``comm/_plan.py``) and what the step states about the values it traces
+(``comm/_collectives.py``: model axes, the parameters' specs, whether the types are
+real). ``tests/test_layering.py`` counts them.
 """
 
 from __future__ import annotations

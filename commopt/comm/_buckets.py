@@ -18,20 +18,19 @@ many bytes (``"auto"``: :func:`flat_by_default`), else one all-reduce over the
 tuple of leaves. Leaves are grouped by dtype and by the mesh axes they vary
 over, so a bucket never mixes values typed differently.
 
-A :class:`Passenger` (the non-finite skip's flag) rides as one more element of a
-bucket, so that agreeing on it costs no collective of its own.
+The non-finite skip's flag rides as one more element of a bucket (:func:`mean`'s
+``flag``), so that agreeing on it costs no collective of its own.
 """
 
 from __future__ import annotations
 
-import contextvars
 import math
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from commopt._src import base, scope, tree
+from commopt._src import base, tree
 from commopt.comm import _collectives as coll
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -70,50 +69,20 @@ def resolve(bucket_bytes) -> Optional[int]:
   return bucket_bytes
 
 
-# -- a passenger ------------------------------------------------------------------------
+# -- a flag that rides -------------------------------------------------------------------
 
-class Passenger:
-  """A float scalar that is 0 on a worker whose ``updates`` are finite and NaN on another,
-  carried to its mean over ``axes`` (NaN where any worker's is NaN) by the first dense
-  all-reduce of ``updates`` over exactly those axes (one more element of a bucket, see
-  :func:`carrying`) instead of a collective of its own. ``reduced`` is that mean once a
-  reduction carried it, else None."""
-
-  def __init__(self, value: jax.Array, updates: Any, axes: tuple):
-    self.value, self.updates, self.axes = value, updates, tuple(axes)
-    self.reduced: Optional[jax.Array] = None
-
-
-_PASSENGER: contextvars.ContextVar = contextvars.ContextVar("commopt_passenger", default=None)
-
-
-def carrying(passenger: Optional[Passenger]):
-  """While tracing the transform that reduces ``passenger.updates``, offer it a ride."""
-  return scope.bound(_PASSENGER, passenger)
-
-
-def boarding(updates: Any, axis_name) -> Optional[Passenger]:
-  """The passenger waiting for a reduction of ``updates`` (the very tree it was offered
-  with, so traced at the same level) over ``axis_name``, or None."""
-  p = _PASSENGER.get()
-  names = base.axis_names(axis_name)
-  if p is None or p.reduced is not None or p.updates is not updates or p.axes != names:
+def _seat(xs: list, groups: list, flag: Optional[jax.Array]) -> Optional[int]:
+  """Appends ``flag`` (a float scalar) to ``xs`` and to the first floating-point group typed
+  as it is (same varying axes), cast to that group's dtype: its index in ``xs``, or None
+  where no group fits."""
+  if flag is None:
     return None
-  return p
-
-
-def _seat(xs: list, groups: list, passenger: Optional[Passenger]) -> Optional[int]:
-  """Appends the passenger to ``xs`` and to the first floating-point group typed as it is
-  (same varying axes), cast to that group's dtype: its index in ``xs``, or None where
-  no group fits."""
-  if passenger is None:
-    return None
-  axes = coll.varying_axes(passenger.value)
+  axes = coll.varying_axes(flag)
   for idx in groups:
     x = xs[idx[0]]
     if base.is_float_dtype(x.dtype) and coll.varying_axes(x) == axes:
       idx.append(len(xs))
-      xs.append(jnp.reshape(passenger.value, (1,)).astype(x.dtype))
+      xs.append(jnp.reshape(flag, (1,)).astype(x.dtype))
       return idx[-1]
   return None
 
@@ -130,7 +99,7 @@ def _groups(xs: list) -> list[list[int]]:
 
 def _chunks(xs: list, idx: list[int], cap: int, seat: Optional[int] = None) -> list[list[int]]:
   """``idx`` cut, in order, into runs of at most ``cap`` bytes (a larger leaf alone); the
-  passenger's index ``seat`` rides at the end of the first run, whatever its size."""
+  flag's index ``seat`` rides at the end of the first run, whatever its size."""
   out, run, size = [], [], 0
   for i in idx:
     if i == seat:
@@ -149,7 +118,7 @@ def _chunks(xs: list, idx: list[int], cap: int, seat: Optional[int] = None) -> l
 
 
 def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
-         bucket_bytes: Optional[int], passenger: Optional[Passenger] = None) -> list:
+         bucket_bytes: Optional[int], flag: Optional[jax.Array] = None) -> tuple:
   """The mean of each of ``xs`` over ``axis_name``, by ``dense_mean(tree, axis_name)``
   (a strategy's dense reduction, which takes a list of arrays).
 
@@ -161,12 +130,17 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
   back into one tuple all-reduce (one gloo collective per operand again) and may run
   large ones beside each other, whose messages gloo would mix.
 
-  ``passenger``: a :class:`Passenger` to carry (see :func:`boarding`); its mean lands in
-  ``passenger.reduced`` where a group of ``xs`` could seat it.
+  ``flag``: a float scalar to carry as one more element of the first floating-point
+  bucket (the non-finite skip's flag, :mod:`commopt._src.finite`): no collective of its
+  own.
+
+  Returns:
+    ``(means, flag_mean)``: the means in the order of ``xs``, and the mean of ``flag``
+    over the workers, or None where no bucket could carry it (or none was given).
   """
   xs = list(xs)
   groups = _groups(xs)
-  seat = _seat(xs, groups, passenger)
+  seat = _seat(xs, groups, flag)
   out: list = [None] * len(xs)
   prev = ()
   for idx in groups:
@@ -183,6 +157,5 @@ def mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
         n = math.prod(xs[i].shape)
         out[i] = flat[at:at + n].reshape(xs[i].shape)
         at += n
-  if seat is not None:
-    passenger.reduced = out.pop(seat)[0].astype(passenger.value.dtype)
-  return out
+  carried = None if seat is None else out.pop(seat)[0].astype(flag.dtype)
+  return out, carried

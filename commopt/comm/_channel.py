@@ -9,25 +9,13 @@ alike.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from commopt._src import scope
 from commopt.comm import _collectives as coll
-
-
-_LEAF_SPECS: contextvars.ContextVar = contextvars.ContextVar("commopt_leaf_specs", default=())
-
-
-def leaf_specs(specs):
-  """The :class:`Channel` objects made inside carry ``specs``: the ``PartitionSpec`` over the
-  model axes of each leaf the protocol is handed (``P()``: whole on this device; None:
-  sharded, dimensions unknown). Set by :func:`~commopt.compressed_mean` per reduction."""
-  return scope.bound(_LEAF_SPECS, tuple(specs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +26,11 @@ class Channel:
   Attributes:
     axis_name: the workers' axis.
     specs: per leaf handed to the protocol, its ``PartitionSpec`` over the model
-      axes (see :func:`leaf_specs`); empty where nothing is sharded.
+      axes (``P()``: whole on this device; None: sharded, dimensions unknown), as
+      :func:`~commopt.compressed_mean` hands it over; empty where nothing is sharded.
   """
   axis_name: Optional[str | tuple[str, ...]]
-  specs: tuple = dataclasses.field(default_factory=_LEAF_SPECS.get)
+  specs: tuple = ()
 
   def spec(self, i: int = 0):
     """Leaf ``i``'s spec over the model axes (``P()`` when none is known to cut it)."""

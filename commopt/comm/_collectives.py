@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commopt._src import base, compat, scope
+from commopt._src import base, compat, finite, scope
 from commopt._src.vma import vary, vary_like, varying_axes  # noqa: F401  (re-exported)
 from commopt.comm._recording import (  # noqa: F401  (re-exported)
     Event, Recorder, _record, recording)
@@ -62,8 +62,37 @@ def bound_axis_size(axis_name) -> Optional[int]:
     return None
 
 
-_INPUTS_UNCHECKED: contextvars.ContextVar = contextvars.ContextVar(
-    "commopt_inputs_unchecked", default=False)
+class Traced(NamedTuple):
+  """What the code tracing commopt's transforms states about the values they are traced on.
+
+  Attributes:
+    model_axes: the mesh axes a value varying over is one device's shard of a leaf
+      (:func:`model_axes`, :func:`commopt.comm.model_sharding`).
+    sharding: the parameters' ``PartitionSpec``\\ s over those axes, where stated
+      (:func:`commopt.comm.model_sharding`; read by :mod:`commopt.comm._shards`).
+    typed: False inside a trace whose values do not carry their real varying types
+      (:func:`inputs_unchecked`).
+  """
+  model_axes: frozenset = frozenset()
+  sharding: Any = None
+  typed: bool = True
+
+
+# The one context variable of the exchange. These facts belong to the trace that the
+# step (or a user's own shard_map) runs, not to any transform: optax's `update` has no
+# argument for them, and a user states them once around `tx.init` and `tx.update`
+# (`commopt.comm.model_sharding`) however deep the transforms that read them are nested.
+_TRACED: contextvars.ContextVar = contextvars.ContextVar("commopt_traced", default=Traced())
+
+
+def traced() -> Traced:
+  """The :class:`Traced` facts of the code being traced."""
+  return _TRACED.get()
+
+
+def stating(**facts):
+  """Code traced inside sees :func:`traced` with ``facts`` replaced (a ``with`` block)."""
+  return scope.bound(_TRACED, _TRACED.get()._replace(**facts))
 
 
 def inputs_unchecked():
@@ -74,7 +103,7 @@ def inputs_unchecked():
   optimizer state typed invariant that the step keeps per worker. Whether
   the axis is bound is still checked.
   """
-  return scope.bound(_INPUTS_UNCHECKED, True)
+  return stating(typed=False)
 
 
 def check_input(fn: str, tree: Any, axis_name) -> None:
@@ -116,7 +145,7 @@ def check_input(fn: str, tree: Any, axis_name) -> None:
         "(commopt.data_parallel maps over its `axis_name`), call the transform inside "
         "jax.shard_map / jax.vmap over that axis, or pass axis_name=None for one local worker.")
   tracked = [a for a in names if tracks_varying(a)]
-  if not tracked or _INPUTS_UNCHECKED.get():
+  if not tracked or not _TRACED.get().typed:
     return
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if not compat.is_tracer(x):
@@ -297,15 +326,11 @@ def pmax(tree: Any, axis_name) -> Any:
   return jax.lax.pmax(tree, axis_name)
 
 
-_MODEL_AXES: contextvars.ContextVar = contextvars.ContextVar("commopt_model_axes",
-                                                             default=frozenset())
-
-
 def model_axes(axes):
   """Code traced inside treats ``axes`` as model axes: a value varying over them is one
   device's shard of a leaf (see :func:`shard_axes`); entered by
   :func:`commopt.comm.model_sharding`."""
-  return scope.bound(_MODEL_AXES, frozenset(axes))
+  return stating(model_axes=frozenset(axes))
 
 
 def shard_axes(x, axis_name) -> tuple[str, ...]:
@@ -323,7 +348,7 @@ def shard_axes(x, axis_name) -> tuple[str, ...]:
   """
   skip = set() if axis_name is None else set(
       axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
-  return tuple(sorted((varying_axes(x) & _MODEL_AXES.get()) - skip))
+  return tuple(sorted((varying_axes(x) & _TRACED.get().model_axes) - skip))
 
 
 def leaf_sum(value: Any, like, axis_name) -> Any:
@@ -344,6 +369,42 @@ def shard_index(like, axis_name):
   which shard of the leaf it holds, the same on every worker of ``axis_name``."""
   axes = shard_axes(like, axis_name)
   return jax.lax.axis_index(axes) if axes else jnp.int32(0)
+
+
+def model_axes_of(tree, axis_name) -> tuple:
+  """The model axes any leaf of ``tree`` is sharded over (:func:`shard_axes`), sorted."""
+  return tuple(sorted({a for x in jax.tree.leaves(tree) for a in shard_axes(x, axis_name)}))
+
+
+def _names(axis_name) -> tuple:
+  return () if axis_name is None else base.axis_names(axis_name)
+
+
+def per_worker(x, axis_name) -> bool:
+  """Whether ``x`` is typed varying over an axis of ``axis_name`` (differs between workers)."""
+  return bool(set(varying_axes(x)) & set(_names(axis_name)))
+
+
+def agreed_finite(tree, axis_name) -> jax.Array:
+  """Whether every worker's ``tree`` is finite: one int32 all-reduce over ``axis_name`` and
+  the model axes any leaf is sharded over (so every shard of every worker agrees)."""
+  local_bad = jnp.logical_not(finite.all_finite(tree)).astype(jnp.int32)
+  return psum(local_bad, _names(axis_name) + model_axes_of(tree, axis_name)) == 0
+
+
+def reduced_finite(tree, axis_name) -> jax.Array:
+  """Whether the reduced ``tree`` is finite, judged alike on every device: leaves the same
+  everywhere (varying over no mesh axis) by themselves; leaves sharded over model axes
+  (and the same on every worker) by one int32 all-reduce over those axes. Leaves that
+  differ between the workers of ``axis_name`` are not read: no worker's own values decide.
+  Where no varying types exist (``jax.vmap``, ``check_vma=False``) every leaf is read."""
+  leaves = jax.tree.leaves(tree)
+  ok = finite.all_finite([x for x in leaves if not varying_axes(x)])
+  sharded = [x for x in leaves if not per_worker(x, axis_name) and shard_axes(x, axis_name)]
+  if sharded:
+    bad = jnp.logical_not(finite.all_finite(sharded)).astype(jnp.int32)
+    ok = ok & (psum(bad, model_axes_of(sharded, axis_name)) == 0)
+  return ok
 
 
 def mean_factors(n: int) -> tuple[float, float]:
@@ -405,41 +466,7 @@ def pmean(x: Any, axis_name: Optional[str]) -> Any:
 
   sent = jax.tree.map(lambda v: scale(v, pre) if _prescaled(v) else v, x)
   totals = jax.lax.psum(sent, axis_name)
-  _judge_sums(x, totals, axis_name)
   return jax.tree.map(finish, totals, x)
-
-
-_SUM_FLAGS: contextvars.ContextVar = contextvars.ContextVar("commopt_sum_flags", default=None)
-
-
-class SumFlags(list):
-  """The flags :func:`sums_judged` collects, from the all-reduces over ``axes``."""
-
-  def __init__(self, axes: tuple):
-    super().__init__()
-    self.axes = axes
-
-
-def sums_judged(axis_name, active: bool = True):
-  """While tracing inside (and ``active``): each :func:`pmean` over exactly ``axis_name``
-  appends to the :class:`SumFlags` this yields, for each floating-point leaf, a float32
-  scalar that is 0 where the all-reduce's sum is finite and NaN where not, read from the
-  sum itself before the division (a reduction over the collective's own output buffer:
-  XLA:CPU writes an elementwise result out whole before it reduces it); None for a leaf
-  summed pre-scaled, whose mean must be judged itself. A mean over part of the axes (a
-  hierarchical strategy's) appends nothing: its sum differs between the workers. Yields
-  None where not ``active``."""
-  return scope.bound(_SUM_FLAGS, SumFlags(base.axis_names(axis_name)) if active else None)
-
-
-def _judge_sums(x, totals, axis_name) -> None:
-  flags = _SUM_FLAGS.get()
-  if flags is None or base.axis_names(axis_name) != flags.axes:
-    return
-  for v, t in zip(jax.tree.leaves(x), jax.tree.leaves(totals)):
-    if _is_float(v):
-      s = jnp.sum(t, dtype=jnp.float32)
-      flags.append(None if _prescaled(v) else s - s)
 
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16}

@@ -101,6 +101,9 @@ class _Recording:
     self.inside = False
 
 
+# A recorder for `commopt.wire.comm_plan`, active only while it traces a step: the
+# transforms it records are nested anywhere in the user's optax tree, and their
+# updates take no argument of ours. Outside `comm_plan` it is None and nothing reads it.
 _RECORDING: contextvars.ContextVar = contextvars.ContextVar("commopt_plan_recording",
                                                             default=None)
 _TOKENS = itertools.count()

@@ -13,7 +13,6 @@ and :func:`specs_for` finds each leaf's spec.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -30,10 +29,6 @@ class _Sharding(NamedTuple):
   treedef: Any
   flat: tuple           # the specs, flattened
   by_local: dict        # (local shape, shard axes) -> spec, where only one spec has them
-
-
-_CURRENT: contextvars.ContextVar = contextvars.ContextVar("commopt_model_sharding",
-                                                          default=None)
 
 
 def _is_spec(x) -> bool:
@@ -84,12 +79,9 @@ def model_sharding(specs, shapes, mesh):
     key = (local_shape(shape, spec, sizes), tuple(sorted(spec_axes(spec))))
     seen.setdefault(key, set()).add(spec)
   by_local = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1}
-  token = _CURRENT.set(_Sharding(specs, treedef, tuple(flat), by_local))
-  try:
-    with coll.model_axes({a for spec in flat for a in spec_axes(spec)}):
-      yield
-  finally:
-    _CURRENT.reset(token)
+  with coll.stating(sharding=_Sharding(specs, treedef, tuple(flat), by_local),
+                    model_axes=frozenset(a for spec in flat for a in spec_axes(spec))):
+    yield
 
 
 def specs_for(updates, axis_name) -> list[Optional[P]]:
@@ -100,7 +92,7 @@ def specs_for(updates, axis_name) -> list[Optional[P]]:
   a tree the parameters' structure does not match and a shape several
   parameters share)."""
   leaves = [x for _, x in tree_lib.flatten(updates)[0]]
-  ctx = _CURRENT.get()
+  ctx = coll.traced().sharding
   if ctx is not None and jax.tree_util.tree_structure(
       updates, is_leaf=tree_lib.is_node) == ctx.treedef:
     return [P() if tree_lib.is_node(x) or not coll.shard_axes(x, axis_name) else s

@@ -298,16 +298,19 @@ class Strategy:
     """
     return tuple(shape), (base.leaf_size(shape),)
 
-  def exchange(self, compressor, x, memory, cstate, key, axis_name):
-    """``(mean, local, memory, state)`` of the error-compensated ``x``."""
+  def exchange(self, compressor, x, memory, cstate, key, axis_name, spec=None):
+    """``(mean, local, memory, state)`` of the error-compensated ``x``; ``spec``: the
+    leaf's ``PartitionSpec`` over the model axes, for a compressor's own protocol
+    (:class:`~commopt.comm._channel.Channel`)."""
     raise NotImplementedError
 
   def reduce(self, compressor: base.Compressor, u: jax.Array, residual, memory, cstate, key,
-             axis_name) -> LeafResult:
-    """The mean of every worker's compressed ``u``, with error feedback when ``residual`` is given."""
+             axis_name, spec=None) -> LeafResult:
+    """The mean of every worker's compressed ``u``, with error feedback when ``residual`` is
+    given; ``spec`` as for :meth:`exchange`."""
     p = compensate(u, residual)
     mean, local, memory, cstate = self.exchange(compressor, p.astype(u.dtype), memory, cstate,
-                                                key, axis_name)
+                                                key, axis_name, spec=spec)
     return LeafResult(out=mean.astype(u.dtype),
                       residual=None if residual is None else remember(p, local),
                       memory=memory, state=cstate)
@@ -342,9 +345,10 @@ def _send(compressor, payload, cstate, like, axis_name, linear: bool):
                   lambda acc, pl: compressor.add_decoded(acc, pl, cstate, like))
 
 
-def _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear: bool):
+def _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear: bool, spec=None):
   if compressor.reduce is not None:
-    reduced = compressor.reduce(x, cstate, key, Channel(axis_name))
+    reduced = compressor.reduce(x, cstate, key,
+                                Channel(axis_name, () if spec is None else (spec,)))
     return reduced.mean, reduced.local, None, reduced.state
   payload, cstate = compressor.encode(x, cstate, key)
   mean, local = _send(compressor, payload, cstate, x, axis_name, linear)
@@ -399,8 +403,9 @@ class Psum(Strategy):
           f"{fn}: strategy='psum' needs a linear compressor, and {compressor.name} is not "
           "(its payloads cannot be summed before decoding). Use strategy='gather' or 'auto'.")
 
-  def exchange(self, compressor, x, memory, cstate, key, axis_name):
-    return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=True)
+  def exchange(self, compressor, x, memory, cstate, key, axis_name, spec=None):
+    return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=True,
+                                 spec=spec)
 
   def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
     return _single_plan("all-reduce", compressor, leaf, shape, dtype, axis_name, sizes)
@@ -414,10 +419,11 @@ class Gather(Strategy):
   """
   name = "gather"
 
-  def exchange(self, compressor, x, memory, cstate, key, axis_name):
-    return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=False)
+  def exchange(self, compressor, x, memory, cstate, key, axis_name, spec=None):
+    return _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear=False,
+                                 spec=spec)
 
-  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
+  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name, spec=None):
     """As :meth:`Strategy.reduce`, with a values-and-indices payload (:func:`_sparse_reduce`)
     or a fused encoding (``encode_feedback``, float32 only) exchanged and its residual
     written by fewer passes over the leaf."""
@@ -428,7 +434,7 @@ class Gather(Strategy):
       return LeafResult(out=mean.astype(u.dtype), residual=new_residual, memory=memory,
                         state=cstate)
     if axis_name is None or compressor.reduce is not None or compressor.decode is not _SPARSE:
-      return super().reduce(compressor, u, residual, memory, cstate, key, axis_name)
+      return super().reduce(compressor, u, residual, memory, cstate, key, axis_name, spec)
     return _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name)
 
   def plan(self, compressor, leaf, shape, dtype, axis_name, sizes):
@@ -455,11 +461,11 @@ class TwoPhase(Strategy):
     n, count = base.leaf_size(shape), workers(axis_name)
     return tuple(shape), (n if count is None else chunk_size(n, count),)
 
-  def exchange(self, compressor, x, memory, cstate, key, axis_name, size=None):
+  def exchange(self, compressor, x, memory, cstate, key, axis_name, spec=None, size=None):
     mean, local, memory = two_phase(compressor, x.reshape(-1), memory, key, axis_name, size)
     return mean.reshape(x.shape), local.reshape(x.shape), memory, cstate
 
-  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
+  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name, spec=None):
     return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
                                             axis_name)], axis_name)[0]
 
@@ -508,13 +514,13 @@ class Hierarchical(Strategy):
     shard = chunk_size(n, ranks)
     return (shard,), (n if nodes is None else chunk_size(shard, nodes),)
 
-  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name):
+  def reduce(self, compressor, u, residual, memory, cstate, key, axis_name, spec=None):
     slow, fast = axis_name
     inner = self.inner
 
     def slow_reduce(p, memory, size):
       if isinstance(inner, TwoPhase):
-        mean, local, memory, _ = inner.exchange(compressor, p, memory, None, key, slow, size)
+        mean, local, memory, _ = inner.exchange(compressor, p, memory, None, key, slow, size=size)
         return mean, local, memory
       mean, local, _, _ = inner.exchange(compressor, p, None, compressor.init(p), key, slow)
       return mean.astype(p.dtype), local, None

@@ -65,6 +65,9 @@ class Choice(NamedTuple):
   interpret: bool
 
 
+# A process-wide setting, as jax.default_matmul_precision is: which kernels run is chosen
+# once around a whole program (`commopt.kernels.implementation`), not passed to every
+# compressor.
 _CHOICE: contextvars.ContextVar[Choice] = contextvars.ContextVar(
     "commopt_kernels_implementation", default=Choice("auto", False))
 

@@ -43,7 +43,7 @@ from commopt.parallel._layout_probe import Layout
 from commopt.parallel._step_common import StepBody
 
 MODEL_STATE_SYNC = ("mean", "none")
-SKIP_MODES = ("fast", "zero")   # skip_nonfinite besides True and False
+SKIP_MODES = ("zero",)   # skip_nonfinite besides True and False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -106,10 +106,14 @@ class DataParallel:
             or (isinstance(self.shard_local, str) and self.shard_local == "auto")):
       raise ValueError(f"{fn}: `shard_local` must be 'auto', True or False, got "
                        f"{self.shard_local!r}.")
+    if isinstance(self.skip_nonfinite, str) and self.skip_nonfinite == "fast":
+      raise ValueError(
+          f"{fn}: skip_nonfinite='fast' was removed: use True (the default: every state "
+          "kept on any skip) or 'zero' (the cheapest: the optimizer takes a zero gradient).")
     if not (self.skip_nonfinite is True or self.skip_nonfinite is False
             or (isinstance(self.skip_nonfinite, str) and self.skip_nonfinite in SKIP_MODES)):
-      raise base.OptionTypeError(f"{fn}: `skip_nonfinite` must be True, False, 'fast' or "
-                                 f"'zero', got {self.skip_nonfinite!r}.")
+      raise base.OptionTypeError(f"{fn}: `skip_nonfinite` must be True, False or 'zero', got "
+                                 f"{self.skip_nonfinite!r}.")
     for name in ("has_aux", "has_state", "donate", "local_params"):
       object.__setattr__(self, name, base.check_bool(name, getattr(self, name), fn=fn))
     object.__setattr__(self, "_layouts", {})
@@ -410,12 +414,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   (error residuals included) and model state stay as they were, and
   ``opt_state.total_notfinite`` counts the skips. The compressed exchange
   still runs on a skipped step (its result is discarded), so no worker ever
-  waits in a collective another one skipped. ``skip_nonfinite="fast"``
-  runs the optimizer inside one ``lax.cond`` on the agreed verdict instead:
-  no select over the state on every step (faster), about a copy of the
-  optimizer state more peak memory, and on an update that overflowed from
-  finite gradients the optimizer state advances (see
-  :func:`commopt.transforms.apply_if_finite`). ``skip_nonfinite="zero"``
+  waits in a collective another one skipped. ``skip_nonfinite="zero"``
   treats a skipped step as a step with a zero gradient: the exchange
   (a ``tx`` that starts with :func:`~commopt.compressed_mean`) judges every
   worker's gradients and its own mean, and on a skip returns a zero mean and
@@ -437,7 +436,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   collective crosses the data axes between exchanges, and the counters are
   each worker's own (``apply_if_finite``'s ``agree_when``). With model state
   (``has_state``, and so :func:`~commopt.nnx_data_parallel`) or
-  ``skip_nonfinite="fast"`` or ``"zero"`` the workers agree on every step.
+  ``skip_nonfinite="zero"`` the workers agree on every step.
 
   Model state (``has_state=True``), e.g. batch-norm statistics: ``loss_fn``
   returns the new state beside the loss. With ``model_state_sync='mean'``
@@ -461,9 +460,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
     has_state: ``loss_fn`` takes and returns model state.
     model_state_sync: ``"mean"`` or ``"none"``.
     skip_nonfinite: skip steps with a non-finite gradient on any worker or a
-      non-finite reduced update: True, False, ``"fast"`` (the optimizer
-      inside a ``lax.cond``) or ``"zero"`` (the optimizer takes a zero
-      gradient; see above).
+      non-finite reduced update: True (every state kept), False or ``"zero"``
+      (the optimizer takes a zero gradient; see above).
     donate: donate params, optimizer state and model state to the jitted step.
     local_params: keep one copy of the parameters per worker, stacked
       ``[num_workers, ...]`` and sharded over the data axes, for transforms

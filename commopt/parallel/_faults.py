@@ -14,10 +14,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from commopt._src.finite import all_finite
+from commopt.comm import _plan
+from commopt.transforms._control import apply_if_finite
+
 
 def optimizer(tx, axis_name, skip_nonfinite, local=False) -> optax.GradientTransformation:
   """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip
-  (``skip_nonfinite``: True, False, ``"fast"`` or ``"zero"``, see :func:`apply_if_finite`).
+  (``skip_nonfinite``: True, False or ``"zero"``, see :func:`apply_if_finite`).
 
   ``local``: the workers keep their own parameters and nothing else makes them meet
   on every step (``local_params`` without model state). Then, for a ``tx`` that
@@ -26,12 +30,9 @@ def optimizer(tx, axis_name, skip_nonfinite, local=False) -> optax.GradientTrans
   ``agree_when``): no collective runs between exchanges."""
   if skip_nonfinite is False:
     return optax.with_extra_args_support(tx)
-  from commopt.comm import _plan
-  from commopt.transforms._control import apply_if_finite
-  strict = skip_nonfinite != "fast"
   zero = skip_nonfinite == "zero"
-  exchanges = _plan.exchanges_of(tx) if local and strict and not zero else None
-  return apply_if_finite(tx, axis_name=axis_name, strict=strict, agree_when=exchanges,
+  exchanges = _plan.exchanges_of(tx) if local and not zero else None
+  return apply_if_finite(tx, axis_name=axis_name, agree_when=exchanges,
                          on_skip="zero" if zero else "keep")
 
 
@@ -40,7 +41,6 @@ def poison_if_nonfinite(dp, grads, new_model_state):
   skip (``skip_nonfinite``) also covers state that the gradients do not reach."""
   if not (dp.skip_nonfinite and dp.has_state):
     return grads
-  from commopt.transforms._control import all_finite
   # Floating-point leaves only: model state may hold PRNG keys, which have no isfinite.
   floats = [x for x in jax.tree.leaves(new_model_state) if jnp.issubdtype(x.dtype, jnp.inexact)]
   if not floats:

@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from commopt._src import base, feedback, tree, vma
+from commopt._src import base, feedback, finite, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
 from commopt.comm import _buckets, _plan, _shards, _strategies, _words
-from commopt.comm._channel import Channel, exchange, leaf_specs, worker_key
-from commopt.transforms import _zero_skip
+from commopt.comm._channel import Channel, exchange, worker_key
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
 INNER_STRATEGIES = ("auto", "psum", "gather", "two_phase")
@@ -43,6 +42,11 @@ class CompressedMeanState(NamedTuple):
       ``inner_strategy="two_phase"``: its chunk of its shard,
       ``[⌈⌈n/L⌉/S⌉]`` for ``S`` nodes); ``optax.MaskedNode()`` for other
       strategies and without error feedback.
+    verdict: None, except in the state an ``update`` called with the extra argument
+      ``nonfinite`` returns (:mod:`commopt._src.finite`, from
+      :func:`~commopt.transforms.apply_if_finite`, which reads it and clears it): whether
+      every worker's input was finite (with the zero-gradient skip, and the mean too),
+      the same on every worker.
 
   Both memories are float32 for 16-bit float leaves (bf16, f16) unless
   ``residual_dtype`` says otherwise. The per-worker parts are allocated when ``init`` runs where
@@ -57,6 +61,7 @@ class CompressedMeanState(NamedTuple):
   residual: Any
   compressor_state: Any
   server_residual: Any = None
+  verdict: Any = None
 
 
 def _check_leaf(path, leaf, what: str):
@@ -321,20 +326,15 @@ def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out
             None if tree.is_node(leaves.memories[i]) else leaves.memories[i],
             leaves.cstates[i], _leaf_key(cfg, wkey, i, leaves.updates[i]), cfg.axis_name)
 
-  @contextlib.contextmanager
-  def around(i):
-    with leaf_specs((leaves.specs[i],)), _naming(leaves, i):
-      yield
-
   rounds = getattr(cfg.reduction, "reduce_rounds", None)
   if rounds is not None:
     results = _words.run_together([rounds(*args(i)) for i in compressed], cfg.axis_name,
-                                  lambda j: around(compressed[j]), wait_for)
+                                  lambda j: _naming(leaves, compressed[j]), wait_for)
   else:
     results = []
     for i in compressed:
-      with around(i):
-        results.append(cfg.reduction.reduce(*args(i)))
+      with _naming(leaves, i):
+        results.append(cfg.reduction.reduce(*args(i), spec=leaves.specs[i]))
   for i, result in zip(compressed, results):
     out[i] = result.out
     if cfg.error_feedback:
@@ -350,12 +350,39 @@ def _update(cfg: _Config, updates, state: CompressedMeanState, params=None, **ex
   A leaf sharded over model axes (inside a ``shard_map`` manual over them) is
   compressed as its own leaf, shard by shard (see :func:`compressed_mean`).
   """
-  del params, extra_args
+  del params
   with vma.shard_aware():
-    return _update_leaves(cfg, updates, state)
+    return _update_leaves(cfg, updates, state, finite.offered(extra_args, cfg.axis_name))
 
 
-def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
+def _answer(cfg: _Config, nf: Optional[finite.NonFinite], carried, out: list,
+            new_state: CompressedMeanState, state: CompressedMeanState):
+  """The answer to a non-finite skip's ``nf`` (:mod:`commopt._src.finite`): ``(out,
+  new_state)`` with ``new_state.verdict`` set where this exchange carried the flag
+  (``carried``: the flag's mean from a dense bucket) or the skip is the zero-gradient one.
+  With ``nf.zero`` the means are judged too, and where the verdict is false they are
+  zeroed and ``state`` is kept."""
+  if nf is None or (not nf.zero and (nf.agreed is not None or carried is None)):
+    return out, new_state       # nothing to tell: the skip agrees by itself
+  if nf.agreed is not None:
+    ok = nf.agreed
+  else:
+    if carried is None:
+      # No dense bucket carried the flag (every leaf compressed): its own all-reduce,
+      # after every collective of the exchange (gloo needs them in one order).
+      carried = coll.psum(coll.after(nf.flag, [o for o in out if o is not None]),
+                          cfg.axis_name)
+    ok = jnp.isfinite(carried)
+  if nf.zero:
+    # The means are the same on every worker: so is their verdict.
+    ok = ok & coll.reduced_finite(out, cfg.axis_name)
+    out = [finite.zero_unless(ok, o) for o in out]
+    new_state = finite.hold_unless(ok, new_state, state)
+  return out, new_state._replace(verdict=ok)
+
+
+def _update_leaves(cfg: _Config, updates, state: CompressedMeanState,
+                   nf: Optional[finite.NonFinite] = None):
   flat, treedef = tree.flatten(updates)
   for path, u in flat:
     _check_leaf(path, u, "an update")
@@ -376,13 +403,13 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
   sent = set(compressed)
   dense = [i for i, u in enumerate(leaves.updates) if not tree.is_node(u) and i not in sent]
   out = list(leaves.updates)
-  sums = None
+  carried = None
   if dense:
-    # The non-finite skip's flag, where it waits for these very updates, rides along.
-    with _zero_skip.judging_sums(updates, cfg.axis_name, state) as sums:
-      means = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,
-                            cfg.reduction.dense_mean, _buckets.resolve(cfg.bucket_bytes),
-                            _buckets.boarding(updates, cfg.axis_name))
+    # The non-finite skip's flag, where one was handed over, rides along.
+    means, carried = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,
+                                   cfg.reduction.dense_mean,
+                                   _buckets.resolve(cfg.bucket_bytes),
+                                   nf.flag if nf is not None else None)
     for i, m in zip(dense, means):
       out[i] = m
   new = (list(leaves.residuals), list(leaves.cstates), list(leaves.memories))
@@ -407,10 +434,8 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState):
   new_state = CompressedMeanState(
       count=optax.safe_int32_increment(state.count), key=state.key, residual=unflat(new[0]),
       compressor_state=unflat(new[1]), server_residual=unflat(new[2]))
-  # apply_if_finite(on_skip="zero") around these very updates: a zero mean and this
-  # state as it was where a worker's input or a mean is not finite.
-  out, new_state = _zero_skip.settle(updates, cfg.axis_name, out, new_state, state, dense,
-                                     sums)
+  out, new_state = _answer(cfg, nf, carried, out, new_state,
+                           state._replace(verdict=None))
   return unflat(out), new_state
 
 

@@ -15,7 +15,6 @@ every worker, with the branches' outputs joined over their varying axes.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -23,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base, vma
-from commopt.comm import _buckets
+from commopt._src import base, finite, vma
 from commopt.comm import _collectives as coll
-from commopt.transforms import _zero_skip
+from commopt.comm import _plan
+from commopt.transforms._compressed_mean import CompressedMeanState
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -92,51 +91,13 @@ def _check_axes(axis_name, fn: str) -> None:
         f"names, got {axis_name!r}.")
 
 
-def _skip_zeros(x):
-  # -0.0 is the additive identity of every float, +0.0 and -0.0 included, so
-  # `params + updates` reproduces each parameter bit for bit.
-  if base.is_float_dtype(x.dtype):
-    return jnp.full(x.shape, -0.0, x.dtype)
-  return jnp.zeros(x.shape, x.dtype)
-
-
-def _select(pred, new, old):
-  out = jnp.where(pred, new, old)
-  return out if out.dtype == old.dtype else out.astype(old.dtype)
-
-
 def _run_or_hold(pred, run, operand, inner_state):
   """``run(operand, inner_state)`` where ``pred`` (the same on every worker), else updates of
   negative zeros shaped like its output and ``inner_state`` as it was: one ``lax.cond``."""
   def hold(x, s):
     shapes, _ = jax.eval_shape(run, x, s)
-    return jax.tree.map(_skip_zeros, shapes), s
+    return jax.tree.map(finite.skip_zeros, shapes), s
   return coll.cond(pred, run, hold, operand, inner_state)
-
-
-def nonfinite_flag(tree) -> jax.Array:
-  """A float32 scalar that is 0 when every value of ``tree`` is finite and NaN otherwise.
-
-  ``v - v`` of each floating-point leaf's sum ``v``: a NaN or an infinity in
-  the leaf makes its sum NaN or infinite, and ``v - v`` of a scalar is NaN
-  exactly when ``v`` is not finite. One reduction reading the leaf as it is
-  (a sum is the cheapest: XLA:CPU does not fuse an elementwise pass such as
-  ``isfinite(x)`` into a reduction of a leaf that other ops also read, and
-  writes it out whole first). A leaf whose float32 sum overflows (values
-  around ``1e32`` and beyond, over a million of them) counts as non-finite
-  too. Integer leaves are always finite.
-  """
-  flags = []
-  for x in jax.tree.leaves(tree):
-    if base.is_float_dtype(x.dtype) and x.size:
-      v = jnp.sum(x, dtype=jnp.float32)
-      flags.append(v - v)
-  return functools.reduce(jnp.add, flags, jnp.zeros((), jnp.float32))
-
-
-def all_finite(tree) -> jax.Array:
-  """Whether every value of every leaf of ``tree`` is finite (a scalar bool)."""
-  return jnp.isfinite(nonfinite_flag(tree))
 
 
 def _names(axis_name) -> tuple:
@@ -145,102 +106,48 @@ def _names(axis_name) -> tuple:
   return base.axis_names(axis_name)
 
 
-def _model_axes(updates, axis_name) -> tuple:
-  """The model axes any leaf of ``updates`` is sharded over (see :func:`coll.shard_axes`)."""
-  return tuple(sorted({a for x in jax.tree.leaves(updates)
-                       for a in coll.shard_axes(x, axis_name)}))
-
-
-def _agreed_finite(updates, axis_name) -> jax.Array:
-  """Whether every worker's ``updates`` are finite: one int32 all-reduce over ``axis_name``
-  and the model axes any leaf is sharded over (so every shard of every worker agrees)."""
-  local_bad = jnp.logical_not(all_finite(updates)).astype(jnp.int32)
-  model = _model_axes(updates, axis_name)
-  if model:
-    axis_name = tuple(_names(axis_name)) + model
-  return coll.psum(local_bad, axis_name) == 0
-
-
-def _reduced_finite(new_updates, axis_name) -> jax.Array:
-  """Whether the reduced ``new_updates`` are finite, judged alike on every device: leaves
-  the same everywhere by themselves; leaves sharded over model axes (and the same on
-  every worker) by one int32 all-reduce over those axes."""
-  ok = all_finite(_replicated(new_updates))
-  sharded = [x for x in _shared(new_updates, axis_name) if coll.shard_axes(x, axis_name)]
-  if sharded:
-    bad = jnp.logical_not(all_finite(sharded)).astype(jnp.int32)
-    ok = ok & (coll.psum(bad, _model_axes(sharded, axis_name)) == 0)
-  return ok
-
-
-def _replicated(tree) -> list:
-  """The leaves of ``tree`` typed the same on every device: varying over no mesh axis
-  (all of them where no varying types are known: under ``jax.vmap``, or
-  ``check_vma=False``)."""
-  return [x for x in jax.tree.leaves(tree) if not coll.varying_axes(x)]
-
-
-def _check_agree_when(agree_when, axis_name, strict, max_consecutive_errors) -> None:
+def _check_agree_when(agree_when, axis_name, max_consecutive_errors) -> None:
   """Refuses an ``agree_when`` that is not callable, or with options it does not serve."""
   if agree_when is None:
     return
   if not callable(agree_when):
     raise base.OptionTypeError(f"apply_if_finite: `agree_when` must be None or a function of "
                                f"the inner state, got {agree_when!r}.")
-  if axis_name is None or not strict or max_consecutive_errors is not None:
+  if axis_name is None or max_consecutive_errors is not None:
     raise ValueError(
-        "apply_if_finite: `agree_when` needs an `axis_name`, strict=True and "
-        f"max_consecutive_errors=None, got axis_name={axis_name!r}, strict={strict!r}, "
-        f"max_consecutive_errors={max_consecutive_errors!r}.")
+        "apply_if_finite: `agree_when` needs an `axis_name` and max_consecutive_errors=None, "
+        f"got axis_name={axis_name!r}, max_consecutive_errors={max_consecutive_errors!r}.")
 
 
 def _apply_if_finite_options(inner, axis_name, strict, max_consecutive_errors, agree_when,
                              on_skip) -> tuple:
-  """``(inner, strict, max_consecutive_errors, zero)`` checked; ``zero``: whether
-  ``on_skip`` asks for the zero-gradient skip, refused with options it does not serve."""
+  """``(inner, max_consecutive_errors, zero)`` checked; ``zero``: whether ``on_skip`` asks
+  for the zero-gradient skip, refused with options it does not serve."""
   fn = "apply_if_finite"
   inner = _check_inner(inner, fn)
   _check_axes(axis_name, fn)
-  strict = base.check_bool("strict", strict, fn=fn)
+  if not (strict is None or strict is True):
+    raise ValueError(
+        f"apply_if_finite: strict={strict!r} was removed: the inner transform always runs and "
+        "its state is kept on a skip. For the cheapest agreed skip pass on_skip='zero' (the "
+        "optimizer takes a zero gradient); on one worker optax.apply_if_finite runs the inner "
+        "transform inside a lax.cond.")
   if max_consecutive_errors is not None:
     max_consecutive_errors = base.check_int("max_consecutive_errors", max_consecutive_errors,
                                             fn=fn, minimum=0)
-  _check_agree_when(agree_when, axis_name, strict, max_consecutive_errors)
+  _check_agree_when(agree_when, axis_name, max_consecutive_errors)
   base.check_choice("on_skip", on_skip, ("keep", "zero"), fn)
-  if on_skip == "zero" and (not strict or max_consecutive_errors is not None
-                            or agree_when is not None):
+  if on_skip == "zero" and (max_consecutive_errors is not None or agree_when is not None):
     raise ValueError(
-        "apply_if_finite: `on_skip` 'zero' needs strict=True, max_consecutive_errors=None "
-        f"and agree_when=None, got strict={strict!r}, "
-        f"max_consecutive_errors={max_consecutive_errors!r}, agree_when={agree_when!r}.")
-  return inner, strict, max_consecutive_errors, on_skip == "zero"
-
-
-def _run_if_finite(finite, state, max_consecutive_errors, run, updates):
-  """``strict=False``: ``run`` inside one ``lax.cond`` on the agreed input verdict."""
-  run_inner = finite
-  if max_consecutive_errors is not None:
-    # optax's rule: past `m` consecutive non-finite updates, apply the next one anyway.
-    run_inner = finite | (state.notfinite_count >= max_consecutive_errors)
-  # The verdict is the same on every worker, so every worker takes the same branch
-  # and none waits in a collective of `inner` that another one skipped.
-  return _run_or_hold(run_inner, run, updates, state.inner_state)
-
-
-def _reduced_finite_output(new_updates, axis_name) -> jax.Array:
-  """:func:`_reduced_finite` of ``inner``'s output, judged alike on every worker."""
-  with vma.shard_aware():
-    return _reduced_finite(new_updates, axis_name)
-
-
-def _per_worker(x, axis_name) -> bool:
-  """Whether ``x`` is typed varying over an axis of ``axis_name`` (differs between workers)."""
-  return bool(set(coll.varying_axes(x)) & set(_names(axis_name)))
+        "apply_if_finite: `on_skip` 'zero' needs max_consecutive_errors=None and "
+        f"agree_when=None, got max_consecutive_errors={max_consecutive_errors!r}, "
+        f"agree_when={agree_when!r}.")
+  return inner, max_consecutive_errors, on_skip == "zero"
 
 
 def _varies(tree, axis_name) -> bool:
-  """Whether some leaf of ``tree`` differs between workers (:func:`_per_worker`)."""
-  return any(_per_worker(x, axis_name) for x in jax.tree.leaves(tree))
+  """Whether some leaf of ``tree`` differs between workers (:func:`coll.per_worker`)."""
+  return any(coll.per_worker(x, axis_name) for x in jax.tree.leaves(tree))
 
 
 def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
@@ -250,10 +157,10 @@ def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
   with it the workers agree only where ``agree_when(inner_state)``, and ``agreed`` is true
   on the other steps, where no collective over ``axis_name`` runs."""
   if agree_when is None or not _varies(updates, axis_name):
-    ok = _agreed_finite(updates, axis_name)
+    ok = coll.agreed_finite(updates, axis_name)
     return ok, ok
-  bad = jnp.logical_not(all_finite(updates)).astype(jnp.int32)
-  model = _model_axes(updates, axis_name)
+  bad = jnp.logical_not(finite.all_finite(updates)).astype(jnp.int32)
+  model = coll.model_axes_of(updates, axis_name)
   if model:
     bad = jnp.minimum(coll.psum(bad, model), 1)
   now = agree_when(inner_state)
@@ -268,129 +175,81 @@ def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
   return (bad == 0) & agreed, agreed
 
 
-def _passenger(updates, axis_name) -> Optional[_buckets.Passenger]:
-  """This worker's input flag (:func:`nonfinite_flag`), offered to ride in the inner
-  transform's dense all-reduce of these ``updates`` (one more element of its first
-  float bucket: no collective of its own); None where the workers must also agree over
-  model axes, or there are no workers."""
-  if axis_name is None:
-    return None
-  with vma.shard_aware():
-    if _model_axes(updates, axis_name):
-      return None
-    return _buckets.Passenger(nonfinite_flag(updates), updates, _names(axis_name))
-
-
-def _landed(passenger: _buckets.Passenger, axis_name, after) -> jax.Array:
-  """Whether every worker's input was finite: from the passenger's mean where a reduction
-  carried it, else by one int32 all-reduce of the flag after every collective of ``after``
-  (the inner transform's outputs)."""
-  if passenger.reduced is not None:
-    return jnp.isfinite(passenger.reduced)
-  with vma.shard_aware():
-    bad = jnp.isnan(passenger.value).astype(jnp.int32)
-    return coll.psum(coll.after(bad, after), axis_name) == 0
-
-
-def _verdicts_first(updates, inner_state, axis_name, agree_when) -> tuple:
-  """``(worker, agreed, updates)``: :func:`_input_verdicts`, and ``updates`` made to wait for
-  them, so that every collective of ``inner`` runs after the verdict's, not beside it."""
-  with vma.shard_aware():
-    worker, finite = _input_verdicts(updates, inner_state, axis_name, agree_when)
-  return worker, finite, coll.after(updates, finite)
-
-
-def _shared(tree, axis_name) -> list:
-  """The leaves of ``tree`` that vary over no axis of ``axis_name`` (the same on every worker,
-  sharded over model axes or not): the ones :func:`_reduced_finite` may judge."""
-  return [x for x in jax.tree.leaves(tree) if not _per_worker(x, axis_name)]
-
-
 def _hold_state(new, old, worker, shared, axis_name, shared_held=False):
   """The new state where its step applies, else the old: a leaf that varies over
   ``axis_name`` by the ``worker`` verdict, a leaf the same on every worker by the
   ``shared`` one (so it stays the same on every worker), unless ``shared_held``: the
-  transform held those itself (:func:`take_verdict`)."""
+  transform held those itself (a synchronisation mode given the agreed verdict)."""
   def hold(n, o):
-    if _per_worker(n, axis_name):
-      return _select(worker, n, o)
-    return n if shared_held else _select(shared, n, o)
+    if coll.per_worker(n, axis_name):
+      return finite.select(worker, n, o)
+    return n if shared_held else finite.select(shared, n, o)
   return jax.tree.map(hold, new, old)
 
 
-class _VerdictScope:
-  """While ``apply_if_finite(..., agree_when=)`` traces its inner update: the agreed verdict
-  (``agreed``, None without ``agree_when``), offered to the transform whose state is
-  ``state`` (:func:`take_verdict`); ``taken`` says whether it took it."""
-
-  def __init__(self, agreed, state):
-    self.agreed, self.state, self.taken = agreed, state, False
-
-  def __enter__(self):
-    self._token = _VERDICT.set(self if self.agreed is not None else None)
-    return self
-
-  def __exit__(self, *exc):
-    _VERDICT.reset(self._token)
+def _is_exchange_state(x) -> bool:
+  return isinstance(x, CompressedMeanState)
 
 
-_VERDICT: contextvars.ContextVar = contextvars.ContextVar("commopt_agreed_verdict",
-                                                          default=None)
+def _answers(inner_state) -> tuple:
+  """``(verdicts, inner_state, settled)``: the verdicts the exchanges in ``inner_state``
+  answered the skip with (their states' ``verdict``), the state with them cleared (as
+  ``init`` made it), and whether the first state with any leaves is an exchange that
+  answered: then no transform with state ran before it on the non-finite input, and with
+  the zero-gradient skip it held its own state (:mod:`commopt._src.finite`)."""
+  verdicts = []
+
+  def clear(x):
+    if _is_exchange_state(x) and x.verdict is not None:
+      verdicts.append(x.verdict)
+      return x._replace(verdict=None)
+    return x
+  first = next(iter(jax.tree.leaves(inner_state, is_leaf=_is_exchange_state)), None)
+  settled = _is_exchange_state(first) and first.verdict is not None
+  return verdicts, jax.tree.map(clear, inner_state, is_leaf=_is_exchange_state), settled
 
 
-def take_verdict(state) -> Optional[jax.Array]:
-  """For a synchronisation mode run inside ``apply_if_finite(..., agree_when=)`` as its
-  ``inner`` (``state`` the state it was called with): the workers' agreed verdict on this
-  step's input (a bool, the same on every worker, true between exchanges), else None.
-
-  A transform that takes it promises that where it is false it returns every state leaf
-  typed the same on every worker as it was (and exchanges nothing); ``apply_if_finite``
-  then selects only the per-worker leaves. This spares a select over the anchor on every
-  step: a vetoed exchange leaves it in the exchange's conditional as it was.
-  """
-  scope = _VERDICT.get()
-  if scope is None or scope.state is not state:
-    return None
-  scope.taken = True
-  return scope.agreed
+def _offer(inner, nf, updates, inner_state, params, extra_args) -> tuple:
+  """``inner.update`` with the extra argument ``nonfinite=nf`` (where ``nf`` is not None),
+  or without it for a transform of the user's that takes no such keyword."""
+  if nf is None:
+    return inner.update(updates, inner_state, params, **extra_args)
+  try:
+    return inner.update(updates, inner_state, params, **extra_args,
+                        **{finite.EXTRA_ARG: nf})
+  except TypeError as e:
+    if f"unexpected keyword argument '{finite.EXTRA_ARG}'" not in str(e):
+      raise
+    return inner.update(updates, inner_state, params, **extra_args)
 
 
 def apply_if_finite(inner: optax.GradientTransformation, *,
                     axis_name: Optional[str | tuple[str, ...]] = None,
                     max_consecutive_errors: Optional[int] = None,
-                    strict: bool = True,
                     agree_when: Optional[Callable[[Any], Any]] = None,
-                    on_skip: str = "keep") -> optax.GradientTransformationExtraArgs:
+                    on_skip: str = "keep",
+                    strict: Optional[bool] = None) -> optax.GradientTransformationExtraArgs:
   """Skips, on every worker together, an update in which any worker saw a NaN or Inf.
 
-  Each worker checks its own input updates (:func:`nonfinite_flag`), and the
-  workers agree whether some worker's were not finite: with ``strict=True``
-  the flag rides as one more element of the first dense all-reduce of these
-  updates inside ``inner`` (a :func:`~commopt.compressed_mean` bucket); else,
-  or where none carries it, by one int32 all-reduce over ``axis_name`` (and
-  any model axes a leaf is sharded over). The
-  output is checked too, since finite inputs can still overflow inside the
-  exchange or the optimizer: the reduced update is the same on every worker,
-  so every worker reaches the same verdict on it with no further collective.
-  On a skip the returned updates are zeros (negative zeros, so ``params +
-  updates`` leaves every parameter unchanged bit for bit).
+  Each worker checks its own input updates (:func:`~commopt._src.finite.nonfinite_flag`),
+  and the workers agree whether some worker's were not finite. The flag is handed
+  to ``inner`` as the extra argument ``nonfinite`` (:mod:`commopt._src.finite`): a
+  :func:`~commopt.compressed_mean` over ``axis_name`` carries it as one more
+  element of a dense all-reduce it runs anyway and answers with the workers'
+  verdict in its state; where none does (every leaf compressed, or leaves
+  sharded over model axes), one int32 all-reduce agrees on it. The output is
+  checked too, since finite inputs can still overflow inside the exchange or
+  the optimizer: the reduced update is the same on every worker, so every
+  worker reaches the same verdict on it with no further collective. On a skip
+  the returned updates are zeros (negative zeros, so ``params + updates``
+  leaves every parameter unchanged bit for bit).
 
-  ``strict=True`` (the default): ``inner`` always runs, so every worker runs
-  the same collectives, and on a skip, whichever check caused it, its state
-  (error-feedback residuals included) is returned as it was, by a select per
-  state leaf. ``strict=False`` runs ``inner`` inside one ``lax.cond`` on the
-  agreed input verdict instead: on a skip of a non-finite input no worker
-  runs ``inner`` (nor its collectives) and its state is kept, and no select
-  touches the state when the step goes through; on an update that overflowed
-  from finite inputs the state has advanced, and an error-feedback residual
-  may keep the spike that overflowed, so the next updates overflow again
-  (each counted in ``notfinite_count``). The selects cost time (the guide's
-  Performance page measures both); XLA:CPU keeps a conditional's outputs in
-  buffers of their own, so ``strict=False`` costs about a copy of the
-  optimizer state in peak memory instead. Only output leaves typed replicated
-  (varying over no mesh axis) are read; an update that stays per worker (as
-  under :func:`~commopt.local_sgd`) is left to the input check, so no
-  worker's own values decide a skip. Under ``jax.vmap`` or with
+  ``inner`` always runs, so every worker runs the same collectives, and on a
+  skip, whichever check caused it, its state (error-feedback residuals
+  included) is returned as it was, by a select per state leaf. Only output
+  leaves typed replicated (varying over no mesh axis) are read; an update that
+  stays per worker (as under :func:`~commopt.local_sgd`) is left to the input
+  check, so no worker's own values decide a skip. Under ``jax.vmap`` or with
   ``check_vma=False`` no such types exist and every output leaf is read, so
   ``inner`` must reduce over ``axis_name`` after anything per worker (as
   :func:`~commopt.data_parallel` requires).
@@ -409,18 +268,6 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     max_consecutive_errors: ``None`` to skip every non-finite update; an
       integer ``m >= 0`` to apply the update anyway once more than ``m``
       consecutive updates were not finite, as optax does.
-    strict: always run ``inner`` and keep its state as it was on any skip
-      (True, the default), or run it inside a ``lax.cond`` on the agreed
-      input verdict (False; see above).
-    on_skip: ``"keep"`` (the default: see ``strict``) or ``"zero"``: the
-      :func:`~commopt.compressed_mean` that ``inner`` starts with (as in
-      ``chain(compressed_mean(...), optimizer)``) judges the workers' inputs and
-      its mean, returns a zero mean on a skip and keeps its own state (residuals);
-      the optimizer after it takes that zero gradient (its state moves as on one,
-      with no select over it) and the parameters stay. An overflow inside the
-      optimizer from a finite mean is not caught. Any other ``inner`` is kept
-      whole, as with ``"keep"``. Needs ``strict=True`` and neither
-      ``max_consecutive_errors`` nor ``agree_when``.
     agree_when: for an ``inner`` that exchanges only on some steps (the
       synchronisation modes, whose workers keep their own parameters in
       between): a function of ``inner``'s state, the same on every worker,
@@ -429,9 +276,22 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
       others a worker whose input is not finite keeps its own per-worker
       state (and parameters: its update is zero) while the state the workers
       share advances, and no collective over ``axis_name`` runs. The
-      counters are then each worker's own. Needs varying types
-      (``shard_map`` with ``check_vma=True``; without them the workers agree
-      on every step); not with ``strict=False`` or ``max_consecutive_errors``.
+      counters are then each worker's own. The agreed verdict reaches
+      ``inner`` as ``nonfinite.agreed``: a synchronisation mode vetoes its
+      exchange with it and holds the state the workers share itself. Needs
+      varying types (``shard_map`` with ``check_vma=True``; without them the
+      workers agree on every step); not with ``max_consecutive_errors``.
+    on_skip: ``"keep"`` (the default: see above) or ``"zero"``: the
+      :func:`~commopt.compressed_mean` that ``inner`` starts with (as in
+      ``chain(compressed_mean(...), optimizer)``) judges the workers' inputs and
+      its mean, returns a zero mean on a skip and keeps its own state (residuals);
+      the optimizer after it takes that zero gradient (its state moves as on one,
+      with no select over it) and the parameters stay. An overflow inside the
+      optimizer from a finite mean is not caught. Any other ``inner`` (or one with
+      a transform with state before the exchange) is kept whole, as with
+      ``"keep"``. Needs neither ``max_consecutive_errors`` nor ``agree_when``.
+    strict: removed; ``True`` is accepted, ``False`` raises an error naming the
+      replacement (``on_skip="zero"``, or ``optax.apply_if_finite`` on one worker).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -452,8 +312,12 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   References:
     ``optax.apply_if_finite``, whose state and counting this follows.
   """
-  inner, strict, max_consecutive_errors, zero = _apply_if_finite_options(
+  inner, max_consecutive_errors, zero = _apply_if_finite_options(
       inner, axis_name, strict, max_consecutive_errors, agree_when, on_skip)
+  names = _names(axis_name)
+  # A synchronisation mode that registered when it exchanges holds the state the workers
+  # share itself, given the agreed verdict (commopt.transforms._sync._common._advance).
+  shared_held = agree_when is not None and _plan.exchanges_of(inner) is not None
 
   def init_fn(params):
     return ApplyIfFiniteState(
@@ -463,41 +327,47 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    passenger = _passenger(updates, axis_name) if strict and agree_when is None else None
-    if passenger is None:
-      worker, finite, updates = _verdicts_first(updates, state.inner_state, axis_name,
-                                                agree_when)
-    run = lambda u, inner_state: inner.update(u, inner_state, params, **extra_args)
-    scope = _VerdictScope(finite if agree_when is not None else None, state.inner_state)
-    request = (_zero_skip.Request(updates, _names(axis_name), passenger,
-                                  None if passenger is not None else finite, state.inner_state)
-               if zero and axis_name is not None else None)
-    if strict:
-      # Always run, so every worker runs the same collectives; select after.
-      with scope, _buckets.carrying(passenger), _zero_skip.requesting(request):
-        new_updates, new_inner = run(updates, state.inner_state)
-      if passenger is not None:
-        worker = finite = _landed(passenger, axis_name, (new_updates, new_inner))
-    else:
-      new_updates, new_inner = _run_if_finite(finite, state, max_consecutive_errors, run,
-                                              updates)
-    settled = request is not None and request.taken
-    if settled:
-      # The exchange judged its inputs and its mean, zeroed the mean and kept its state.
-      finite = worker = request.verdict
-    else:
-      out_ok = _reduced_finite_output(new_updates, axis_name)
-      finite, worker = finite & out_ok, worker & out_ok
+    with vma.shard_aware():
+      carry = bool(names) and agree_when is None and not coll.model_axes_of(updates, axis_name)
+      if carry:
+        # Agreed in the exchange, where one carries the flag (below, where none does).
+        nf = finite.NonFinite(names, flag=finite.nonfinite_flag(updates), zero=zero)
+      else:
+        worker, agreed = _input_verdicts(updates, state.inner_state, axis_name, agree_when)
+        # Every collective of `inner` runs after the verdict's, not beside it.
+        updates = coll.after(updates, agreed)
+        nf = finite.NonFinite(names, agreed=agreed, zero=zero) if names else None
+    new_updates, new_inner = _offer(inner, nf, updates, state.inner_state, params, extra_args)
+    verdicts, new_inner, settled = _answers(new_inner)
+    settled = settled and zero
+    if carry:
+      if verdicts:
+        agreed = functools.reduce(jnp.logical_and, verdicts)
+      else:
+        # Nothing carried the flag: its own all-reduce, after every collective of `inner`.
+        with vma.shard_aware():
+          bad = jnp.isnan(nf.flag).astype(jnp.int32)
+          agreed = coll.psum(coll.after(bad, (new_updates, new_inner)), axis_name) == 0
+      worker = agreed
+    elif verdicts:
+      answered = functools.reduce(jnp.logical_and, verdicts)
+      agreed, worker = agreed & answered, worker & answered
+    if not settled:
+      # The exchange judged its inputs and its mean itself where it settled.
+      with vma.shard_aware():
+        out_ok = coll.reduced_finite(new_updates, axis_name)
+      agreed, worker = agreed & out_ok, worker & out_ok
     notfinite_count = jnp.where(worker, jnp.zeros([], jnp.int32),
                                 optax.safe_int32_increment(state.notfinite_count))
     apply = worker
     if max_consecutive_errors is not None:
       apply = worker | (notfinite_count > max_consecutive_errors)
-    new_updates = jax.tree.map(lambda u: jnp.where(apply, u, _skip_zeros(u)), new_updates)
-    if strict and not settled:
+    new_updates = jax.tree.map(lambda u: jnp.where(apply, u, finite.skip_zeros(u)),
+                               new_updates)
+    if not settled:
       new_inner = _hold_state(new_inner, state.inner_state, apply,
-                              apply if agree_when is None else finite, axis_name,
-                              shared_held=scope.taken and not _shared(new_updates, axis_name))
+                              apply if agree_when is None else agreed, axis_name,
+                              shared_held=shared_held and not _shared(new_updates, axis_name))
     return new_updates, ApplyIfFiniteState(
         notfinite_count=notfinite_count, last_finite=worker,
         total_notfinite=jnp.where(worker, state.total_notfinite,
@@ -505,6 +375,12 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
         inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _shared(tree, axis_name) -> list:
+  """The leaves of ``tree`` that vary over no axis of ``axis_name`` (the same on every
+  worker, sharded over model axes or not)."""
+  return [x for x in jax.tree.leaves(tree) if not coll.per_worker(x, axis_name)]
 
 
 def _accumulator_dtype(dtype):
@@ -586,7 +462,8 @@ def multi_steps(inner: optax.GradientTransformation,
 
     def run(acc, inner_state):
       mean = jax.tree.map(lambda a, u: a.astype(u.dtype), acc, updates)
-      return inner.update(mean, inner_state, params, **extra_args)
+      # Not on every call: a non-finite skip's flag is not handed on (commopt._src.finite).
+      return inner.update(mean, inner_state, params, **finite.without(extra_args))
 
     new_updates, inner_state = _run_or_hold(emit, run, acc, state.inner_opt_state)
     return new_updates, MultiStepsState(

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base, vma
-from commopt.transforms._control import (
-    _check_inner, _reduced_finite, _select, _skip_zeros)
+from commopt._src import base, finite as fin, vma
+from commopt.comm import _collectives as coll
+from commopt.transforms._control import _check_inner
 
 
 class PipelinedState(NamedTuple):
@@ -161,13 +161,14 @@ def pipelined(inner: optax.GradientTransformation, *, delay: int = 1
     # worker is typed replicated while data_parallel traces its layout).
     sent = jax.tree.map(lambda p, u: vma.vary_like(p.astype(jnp.result_type(u)), u),
                         state.pending[0], updates)
-    out, new_inner = inner.update(sent, state.inner_state, params, **extra_args)
+    # `sent` is not this call's input: a non-finite skip's flag is not handed on.
+    out, new_inner = inner.update(sent, state.inner_state, params, **fin.without(extra_args))
     with vma.shard_aware():
-      finite = _reduced_finite(out, None)
+      finite = coll.reduced_finite(out, None)
     warm = state.count >= delay              # the same on every worker
     keep = warm & finite
-    out = jax.tree.map(lambda u: jnp.where(keep, u, _skip_zeros(u)), out)
-    new_inner = jax.tree.map(lambda new, old: _select(keep, new, old), new_inner,
+    out = jax.tree.map(lambda u: jnp.where(keep, u, fin.skip_zeros(u)), out)
+    new_inner = jax.tree.map(lambda new, old: fin.select(keep, new, old), new_inner,
                              state.inner_state)
     kept = jax.tree.map(lambda u, p: u.astype(jnp.result_type(p)), updates, state.pending[0])
     return out, PipelinedState(

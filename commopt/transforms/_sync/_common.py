@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base, feedback
+from commopt._src import base, feedback, finite
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import compressed_mean
 from commopt.transforms._control import _check_axes, _check_inner, _hold_state
@@ -122,15 +122,28 @@ def _require_params(fn: str, params, what: str = "each worker's own parameters")
     raise ValueError(f"{fn}: `update` needs `params` ({what}).")
 
 
+def _take_verdict(extra_args: dict, axis_name) -> tuple:
+  """``(go, extra_args)``: the non-finite skip's agreed verdict handed to the mode
+  (``nonfinite.agreed``, :mod:`commopt._src.finite`: false on a step every worker skips),
+  or None where none was (or it was agreed over fewer axes than the mode's); and the extra
+  arguments for the inner step, without ``nonfinite`` (the mode answers the skip itself)."""
+  nf = extra_args.get(finite.EXTRA_ARG)
+  go = None
+  if (isinstance(nf, finite.NonFinite) and nf.agreed is not None
+      and set(base.axis_names(axis_name)) <= set(nf.axes)):
+    go = nf.agreed
+  return go, finite.without(extra_args)
+
+
 def _unless_vetoed(due, go):
   """Whether an exchange that is ``due`` runs: unless the skip's agreed verdict ``go``
-  (:func:`~commopt.transforms._control.take_verdict`; None outside such a skip) is false."""
+  (:func:`_take_verdict`; None outside such a skip) is false."""
   return due if go is None else due & go
 
 
 def _advance(go, count, inner_state, old_inner, axis_name):
   """The next step count and the inner state. ``go`` is the skip's agreed verdict taken by
-  the mode (:func:`~commopt.transforms._control.take_verdict`; None outside such a skip):
+  the mode (:func:`_take_verdict`; None outside such a skip):
   where it is false every worker skips, so the count stays (the exchange comes a step
   later) and so do the inner state's leaves the workers share (a step count); the skip
   holds the per-worker leaves."""

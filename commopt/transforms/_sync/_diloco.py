@@ -10,14 +10,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base
+from commopt._src import base, finite
 from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_inner, take_verdict
+from commopt.transforms._control import _check_inner
 from commopt.transforms._sync._common import (
     _Mode, _advance, _inner_step, _moved, _outer, _outer_step, _planned, _reducer,
     _require_params, _to_target_or_local, _unless_vetoed, _update_to, _wide, _zero_count,
-    is_sync_step)
+    is_sync_step, _take_verdict)
 
 
 class PeriodicState(NamedTuple):
@@ -160,8 +160,8 @@ class _DiLoCo(_Mode):
     _require_params(self.fn, params)
     # Inside data_parallel's non-finite skip: the workers' agreed verdict, false only on a
     # step that would exchange and that every worker skips (then nothing is exchanged and
-    # the state the workers share stays; see _control.take_verdict). None elsewhere.
-    go = take_verdict(state) if self.period > 1 else None
+    # the state the workers share stays; see _common._take_verdict). None elsewhere.
+    go, extra_args = _take_verdict(extra_args, self.axis_name)
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     synced = _unless_vetoed(self.synced(state.count), go)
@@ -172,6 +172,11 @@ class _DiLoCo(_Mode):
       anchor, reducer_state, outer_state = _outer_step(
           self.reducer, self.outer, _moved(params, local), state.anchor, state.reducer_state,
           state.outer_state)
+      if go is not None:
+        # A step every worker skips: the state the workers share stays.
+        anchor, reducer_state, outer_state = finite.hold_unless(
+            go, (anchor, reducer_state, outer_state),
+            (state.anchor, state.reducer_state, state.outer_state))
       update = _update_to(anchor, params)
     else:
       # Only the anchor and the exchange's state pass through the conditional: every operand

@@ -12,10 +12,10 @@ import optax
 from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_inner, take_verdict
+from commopt.transforms._control import _check_inner
 from commopt.transforms._sync._common import (
     _Mode, _advance, _planned, _reducer, _require_params, _unless_vetoed, _wide, _zero_count,
-    is_sync_step)
+    is_sync_step, _take_verdict)
 
 
 class EASGDState(NamedTuple):
@@ -107,7 +107,8 @@ class _EASGD(_Mode):
   def update(self, updates, state: EASGDState, params=None, **extra_args):
     """The inner step on every worker, plus the elastic pull on an exchange step."""
     _require_params(self.fn, params)
-    go = take_verdict(state)     # data_parallel's agreed skip: false where every worker skips
+    # data_parallel's agreed skip: false where every worker skips
+    go, extra_args = _take_verdict(extra_args, self.axis_name)
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     beta = self.alpha * coll.axis_size(self.axis_name) if self.beta is None else self.beta

@@ -15,10 +15,10 @@ from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_axes, _check_inner, take_verdict
+from commopt.transforms._control import _check_axes, _check_inner
 from commopt.transforms._sync._common import (
     _Mode, _advance, _exchange_options, _inner_step, _moved, _reducer, _require_params,
-    _to_target_or_local, _wide, _zero_count, is_sync_step)
+    _to_target_or_local, _wide, _zero_count, is_sync_step, _take_verdict)
 from commopt.transforms._sync._diloco import diloco
 
 
@@ -196,7 +196,8 @@ class _HierarchicalLocalSGD(_Mode):
   def update(self, updates, state: HierarchicalLocalSGDState, params=None, **extra_args):
     """The inner step on every worker, then the average of the widest level that is due."""
     _require_params(self.fn, params)
-    go = take_verdict(state)     # data_parallel's agreed skip: false where every worker skips
+    # data_parallel's agreed skip: false where every worker skips
+    go, extra_args = _take_verdict(extra_args, self.axis_name)
     coll.check_input(self.fn, updates, self.axis_name)
     local, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     level = self.level_at(state.count) if go is None else jnp.where(

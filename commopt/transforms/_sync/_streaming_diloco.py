@@ -14,10 +14,10 @@ from commopt._src import base
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
-from commopt.transforms._control import _check_inner, take_verdict
+from commopt.transforms._control import _check_inner
 from commopt.transforms._sync._common import (
     _Mode, _advance, _inner_step, _outer, _outer_step, _reducer, _require_params, _unless_vetoed,
-    _update_to, _wide, _zero_count)
+    _update_to, _wide, _zero_count, _take_verdict)
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -166,7 +166,7 @@ class _StreamingDiLoCo(_Mode):
     _require_params(self.fn, params)
     # Inside data_parallel's non-finite skip: false where every worker skips (no fragment
     # exchanges, the count stays, the merge comes a step later); None elsewhere.
-    go = take_verdict(state)
+    go, extra_args = _take_verdict(extra_args, self.axis_name)
     coll.check_input(self.fn, updates, self.axis_name)
     moved, inner_state = _inner_step(self.inner, updates, state.inner_state, params, extra_args)
     moved_groups, join = self.split(moved)
