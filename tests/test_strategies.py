@@ -192,8 +192,7 @@ def test_compressed_leaves_cross_in_one_collective_a_round(mesh, monkeypatch, st
   """Three compressed leaves cross two-phase in one all-to-all and one all-gather of uint32
   words (their payloads end to end); every output and memory is, bit for bit, what each
   leaf exchanged on its own gives (stochastic rounding included: the keys are the same)."""
-  from commopt.comm import _words
-  from commopt.transforms import _compressed_mean
+  from commopt.comm import _strategies
 
   def run():
     tx = commopt.compressed_mean(commopt.compressors.make(name), axis_name="data",
@@ -208,8 +207,8 @@ def test_compressed_leaves_cross_in_one_collective_a_round(mesh, monkeypatch, st
     return jax.tree.map(np.asarray, (outs, state)), sorted(c.kind for c in audit)
 
   packed, packed_kinds = run()
-  together = _words.run_together
-  monkeypatch.setattr(_compressed_mean._words, "run_together",
+  together = _strategies.run_together
+  monkeypatch.setattr(_strategies, "run_together",
                       lambda exchanges, axis, around, wait_for: [
                           together([e], axis, lambda _, i=i: around(i), wait_for)[0]
                           for i, e in enumerate(exchanges)])

@@ -112,6 +112,11 @@ class Compressor:
       leaf does. ``False`` for a compressor whose payload depends on the
       leaf's matrix shape and saves nothing on a vector (ATOMO): those
       strategies refuse it.
+    sparse_values: whether the payload is ``{"values", "indices"}``, decoded by
+      placing the values at the flat indices of a zero leaf (top-k, threshold,
+      random-k): a gathered reduction then sends 32-bit values and their indices
+      in one all-gather and writes the residual by subtracting the values sent,
+      with no dense reconstruction (``strategy="gather"``).
 
   What a compressor can do is declared, not probed: :attr:`capabilities`
   reads these fields, and the strategies and robust rules check it.
@@ -136,6 +141,7 @@ class Compressor:
   error_bound: Optional[Callable[[tuple[int, ...]], float]] = None
   flat_chunks: bool = True
   encode_feedback: Optional[Callable[..., tuple]] = None
+  sparse_values: bool = False
 
   def __post_init__(self):
     if self.error_kind not in ERROR_KINDS:
@@ -207,6 +213,7 @@ class Compressor:
       ``per_leaf`` but not ``flat_chunks``.
     - ``"fused_feedback"``: error feedback and encoding in one fused op
       (:attr:`encode_feedback`).
+    - ``"sparse_values"``: a values-and-indices payload (:attr:`sparse_values`).
     - the error kind (:attr:`error_kind`): ``"lossless"``, ``"rounding"``,
       ``"contractive"``, ``"expected_contractive"``, ``"unbiased"``,
       ``"direction"`` or ``"biased"``.
@@ -223,7 +230,8 @@ class Compressor:
                                   ("stateful", self.stateful),
                                   ("protocol", self.reduce is not None),
                                   ("tree_wide", self.encode_tree is not None),
-                                  ("fused_feedback", self.encode_feedback is not None)) if on}
+                                  ("fused_feedback", self.encode_feedback is not None),
+                                  ("sparse_values", self.sparse_values)) if on}
     if not caps & {"stateful", "protocol", "tree_wide"}:
       caps.add("per_leaf")
       if self.flat_chunks:
@@ -237,7 +245,7 @@ ERROR_KINDS = ("lossless", "rounding", "contractive", "expected_contractive", "u
 """What a compressor's error may be declared as (:attr:`Compressor.error_kind`)."""
 
 CAPABILITIES = ("linear", "shared_randomness", "stateful", "protocol", "tree_wide",
-                "per_leaf", "flat_chunks", "fused_feedback") + ERROR_KINDS
+                "per_leaf", "flat_chunks", "fused_feedback", "sparse_values") + ERROR_KINDS
 """Everything :attr:`Compressor.capabilities` may hold."""
 
 

@@ -25,7 +25,7 @@ from commopt._src.base import AxisName, check_axis_name
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.comm._strategies import compensate, remember
-from commopt.comm._channel import worker_key as worker_key_for
+from commopt.comm._exchange import worker_key as worker_key_for
 
 PayloadAttack = Callable[..., Any]
 """``payload_attack(payload, *, key, axis_name) -> payload``: corrupts what a worker sends."""

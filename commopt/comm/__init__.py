@@ -10,16 +10,17 @@
 
 - :mod:`commopt.comm._shards`: how parameters are sharded over the model
   axes (:func:`model_sharding`), for methods that need a leaf's dimensions.
+- :mod:`commopt.comm._exchange`: the payload exchange every reduction sends
+  through (gathered payloads summed decoded in one pass, :func:`sum_decoded`),
+  and the per-worker keys.
 - :mod:`commopt.comm._channel`: the :class:`Channel` a compressor's own
-  multi-round protocol (PowerSGD) is handed to do its collectives with, the
-  generic payload exchange (gathered payloads summed decoded in one pass,
-  :func:`sum_decoded`), and the per-worker keys.
+  multi-round protocol (PowerSGD) is handed to do its collectives with.
 
 Compressors never communicate; transforms and aggregators call this layer.
 """
 
-from commopt.comm._channel import (
-    Channel,
+from commopt.comm._channel import Channel
+from commopt.comm._exchange import (
     exchange,
     sum_decoded,
     sum_decoded_reference,

@@ -241,6 +241,13 @@ def psum(tree: Any, axis_name: Optional[str]) -> Any:
   return jax.lax.psum(tree, axis_name)
 
 
+def scatters_in_order() -> bool:
+  """Whether a scatter-add applies its updates in order, so that adding every worker's
+  sparse payload in one scatter equals adding them worker after worker, bit for bit:
+  XLA:CPU's does; a GPU's runs its updates in parallel, in no fixed order."""
+  return jax.default_backend() == "cpu"
+
+
 def crosses_processes() -> bool:
   """Whether this program's collectives run between processes on CPUs (through gloo), where
   :func:`after` must order them (see there)."""

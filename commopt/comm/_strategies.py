@@ -27,18 +27,20 @@ the two give the same results.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from commopt._src import base, errors, tree
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
-from commopt.comm._channel import Channel, exchange, sum_decoded
+from commopt.comm._channel import Channel
+from commopt.comm._exchange import exchange, sum_decoded
 from commopt.comm._words import Send, payload_words, run_together, to_words
-from commopt.compressors import _sparse
 
 
 def check_chunks(compressor: base.Compressor, fn: str, strategy: str):
@@ -264,6 +266,71 @@ class LeafResult(NamedTuple):
   state: Any
 
 
+class Batch(NamedTuple):
+  """The compressed leaves of one update, in the update's order, as
+  :func:`~commopt.compressed_mean` hands them to :meth:`Strategy.reduce_all`.
+
+  Attributes:
+    updates: each leaf's input.
+    residuals: each leaf's error-feedback residual (None: no error feedback).
+    memories: each leaf's server memory (None where the strategy keeps none).
+    states: each leaf's compressor state.
+    keys: each leaf's key (the worker key folded with the leaf's index, and the
+      shard's where the leaf is cut over model axes).
+    specs: each leaf's ``PartitionSpec`` over the model axes (``P()``: whole).
+    paths: each leaf's path, for error messages.
+  """
+  updates: list
+  residuals: list
+  memories: list
+  states: list
+  keys: list
+  specs: list
+  paths: list
+
+
+@contextlib.contextmanager
+def naming(path: str, spec):
+  """A ValueError raised inside names the leaf ``path`` and its sharding ``spec``."""
+  try:
+    yield
+  except ValueError as e:
+    where = f"leaf {path}" + (f" (sharded {spec})" if spec not in (None, P()) else "")
+    raise ValueError(f"compressed_mean: {where}: {e}") from e
+
+
+def _reduce_tree_wide(strategy: "Strategy", compressor: base.Compressor, batch: Batch, key,
+                      axis_name) -> list[LeafResult]:
+  """One selection (or one protocol) over every compressed leaf, per sharding: leaves whole
+  on this device apart from leaves cut over model axes, whose values differ between the
+  model ranks (the replicated ones' output must not)."""
+  groups: dict = {}
+  for i, u in enumerate(batch.updates):
+    groups.setdefault(coll.shard_axes(u, axis_name), []).append(i)
+  results: list = [None] * len(batch.updates)
+  for g, (_, idx) in enumerate(sorted(groups.items())):
+    group_key = key if len(groups) == 1 else jax.random.fold_in(key, g)
+    ps = [compensate(batch.updates[i], batch.residuals[i]) for i in idx]
+    xs = [p.astype(batch.updates[i].dtype) for p, i in zip(ps, idx)]
+    states = [batch.states[i] for i in idx]
+    if compressor.reduce_tree is not None:
+      reduced = compressor.reduce_tree(xs, states, [batch.keys[i] for i in idx],
+                                       Channel(axis_name, tuple(batch.specs[i] for i in idx)))
+      means, locals_, states = ([r.mean for r in reduced], [r.local for r in reduced],
+                                [r.state for r in reduced])
+    else:
+      means, locals_ = exchange(compressor.encode_tree(xs, group_key),
+                                lambda pl: compressor.decode_tree(pl, xs), strategy.name,
+                                axis_name)
+    for i, p, mean, local, s in zip(idx, ps, means, locals_, states):
+      u = batch.updates[i]
+      results[i] = LeafResult(
+          out=mean.astype(u.dtype),
+          residual=None if batch.residuals[i] is None else remember(p, local),
+          memory=batch.memories[i], state=s)
+  return results
+
+
 def _payload_bytes(compressor: base.Compressor, shape, dtype) -> int:
   return -(-compressor.payload_bits(tuple(shape), dtype) // 8)
 
@@ -315,6 +382,24 @@ class Strategy:
                       residual=None if residual is None else remember(p, local),
                       memory=memory, state=cstate)
 
+  def reduce_all(self, compressor: base.Compressor, batch: Batch, key, axis_name,
+                 wait_for=()) -> list[LeafResult]:
+    """Every compressed leaf of one update, reduced: each leaf's mean, residual, memory and
+    state, in ``batch``'s order. A tree-wide compressor (``encode_tree``, ``reduce_tree``)
+    selects over every leaf at once, keyed by ``key`` (the worker key); every other one
+    goes leaf by leaf through :meth:`reduce`. ``wait_for``: the values whose collectives
+    ran before (the dense leaves' all-reduces), for a strategy that orders its own
+    after them. An error in a leaf's own step names the leaf."""
+    if compressor.encode_tree is not None or compressor.reduce_tree is not None:
+      return _reduce_tree_wide(self, compressor, batch, key, axis_name)
+    results = []
+    for i, u in enumerate(batch.updates):
+      with naming(batch.paths[i], batch.specs[i]):
+        results.append(self.reduce(compressor, u, batch.residuals[i], batch.memories[i],
+                                   batch.states[i], batch.keys[i], axis_name,
+                                   spec=batch.specs[i]))
+    return results
+
   def plan(self, compressor, leaf: str, shape, dtype, axis_name, sizes) -> list[_plan.Planned]:
     """The collectives one worker runs for a compressed leaf; ``sizes[axis]`` counts workers."""
     raise NotImplementedError
@@ -355,15 +440,12 @@ def _protocol_or_exchange(compressor, x, cstate, key, axis_name, linear: bool, s
   return mean, local, None, cstate
 
 
-_SPARSE = _sparse._VALUES_CODEC[0]
-"""The decode of payloads ``{"values", "indices"}`` (top-k, threshold, random-k)."""
-
-
 def _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name) -> LeafResult:
-  """:meth:`Strategy.reduce` of a payload decoded by :data:`_SPARSE`, bit for bit, in
-  fewer passes over the leaf: 32-bit values travel with their indices in one all-gather;
-  on the CPU the workers' payloads are added in one scatter-add (XLA:CPU applies its
-  updates in order: worker after worker, as :func:`sum_decoded`); the residual
+  """:meth:`Strategy.reduce` of a ``sparse_values`` payload, bit for bit, in fewer passes
+  over the leaf: 32-bit values travel with their indices in one all-gather; where the
+  platform applies a scatter's updates in order (:func:`coll.scatters_in_order`) the
+  workers' payloads are added in one scatter-add (worker after worker, as
+  :func:`sum_decoded`); the residual
   ``p − decode(payload)`` is a scatter-subtract of the values sent from ``p`` (``p``, the
   output of an add, is ``p − 0`` bit for bit), no dense reconstruction."""
   p = compensate(u, residual)
@@ -379,7 +461,7 @@ def _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name) -> L
   add = lambda acc, pl: compressor.add_decoded(acc, pl, cstate, x)
   zeros = jnp.zeros(x.shape, jnp.float32)
   total = (add(zeros, jax.tree.map(lambda t: t.reshape(-1), gathered))
-           if jax.default_backend() == "cpu" else sum_decoded(gathered, add, zeros))
+           if coll.scatters_in_order() else sum_decoded(gathered, add, zeros))
   new = None
   if residual is not None:   # in the leaf's own shape: a flat view would be copied back
     where = jnp.unravel_index(indices, p.shape) if p.ndim > 1 else indices
@@ -433,7 +515,7 @@ class Gather(Strategy):
       mean, _ = _send(compressor, payload, cstate, u, axis_name, linear=False)
       return LeafResult(out=mean.astype(u.dtype), residual=new_residual, memory=memory,
                         state=cstate)
-    if axis_name is None or compressor.reduce is not None or compressor.decode is not _SPARSE:
+    if axis_name is None or compressor.reduce is not None or not compressor.sparse_values:
       return super().reduce(compressor, u, residual, memory, cstate, key, axis_name, spec)
     return _sparse_reduce(compressor, u, residual, memory, cstate, key, axis_name)
 
@@ -468,6 +550,15 @@ class TwoPhase(Strategy):
   def reduce(self, compressor, u, residual, memory, cstate, key, axis_name, spec=None):
     return run_together([self.reduce_rounds(compressor, u, residual, memory, cstate, key,
                                             axis_name)], axis_name)[0]
+
+  def reduce_all(self, compressor, batch: Batch, key, axis_name, wait_for=()):
+    """Every leaf's rounds together, one collective a round (:func:`run_together`), after
+    the dense leaves' all-reduces (``wait_for``)."""
+    rounds = [self.reduce_rounds(compressor, u, r, m, s, k, axis_name)
+              for u, r, m, s, k in zip(batch.updates, batch.residuals, batch.memories,
+                                       batch.states, batch.keys)]
+    return run_together(rounds, axis_name, lambda j: naming(batch.paths[j], batch.specs[j]),
+                        wait_for)
 
   def reduce_rounds(self, compressor, u, residual, memory, cstate, key, axis_name):
     """:meth:`reduce` as an exchange whose rounds :func:`run_together` packs with the other

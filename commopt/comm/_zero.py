@@ -31,7 +31,7 @@ import numpy as np
 
 from commopt._src import base
 from commopt.comm import _collectives as coll
-from commopt.comm._channel import sum_decoded
+from commopt.comm._exchange import sum_decoded
 from commopt.comm._words import to_words
 
 

@@ -119,6 +119,7 @@ def random_k(ratio: float | None = None, *, k: int | None = None, shared_seed: b
   return base.Compressor(
       name=_budget_name("random_k", ratio, k, shared_seed=shared_seed, scale=scale),
       init=init, stateful=shared_seed, encode=encode, decode=decode, payload_bits=payload_bits,
+      sparse_values=decode is _VALUES_CODEC[0],
       accumulate=accumulate,
       linear=shared_seed, shared_randomness=shared_seed,
       **(dict(error_kind="unbiased",

@@ -194,6 +194,7 @@ def _sparse_compressor(name: str, slots, pick, value_dtype, **declared) -> base.
 
   return base.Compressor(name=name, init=base.stateless_init, encode=encode,
                          decode=decode, payload_bits=payload_bits, accumulate=accumulate,
+                         sparse_values=True,
                          **declared)
 
 

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
 from commopt._src import base, feedback, finite, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
-from commopt.comm import _buckets, _plan, _shards, _strategies, _words
-from commopt.comm._channel import Channel, exchange, worker_key
+from commopt.comm import _buckets, _plan, _shards, _strategies
+from commopt.comm._exchange import worker_key
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
 INNER_STRATEGIES = ("auto", "psum", "gather", "two_phase")
@@ -69,23 +67,11 @@ def _check_leaf(path, leaf, what: str):
     base.check_float_leaf("compressed_mean", path, leaf, verb="compressed", what=what)
 
 
-def _reduce_global(compressor, strategy, xs, key, axis_name):
-  """One payload for all compressed leaves ``xs``: lists of means and locals."""
-  payload = compressor.encode_tree(xs, key)
-  means, locals_ = exchange(payload, lambda pl: compressor.decode_tree(pl, xs),
-                            strategy, axis_name)
-  return [m.astype(x.dtype) for m, x in zip(means, xs)], locals_
-
-
 def _server_memories(state: CompressedMeanState, treedef) -> list:
   """One server memory (or ``MaskedNode``) per leaf; states without the field have none."""
   if state.server_residual is None:
     return [optax.MaskedNode()] * treedef.num_leaves
   return treedef.flatten_up_to(state.server_residual)
-
-
-def _is_global(compressor) -> bool:
-  return compressor.encode_tree is not None
 
 
 FN = "compressed_mean"
@@ -256,16 +242,6 @@ def _check_state(cfg: _Config, state: CompressedMeanState, leaves, treedef) -> N
                      f"shape {tuple(u.shape)} needs {want}")
 
 
-class _Leaves(NamedTuple):
-  """One update's leaves on their way through :func:`_update`, in the updates' order."""
-  updates: list
-  residuals: list
-  cstates: list
-  memories: list
-  specs: list
-  paths: list
-
-
 def _leaf_key(cfg: _Config, wkey, i: int, u):
   """Leaf ``i``'s key: ``fold_in(wkey, i)``, and the index of this device's shard where
   the leaf is sharded over model axes, so that shards draw independently (every worker
@@ -274,74 +250,6 @@ def _leaf_key(cfg: _Config, wkey, i: int, u):
   if coll.shard_axes(u, cfg.axis_name):
     key = jax.random.fold_in(key, coll.shard_index(u, cfg.axis_name))
   return key
-
-
-def _reduce_tree_wide(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new):
-  """One selection (or one protocol) over every compressed leaf: writes ``out`` and the new
-  residuals and compressor states into ``new`` (``(residuals, cstates, memories)``)."""
-  new_res, new_cs, _ = new
-  ps = [_strategies.compensate(leaves.updates[i],
-                               leaves.residuals[i] if cfg.error_feedback else None)
-        for i in compressed]
-  xs = [p.astype(leaves.updates[i].dtype) for p, i in zip(ps, compressed)]
-  if cfg.compressor.reduce_tree is not None:
-    reduced = cfg.compressor.reduce_tree(
-        xs, [leaves.cstates[i] for i in compressed],
-        [_leaf_key(cfg, wkey, i, leaves.updates[i]) for i in compressed],
-        Channel(cfg.axis_name, tuple(leaves.specs[i] for i in compressed)))
-    means, locals_ = [r.mean for r in reduced], [r.local for r in reduced]
-    for i, r in zip(compressed, reduced):
-      new_cs[i] = r.state
-  else:
-    means, locals_ = _reduce_global(cfg.compressor, cfg.reduction.name, xs, wkey, cfg.axis_name)
-  for i, p, mean, local in zip(compressed, ps, means, locals_):
-    out[i] = mean.astype(leaves.updates[i].dtype)
-    if cfg.error_feedback:
-      new_res[i] = _strategies.remember(p, local)
-
-
-@contextlib.contextmanager
-def _naming(leaves: _Leaves, i: int):
-  """A ValueError raised while leaf ``i`` is reduced names the leaf and its sharding."""
-  try:
-    yield
-  except ValueError as e:
-    spec = leaves.specs[i]
-    where = f"leaf {leaves.paths[i]}" + (f" (sharded {spec})" if spec not in (None, P()) else "")
-    raise ValueError(f"compressed_mean: {where}: {e}") from e
-
-
-def _reduce_each_leaf(cfg: _Config, leaves: _Leaves, compressed: list, wkey, out, new,
-                      wait_for=()):
-  """Each compressed leaf through the strategy (see :func:`_reduce_tree_wide`): on its own,
-  or, for a strategy whose exchange runs in rounds (``reduce_rounds``: two-phase), every
-  leaf's rounds together, one collective a round
-  (:func:`_words.run_together`), after the dense leaves' all-reduces (``wait_for``).
-  An error in a leaf's own step names the leaf; one in a packed collective cannot."""
-  new_res, new_cs, new_servers = new
-
-  def args(i):
-    return (cfg.compressor, leaves.updates[i],
-            leaves.residuals[i] if cfg.error_feedback else None,
-            None if tree.is_node(leaves.memories[i]) else leaves.memories[i],
-            leaves.cstates[i], _leaf_key(cfg, wkey, i, leaves.updates[i]), cfg.axis_name)
-
-  rounds = getattr(cfg.reduction, "reduce_rounds", None)
-  if rounds is not None:
-    results = _words.run_together([rounds(*args(i)) for i in compressed], cfg.axis_name,
-                                  lambda j: _naming(leaves, compressed[j]), wait_for)
-  else:
-    results = []
-    for i in compressed:
-      with _naming(leaves, i):
-        results.append(cfg.reduction.reduce(*args(i), spec=leaves.specs[i]))
-  for i, result in zip(compressed, results):
-    out[i] = result.out
-    if cfg.error_feedback:
-      new_res[i] = result.residual
-    new_cs[i] = result.state
-    if result.memory is not None:
-      new_servers[i] = result.memory
 
 
 def _update(cfg: _Config, updates, state: CompressedMeanState, params=None, **extra_args):
@@ -383,57 +291,61 @@ def _answer(cfg: _Config, nf: Optional[finite.NonFinite], carried, out: list,
 
 def _update_leaves(cfg: _Config, updates, state: CompressedMeanState,
                    nf: Optional[finite.NonFinite] = None):
+  """Check; split dense from compressed; the dense leaves' means by bucketed all-reduces
+  (the skip's flag riding along), the compressed ones' by the strategy with error
+  feedback (:meth:`~commopt.comm._strategies.Strategy.reduce_all`); answer the skip."""
   flat, treedef = tree.flatten(updates)
   for path, u in flat:
     _check_leaf(path, u, "an update")
   coll.check_input(FN, updates, cfg.axis_name)
   _check_state(cfg, state, flat, treedef)
+  leaves = [u for _, u in flat]
   residuals = treedef.flatten_up_to(state.residual)
   if cfg.residual_decay != 1.0:
     residuals = [r if tree.is_node(r) else r * jnp.asarray(cfg.residual_decay, r.dtype)
                  for r in residuals]
-  leaves = _Leaves(updates=[u for _, u in flat],
-                   residuals=residuals,
-                   cstates=treedef.flatten_up_to(state.compressor_state),
-                   memories=_server_memories(state, treedef),
-                   specs=_shards.specs_for(updates, cfg.axis_name),
-                   paths=[jax.tree_util.keystr(p) for p, _ in flat])
+  cstates = treedef.flatten_up_to(state.compressor_state)
+  memories = _server_memories(state, treedef)
   compressed = ([] if cfg.sends_dense() else
-                [i for i, u in enumerate(leaves.updates) if cfg.compresses(u)])
-  sent = set(compressed)
-  dense = [i for i, u in enumerate(leaves.updates) if not tree.is_node(u) and i not in sent]
-  out = list(leaves.updates)
+                [i for i, u in enumerate(leaves) if cfg.compresses(u)])
+  dense = [i for i, u in enumerate(leaves) if not tree.is_node(u) and i not in set(compressed)]
+  out = list(leaves)
   carried = None
   if dense:
     # The non-finite skip's flag, where one was handed over, rides along.
-    means, carried = _buckets.mean([leaves.updates[i] for i in dense], cfg.axis_name,
+    means, carried = _buckets.mean([leaves[i] for i in dense], cfg.axis_name,
                                    cfg.reduction.dense_mean,
                                    _buckets.resolve(cfg.bucket_bytes),
                                    nf.flag if nf is not None else None)
     for i, m in zip(dense, means):
       out[i] = m
-  new = (list(leaves.residuals), list(leaves.cstates), list(leaves.memories))
-  if compressed and (cfg.error_feedback or cfg.server_memory):
-    coll.check_state_kept(FN, cfg.axis_name, "error-feedback residuals")
-  wkey = worker_key(state.key, state.count, cfg.compressor, cfg.axis_name)
-  tree_wide = _is_global(cfg.compressor) or cfg.compressor.reduce_tree is not None
-  if tree_wide and compressed and cfg.reduction.name != "hierarchical":
-    # One selection per sharding: leaves whole on this device apart from leaves cut over
-    # model axes, whose values differ between the model ranks (the replicated ones' output
-    # must not).
-    groups: dict = {}
-    for i in compressed:
-      groups.setdefault(coll.shard_axes(leaves.updates[i], cfg.axis_name), []).append(i)
-    for g, (_, idx) in enumerate(sorted(groups.items())):
-      _reduce_tree_wide(cfg, leaves, idx, wkey if len(groups) == 1 else
-                        jax.random.fold_in(wkey, g), out, new)
-  else:
-    _reduce_each_leaf(cfg, leaves, compressed, wkey, out, new,
-                      [out[i] for i in dense])
+  if compressed:
+    if cfg.error_feedback or cfg.server_memory:
+      coll.check_state_kept(FN, cfg.axis_name, "error-feedback residuals")
+    wkey = worker_key(state.key, state.count, cfg.compressor, cfg.axis_name)
+    specs = _shards.specs_for(updates, cfg.axis_name)
+    batch = _strategies.Batch(
+        updates=[leaves[i] for i in compressed],
+        residuals=[residuals[i] if cfg.error_feedback else None for i in compressed],
+        memories=[None if tree.is_node(memories[i]) else memories[i] for i in compressed],
+        states=[cstates[i] for i in compressed],
+        keys=[_leaf_key(cfg, wkey, i, leaves[i]) for i in compressed],
+        specs=[specs[i] for i in compressed],
+        paths=[jax.tree_util.keystr(flat[i][0]) for i in compressed])
+    results = cfg.reduction.reduce_all(cfg.compressor, batch, wkey, cfg.axis_name,
+                                       wait_for=[out[i] for i in dense])
+    for i, result in zip(compressed, results):
+      out[i] = result.out
+      if cfg.error_feedback:
+        residuals[i] = result.residual
+      cstates[i] = result.state
+      if result.memory is not None:
+        memories[i] = result.memory
   unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
   new_state = CompressedMeanState(
-      count=optax.safe_int32_increment(state.count), key=state.key, residual=unflat(new[0]),
-      compressor_state=unflat(new[1]), server_residual=unflat(new[2]))
+      count=optax.safe_int32_increment(state.count), key=state.key,
+      residual=unflat(residuals),
+      compressor_state=unflat(cstates), server_residual=unflat(memories))
   out, new_state = _answer(cfg, nf, carried, out, new_state,
                            state._replace(verdict=None))
   return unflat(out), new_state

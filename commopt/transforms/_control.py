@@ -223,6 +223,17 @@ def _offer(inner, nf, updates, inner_state, params, extra_args) -> tuple:
     return inner.update(updates, inner_state, params, **extra_args)
 
 
+def _carried(nf: finite.NonFinite, verdicts: list, axis_name, after) -> jax.Array:
+  """The workers' agreed verdict on the flag ``nf`` handed to the inner transform: from the
+  exchanges that answered (``verdicts``), else by an all-reduce of its own, after every
+  collective of ``after`` (the inner transform's outputs: gloo needs them in one order)."""
+  if verdicts:
+    return functools.reduce(jnp.logical_and, verdicts)
+  with vma.shard_aware():
+    bad = jnp.isnan(nf.flag).astype(jnp.int32)
+    return coll.psum(coll.after(bad, after), axis_name) == 0
+
+
 def apply_if_finite(inner: optax.GradientTransformation, *,
                     axis_name: Optional[str | tuple[str, ...]] = None,
                     max_consecutive_errors: Optional[int] = None,
@@ -341,14 +352,7 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     verdicts, new_inner, settled = _answers(new_inner)
     settled = settled and zero
     if carry:
-      if verdicts:
-        agreed = functools.reduce(jnp.logical_and, verdicts)
-      else:
-        # Nothing carried the flag: its own all-reduce, after every collective of `inner`.
-        with vma.shard_aware():
-          bad = jnp.isnan(nf.flag).astype(jnp.int32)
-          agreed = coll.psum(coll.after(bad, (new_updates, new_inner)), axis_name) == 0
-      worker = agreed
+      worker = agreed = _carried(nf, verdicts, axis_name, (new_updates, new_inner))
     elif verdicts:
       answered = functools.reduce(jnp.logical_and, verdicts)
       agreed, worker = agreed & answered, worker & answered
