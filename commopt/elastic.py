@@ -1,9 +1,9 @@
 """Elastic runs: a job restarted on the processes left when one dies, and the lost ones
 taken back later.
 
-:func:`supervise` (also ``commopt.launch.supervise`` and ``python -m commopt.launch
---supervise``) runs a script as :func:`commopt.launch.launch` does and starts it again on
-the processes that are left after a failure; the script restores its latest checkpoint
+:func:`supervise` (``python -m commopt.launch --supervise`` on the command line) runs a
+script as :func:`commopt.launch.launch` does and starts it again on the processes that are
+left after a failure; the script restores its latest checkpoint
 onto however many workers it now has (:mod:`commopt.checkpoint`'s resize rule).
 ``examples/elastic.py`` is such a script.
 """
@@ -173,24 +173,3 @@ def supervise(argv: Sequence[str], processes: int, *, min_processes: int = 1,
           results)
     say(f"{fn}: processes {codes} failed; restarting on {n - len(lost)}")
     n, why = n - len(lost), "lost"
-
-
-def add_arguments(parser) -> None:
-  """``python -m commopt.launch``'s flags for :func:`supervise`."""
-  parser.add_argument("--supervise", action="store_true",
-                      help="restart on the processes left when one fails (elastic.supervise)")
-  parser.add_argument("--min-processes", type=int, default=1,
-                      help="with --supervise: the fewest processes to continue on")
-  parser.add_argument("--max-restarts", type=int, default=3,
-                      help="with --supervise: restarts after failures before giving up")
-  parser.add_argument("--rejoin-after", type=float, default=None,
-                      help="with --supervise: seconds on fewer processes before all start again")
-
-
-def from_arguments(argv, args, common: dict) -> list:
-  """:func:`supervise` from the command line's ``args``: ``(title, output)`` of process 0 of
-  each start."""
-  attempts = supervise(argv, args.processes, min_processes=args.min_processes,
-                       max_restarts=args.max_restarts, rejoin_after=args.rejoin_after, **common)
-  return [(f"start {i}: {a.processes} processes ({a.why}), process 0",
-           a.results[0].output if a.results else "") for i, a in enumerate(attempts)]

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from commopt import launch
+from commopt import elastic, launch
 from commopt.testing.processes import all_gone, kill_own, pids_in
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -60,8 +60,8 @@ def _run(tmp_path, mode, **kwargs):
   env = {"PYTHONPATH": str(ROOT)}
   lines = []
   try:
-    return launch.supervise([str(_script(tmp_path)), str(tmp_path), mode], 4, env=env,
-                            timeout=60, say=lines.append, **kwargs), lines
+    return elastic.supervise([str(_script(tmp_path)), str(tmp_path), mode], 4, env=env,
+                             timeout=60, say=lines.append, **kwargs), lines
   finally:
     pids = pids_in(tmp_path)
     assert all_gone(pids, 10), "a worker outlived the supervisor"
@@ -115,9 +115,9 @@ def test_the_supervisor_gives_up_below_min_processes(tmp_path):
 def test_supervise_checks_its_arguments(tmp_path):
   with pytest.raises(ValueError, match=r"supervise: `min_processes` must be an integer from 1 "
                                        r"to processes \(4\), got 5"):
-    launch.supervise(["x.py"], 4, min_processes=5)
+    elastic.supervise(["x.py"], 4, min_processes=5)
   with pytest.raises(ValueError, match=r"supervise: `rejoin_after`"):
-    launch.supervise(["x.py"], 4, rejoin_after=-1)
+    elastic.supervise(["x.py"], 4, rejoin_after=-1)
   with pytest.raises(ValueError, match=r"launch: `stop_after`"):
     launch.launch(["x.py"], 1, stop_after=-1)
 

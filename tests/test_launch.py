@@ -17,6 +17,7 @@ import time
 import pytest
 
 from commopt import launch
+from commopt.launch import __main__ as launch_cli
 from commopt.testing.processes import all_gone, kill_own, pids_in
 
 # The checks read processes' states and parents from /proc.
@@ -326,8 +327,16 @@ def test_nodes_need_a_coordinator_and_a_rank_in_range():
     launch.launch(["x.py"], 2, nodes=2, node_rank=2, coordinator="127.0.0.1:1")
   with pytest.raises(ValueError, match="`nodes` must be"):
     launch.launch(["x.py"], 2, nodes=0)
-  assert launch.main(["--processes", "1", "--nodes", "2", "--coordinator", "h:1",
-                      "--supervise", "x.py"]) == 1
+  assert launch_cli.main(["--processes", "1", "--nodes", "2", "--coordinator", "h:1",
+                          "--supervise", "x.py"]) == 1
+
+
+def test_a_name_that_left_launch_says_where_it_went():
+  changelog = (ROOT / "CHANGELOG.md").read_text()
+  for name, (home, _) in launch.MOVED.items():
+    with pytest.raises(AttributeError, match=f"commopt.launch.{name} moved to {re.escape(home)}"):
+      getattr(launch, name)
+    assert f"`commopt.launch.{name}`" in changelog, name
 
 
 # Process 3 raises once every process has joined; the others wait for it in a barrier.
@@ -400,7 +409,7 @@ def test_the_host_memory_setting_from_the_command_line(tmp_path, capsys, monkeyp
   _without_malloc_settings(monkeypatch)
   script = tmp_path / "malloc.py"
   script.write_text(PRINTS_MALLOC)
-  assert launch.main(["--processes", "1", "--host-memory", "system", str(script)]) == 0
+  assert launch_cli.main(["--processes", "1", "--host-memory", "system", str(script)]) == 0
   assert "None None None" in capsys.readouterr().out
   with pytest.raises(ValueError, match="`host_memory` must be one of .*'fast'"):
     launch.launch([str(script)], 1, host_memory="fast")

@@ -41,7 +41,8 @@ same step (``jax.distributed``'s preemption sync point), so a checkpoint
 written by every process together is consistent; the launcher waits
 ``stop_grace`` seconds for them (:func:`should_stop` shows the loop).
 :func:`commopt.elastic.supervise` (``--supervise``) restarts a job on the
-processes left when one dies.
+processes left when one dies. The command line (``python -m commopt.launch``) is
+:mod:`commopt.launch.__main__`.
 
 Example (a script ``train.py`` that calls ``commopt.launch.initialize()``)::
 
@@ -76,8 +77,8 @@ ENV_HEARTBEAT = "COMMOPT_HEARTBEAT_TIMEOUT"
 ENV_LAUNCHER_PID = "COMMOPT_LAUNCHER_PID"
 ENV_LAUNCHER_FD = "COMMOPT_LAUNCHER_FD"
 ENV_ATTEMPT = "COMMOPT_ATTEMPT"
-"""Set by :func:`supervise`: which start of the job this is (0 the first, then one more per
-restart); read it with :func:`attempt`."""
+"""Set by :func:`commopt.elastic.supervise`: which start of the job this is (0 the first,
+then one more per restart); read it with :func:`attempt`."""
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
@@ -253,16 +254,9 @@ def reuse_host_memory() -> bool:
   return _host_memory.reuse()
 
 
-def __getattr__(name):
-  # The supervisor lives in commopt.elastic (which imports this module): re-exported lazily.
-  if name in ("supervise", "Attempt"):
-    from commopt import elastic
-    return getattr(elastic, name)
-  raise AttributeError(f"module 'commopt.launch' has no attribute {name!r}")
-
-
 def attempt() -> int:
-  """Which start of a :func:`supervise` job this process belongs to (0 the first; 0 alone)."""
+  """Which start of a :func:`commopt.elastic.supervise` job this process belongs to (0 the
+  first; 0 alone)."""
   return int(os.environ.get(ENV_ATTEMPT, "0"))
 
 
@@ -453,57 +447,17 @@ def _exit_after(hook):
   return exit_after
 
 
-def main(argv=None) -> int:
-  """``python -m commopt.launch --processes N [--cpu-devices D] [--supervise] script [args]``;
-  on each of several machines, ``--nodes M --node-rank R --coordinator HOST:PORT`` too."""
-  import argparse
-  p = argparse.ArgumentParser(prog="python -m commopt.launch", description=main.__doc__)
-  p.add_argument("--processes", type=int, required=True)
-  p.add_argument("--cpu-devices", type=int, default=None,
-                 help="simulated CPU devices per process (default: the backend's devices)")
-  p.add_argument("--timeout", type=float, default=3600.0)
-  p.add_argument("--grace", type=float, default=1.0,
-                 help="seconds from SIGTERM to SIGKILL for the others when a process fails")
-  p.add_argument("--stop-grace", type=float, default=10.0,
-                 help="seconds from SIGTERM to SIGKILL when the launcher is ended (SIGTERM, "
-                      "Ctrl-C): what a process that polls launch.should_stop() has to save")
-  p.add_argument("--nodes", type=int, default=1,
-                 help="machines running the job, each with a launcher of its own")
-  p.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0 to nodes-1")
-  p.add_argument("--coordinator", default=None,
-                 help="HOST:PORT of node 0's coordinator, reachable from every node "
-                      "(default, one node: a free local port)")
-  p.add_argument("--host-memory", default="reuse", choices=_host_memory.MODES,
-                 help="reuse: each process's malloc keeps the memory it frees (no mmap, no "
-                      "trimming, one arena), unless a MALLOC_* variable or glibc.malloc "
-                      "tunable of yours is set; system: the C library's defaults")
-  from commopt import elastic
-  elastic.add_arguments(p)
-  p.add_argument("script")
-  p.add_argument("args", nargs=argparse.REMAINDER)
-  args = p.parse_args(argv)
-  argv = [args.script, *args.args]
-  common = dict(devices_per_process=args.cpu_devices, timeout=args.timeout, grace=args.grace,
-                stop_grace=args.stop_grace, host_memory=args.host_memory)
-  nodes = dict(nodes=args.nodes, node_rank=args.node_rank, coordinator=args.coordinator)
-  try:
-    if args.supervise and args.nodes != 1:
-      raise ValueError("launch: --supervise restarts the job on this machine's processes; it "
-                       f"does not run across machines (got --nodes {args.nodes}).")
-    if args.supervise:
-      outputs = elastic.from_arguments(argv, args, common)
-    else:
-      outputs = [(f"process {r.process_id}", r.output)
-                 for r in launch(argv, args.processes, **common, **nodes)]
-  except (LaunchError, ValueError) as e:
-    print(e, file=sys.stderr)
-    return 1
-  except KeyboardInterrupt as e:
-    print(f"{e or 'launch: interrupted'}; every process was ended.", file=sys.stderr)
-    return 130
-  for title, out in outputs:
-    print(f"--- {title} ---\n{out}", end="" if out.endswith("\n") else "\n")
-  return 0
+MOVED = {
+    "supervise": ("commopt.elastic.supervise", "the supervisor is commopt.elastic's"),
+    "Attempt": ("commopt.elastic.Attempt", "the supervisor is commopt.elastic's"),
+    "main": ("commopt.launch.__main__.main", "the command line is a module of its own"),
+}
+"""Names that left this module: ``{name: (new home, why)}`` (see CHANGELOG.md)."""
 
-if __name__ == "__main__":
-  sys.exit(main())
+
+def __getattr__(name):
+  if name in MOVED:
+    home, why = MOVED[name]
+    raise AttributeError(f"commopt.launch.{name} moved to {home} ({why}); see CHANGELOG.md.",
+                         name=name, obj=None)
+  raise AttributeError(f"module 'commopt.launch' has no attribute {name!r}")
