@@ -8,7 +8,7 @@ import pytest
 
 import commopt
 from commopt import wire
-from commopt.comm import _buckets
+from commopt.comm import _exchange
 from commopt.testing import assert_same_bits, host_copy
 from commopt.transforms import apply_if_finite
 
@@ -114,8 +114,8 @@ def test_capped_buckets_and_tuple_mode(mesh):
 
 
 def test_auto_keeps_leaves_whole_in_one_process(mesh):
-  assert not _buckets.flat_by_default()
-  assert _buckets.resolve("auto") is None and _buckets.resolve(4096) == 4096
+  assert not _exchange.flat_by_default()
+  assert _exchange.resolve("auto") is None and _exchange.resolve(4096) == 4096
 
 
 @pytest.mark.parametrize("bucket_bytes", [None, 1024])

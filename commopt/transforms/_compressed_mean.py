@@ -12,8 +12,8 @@ import optax
 from commopt._src import base, feedback, finite, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
-from commopt.comm import _buckets, _plan, _shards, _strategies
-from commopt.comm._exchange import worker_key
+from commopt.comm import _exchange, _plan, _shards, _strategies
+
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
 INNER_STRATEGIES = ("auto", "psum", "gather", "two_phase")
@@ -165,7 +165,7 @@ def _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, 
   min_size = base.check_int("min_size", min_size, fn=FN, minimum=0)
   seed = base.check_int("seed", seed, fn=FN)
   _check_residual_dtype(residual_dtype)
-  bucket_bytes = _buckets.check_bucket_bytes(bucket_bytes, FN)
+  bucket_bytes = _exchange.check_bucket_bytes(bucket_bytes, FN)
   residual_decay = base.check_number("residual_decay", residual_decay, fn=FN, low=0.0, high=1.0,
                                      low_open=False, high_open=False, what="a number in [0, 1]")
   if residual_decay != 1.0 and not error_feedback:
@@ -313,16 +313,16 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState,
   carried = None
   if dense:
     # The non-finite skip's flag, where one was handed over, rides along.
-    means, carried = _buckets.mean([leaves[i] for i in dense], cfg.axis_name,
-                                   cfg.reduction.dense_mean,
-                                   _buckets.resolve(cfg.bucket_bytes),
-                                   nf.flag if nf is not None else None)
+    means, carried = _exchange.bucketed_mean([leaves[i] for i in dense], cfg.axis_name,
+                                             cfg.reduction.dense_mean,
+                                             _exchange.resolve(cfg.bucket_bytes),
+                                             nf.flag if nf is not None else None)
     for i, m in zip(dense, means):
       out[i] = m
   if compressed:
     if cfg.error_feedback or cfg.server_memory:
       coll.check_state_kept(FN, cfg.axis_name, "error-feedback residuals")
-    wkey = worker_key(state.key, state.count, cfg.compressor, cfg.axis_name)
+    wkey = _exchange.worker_key(state.key, state.count, cfg.compressor, cfg.axis_name)
     specs = _shards.specs_for(updates, cfg.axis_name)
     batch = _strategies.Batch(
         updates=[leaves[i] for i in compressed],
@@ -458,7 +458,7 @@ def compressed_mean(
       sends them as one all-reduce of the tuple of leaves, which XLA runs as
       one collective in one process; ``"auto"`` (the default) builds 25 MB
       buffers (PyTorch DDP's) only where a tuple would cost one collective per
-      leaf, on XLA:CPU across processes (:mod:`commopt.comm._buckets`).
+      leaf, on XLA:CPU across processes (:mod:`commopt.comm._exchange`).
     residual_decay: β in ``p = u + β·e``, in [0, 1]: 1 (the default) keeps
       every unsent part until it is sent; below 1 the residual is a decaying
       accumulator, as DeMo's momentum (0.999) and SparseLoCo's error
