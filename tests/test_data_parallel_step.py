@@ -414,7 +414,7 @@ def test_placement_checks_run_once_per_argument_signature(mesh, monkeypatch):
   # Every step after the first is fed the previous step's outputs, placed as the step
   # places them: the placement checks are skipped. An argument that changes type,
   # shape or placement is checked (and refused where wrong) as on the first call.
-  from commopt.parallel import _placement as place
+  from commopt.parallel._placement import Placer
   dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
   params = make_params()
   state = dp.init(params)
@@ -423,8 +423,8 @@ def test_placement_checks_run_once_per_argument_signature(mesh, monkeypatch):
   batch = dp.place_batch(batches[1])
   params, state, _ = dp.step(params, state, batch)
   calls = []
-  real = place.checked_layout
-  monkeypatch.setattr(place, "checked_layout", lambda *a: calls.append(1) or real(*a))
+  real = Placer.checked_layout
+  monkeypatch.setattr(Placer, "checked_layout", lambda *a: calls.append(1) or real(*a))
   for _ in range(3):
     params, state, _ = dp.step(params, state, batch)
   assert calls == []
@@ -444,15 +444,15 @@ def test_an_unplaced_batch_is_placed_by_the_remembered_plan(mesh, monkeypatch, w
   user's data loader does), is checked once; later steps place it by the plan the first call
   made, without copying it (the step does not donate the batch: the caller's arrays stay
   usable), and train exactly as the same batch placed beforehand."""
-  from commopt.parallel import _placement as place
+  from commopt.parallel._placement import Placer
   dp = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
   params = make_params()
   batches = make_batches(6)
   if where == "one device":
     batches = [jax.tree.map(jnp.asarray, b) for b in batches]
   calls = []
-  real = place.checked_layout
-  monkeypatch.setattr(place, "checked_layout", lambda *a: calls.append(1) or real(*a))
+  real = Placer.checked_layout
+  monkeypatch.setattr(Placer, "checked_layout", lambda *a: calls.append(1) or real(*a))
   p, s = params, dp.init(params)
   checked = []
   for b in batches:
@@ -464,7 +464,7 @@ def test_an_unplaced_batch_is_placed_by_the_remembered_plan(mesh, monkeypatch, w
   assert checked[0] > 0 and checked[2:] == [0, 0, 0, 0], checked
   if where == "one device":
     assert all(not x.is_deleted() for b in batches for x in jax.tree.leaves(b))
-  monkeypatch.setattr(place, "checked_layout", real)
+  monkeypatch.setattr(Placer, "checked_layout", real)
   dp2 = commopt.data_parallel(loss_fn, sign_sgd(), mesh)
   q, t = make_params(), dp2.init(make_params())
   for b in batches:

@@ -25,7 +25,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from commopt.checkpoint import _checksums
 from commopt.checkpoint._checksums import is_key
 from commopt.checkpoint._files import TREE_FILE, Where, brief, check_json_files, corrupt, orbax
-from commopt.parallel import _placement as place
 from commopt.parallel import _resize
 from commopt.parallel._data_parallel import DataParallel
 from commopt.parallel._resize import path_key
@@ -164,8 +163,8 @@ def restore_at(where: Where, dp: DataParallel, params, model_state) -> Restored:
     _checksums.verify(where, got, expected)
   got = jax.tree.map(_cast, got, target)
   # DataParallel.resize_state's rule, told the saved layout (the state was read whole).
-  opt_state = got["opt_state"] if same else place.resized(
-      dp, got["opt_state"], state_t, dp.per_worker(params), "resize_state",
+  opt_state = got["opt_state"] if same else dp._placer.resized(
+      got["opt_state"], state_t, dp.per_worker(params), "resize_state",
       saved_layouts=layouts)
   if not params_same:
     if not dp.local_params:

@@ -1,23 +1,23 @@
 """data_parallel: a pure shard_map training step whose only reduction is the optimizer's.
 
-:class:`DataParallel` holds the options and the public methods; the work is
-done by one module per concept, each function taking the ``DataParallel`` as
-``dp``:
+:class:`DataParallel` holds the options and the public methods, and the few
+objects that do the work:
 
-- :mod:`._layout_probe`: the step's :class:`Layout`, found by tracing ``tx``
-  (which state leaves are per-worker, whether ``tx`` reads ``value``), and the
-  check of ``tx``'s axis names when the step is built.
-- :mod:`._placement`: placing parameters, state, model state and batches on
-  the mesh, checking what the user placed, resizing saved state.
-- The step bodies, one per parameter layout, each with ``init`` and ``step``
-  (:class:`._step_common.StepBody`): :mod:`._replicated_step` (parameters
-  replicated, or per worker with ``local_params``), :mod:`._shard_local_step`
-  (parameters sharded over other mesh axes, each device updating its shards;
-  :mod:`._shard_probe` finds its layout) and :mod:`._tensor_parallel_step`
-  (the same parameters, ``tx`` on whole leaves).
-  :meth:`DataParallel._body` picks one; a new parameter layout is a new module
-  there. :mod:`._step_common` holds what they share (the loss's output,
-  model-state sync), :mod:`._faults` the agreed non-finite skip.
+- its :class:`~._layout.LayoutSolver` (:mod:`._layout`): the step's
+  :class:`Layout`, found by tracing ``tx`` (which state leaves are per-worker,
+  their specs, whether ``tx`` reads ``value``), and the check of ``tx``'s axis
+  names when the step is built;
+- its :class:`~._placement.Placer` (:mod:`._placement`): placing parameters,
+  state, model state and batches on the mesh, checking what the user placed,
+  resizing saved state;
+- a step body per parameter layout (:mod:`._steps`), each with ``init`` and
+  ``step``: :class:`~._steps.ReplicatedStep` (parameters replicated, or per
+  worker with ``local_params``), :class:`~._steps.ShardLocalStep` (parameters
+  sharded over other mesh axes, each device updating its shards) and
+  :class:`~._steps.WholeLeafStep` (the same parameters, ``tx`` on whole
+  leaves). :meth:`DataParallel._body` picks one; a new parameter layout is a
+  new class there. The loss's contract and the skip's handling of model state
+  are :class:`~._steps.LossContract`'s, a mixin ``ZeroDataParallel`` shares.
 """
 
 from __future__ import annotations
@@ -33,21 +33,20 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commopt._src import base
-from commopt.parallel import _faults as faults
+from commopt.comm import _plan
 from commopt.parallel import _layout as lay
-from commopt.parallel import _layout_probe as probe
-from commopt.parallel import _placement as place
-from commopt.parallel import _replicated_step, _shard_local_step, _tensor_parallel_step
-from commopt.parallel import _step_common as common
-from commopt.parallel._layout_probe import Layout
-from commopt.parallel._step_common import StepBody
+from commopt.parallel._layout import Layout, LayoutSolver
+from commopt.parallel._placement import Placer, check_batch, layouts_of
+from commopt.parallel._steps import (LossContract, ReplicatedStep, ShardLocalStep, StepBody,
+                                     WholeLeafStep)
+from commopt.transforms._control import apply_if_finite
 
 MODEL_STATE_SYNC = ("mean", "none")
 SKIP_MODES = ("zero",)   # skip_nonfinite besides True and False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DataParallel:
+class DataParallel(LossContract):
   """A data-parallel training step over mesh axes (see :func:`data_parallel`).
 
   Immutable: every method is a pure function of its arguments, so ``init`` and
@@ -116,29 +115,50 @@ class DataParallel:
                                  f"{self.skip_nonfinite!r}.")
     for name in ("has_aux", "has_state", "donate", "local_params"):
       object.__setattr__(self, name, base.check_bool(name, getattr(self, name), fn=fn))
-    object.__setattr__(self, "_layouts", {})
-    object.__setattr__(self, "_placed_signatures", {})
-    probe.check_tx_axes(self)
+    self._solver.check_tx_axes()
 
   # -- basic facts ---------------------------------------------------------------
 
-  @property
+  @functools.cached_property
   def axes(self) -> tuple[str, ...]:
     """The data axes as a tuple."""
     return base.axis_names(self.axis_name)
 
-  @property
+  @functools.cached_property
   def num_workers(self) -> int:
     """The number of workers (the product of the data axes' sizes)."""
     return int(math.prod(self.mesh.shape[a] for a in self.axes))
 
   @functools.cached_property
   def optimizer(self) -> optax.GradientTransformation:
-    """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip."""
-    return faults.optimizer(self.tx, self.axis_name, self.skip_nonfinite,
-                            local=self.local_params and not self.has_state)
+    """The transformation the step runs: ``tx``, wrapped in an agreed non-finite skip.
 
-  @property
+    The skip (``skip_nonfinite``: True, False or ``"zero"``) is
+    :func:`~commopt.transforms.apply_if_finite`'s. With ``local_params`` and no model
+    state, nothing else makes the workers meet on every step: then, for a ``tx`` that
+    registers when it exchanges (the synchronisation modes), the workers agree only on
+    those steps, and in between each skips its own (``apply_if_finite``'s
+    ``agree_when``): no collective runs between exchanges.
+    """
+    if self.skip_nonfinite is False:
+      return optax.with_extra_args_support(self.tx)
+    zero = self.skip_nonfinite == "zero"
+    local = self.local_params and not self.has_state
+    exchanges = _plan.exchanges_of(self.tx) if local and not zero else None
+    return apply_if_finite(self.tx, axis_name=self.axis_name, agree_when=exchanges,
+                           on_skip="zero" if zero else "keep")
+
+  @functools.cached_property
+  def _solver(self) -> LayoutSolver:
+    """Finds the step's :class:`Layout` by tracing ``tx``, and keeps what it found."""
+    return LayoutSolver(self)
+
+  @functools.cached_property
+  def _placer(self) -> Placer:
+    """Places the step's values on the mesh, and keeps the argument signatures it checked."""
+    return Placer(self)
+
+  @functools.cached_property
   def _other_axes(self) -> tuple[str, ...]:
     """The mesh's other axes (of size above one): tensor-parallel parameters' axes."""
     return tuple(a for a in self.mesh.axis_names if a not in self.axes and self.mesh.shape[a] > 1)
@@ -153,7 +173,7 @@ class DataParallel:
     point: a leaf is per-worker when its new value varies over the data axes.
     Nothing is computed; the result is cached per parameter shapes and specs.
     """
-    return probe.find_layout(self, params)
+    return self._solver.find(params)
 
   def state_specs(self, params) -> Any:
     """The optimizer state's ``PartitionSpec``\\ s, a pytree like the state."""
@@ -178,8 +198,8 @@ class DataParallel:
     put = lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
     state = jax.tree.map(put, jax.eval_shape(self.init, params),
                          lay.to_shardings(self.mesh, layout.state_specs))
-    params = jax.tree.map(put, jax.eval_shape(functools.partial(place.stack_params, self), params),
-                          lay.to_shardings(self.mesh, place.param_specs(self, layout)))
+    params = jax.tree.map(put, jax.eval_shape(self._placer.stack_params, params),
+                          lay.to_shardings(self.mesh, self._placer.param_specs(layout)))
     return params, state
 
   def per_worker(self, params) -> Any:
@@ -214,9 +234,9 @@ class DataParallel:
       The state with this run's shapes, placed on the mesh like :meth:`init`'s.
     """
     _, target = self.abstract_state(params)
-    layouts = None if saved_shardings is None else place.layouts_of(saved_shardings)
-    return place.resized(self, saved_state, target, self.per_worker(params), "resize_state",
-                         saved_layouts=layouts)
+    layouts = None if saved_shardings is None else layouts_of(saved_shardings)
+    return self._placer.resized(saved_state, target, self.per_worker(params), "resize_state",
+                                saved_layouts=layouts)
 
   def resize_params(self, saved_params, params) -> Any:
     """With ``local_params=True``: per-worker parameters saved by another number of workers.
@@ -230,8 +250,8 @@ class DataParallel:
       raise ValueError("data_parallel.resize_params: parameters are per worker only with "
                        "local_params=True; replicated parameters need no resizing.")
     target, _ = self.abstract_state(params)
-    return place.resized(self, saved_params, target, jax.tree.map(lambda _: True, target),
-                         "resize_params")
+    return self._placer.resized(saved_params, target, jax.tree.map(lambda _: True, target),
+                                "resize_params")
 
   # -- placement -----------------------------------------------------------------
 
@@ -241,12 +261,12 @@ class DataParallel:
     With ``local_params=True``: one copy per worker, stacked ``[num_workers, ...]``
     and sharded over the data axes, what :meth:`step` takes and returns.
     """
-    layout = self.layout(params)
-    return place.put(self.mesh, place.stack_params(self, params), place.param_specs(self, layout))
+    placer = self._placer
+    return placer.put(placer.stack_params(params), placer.param_specs(self.layout(params)))
 
   def place_model_state(self, model_state):
     """Places model state (batch statistics, RNG state) replicated over the data axes."""
-    return place.put_model_state(self, model_state)
+    return self._placer.put_model_state(model_state)
 
   def place_batch(self, batch):
     """Shards every batch leaf on its leading axis over the data axes.
@@ -255,14 +275,14 @@ class DataParallel:
     divisible by the number of workers (:meth:`_check_batch`).
     """
     self._check_batch(batch)
-    return place.put_batch(self, batch)
+    return self._placer.put_batch(batch)
 
   def _check_batch(self, batch, fn: str = "data_parallel", workers: int | None = None,
                    where: str | None = None) -> None:
     """:func:`._placement.check_batch` (default: over the step's workers on its data axes)."""
     if workers is None:
       workers, where = self.num_workers, f"on axis {self.axis_name!r}"
-    place.check_batch(batch, fn, workers, where)
+    check_batch(batch, fn, workers, where)
 
   def local_batch(self, batch):
     """The global batch from this process's rows of it (multi-process runs).
@@ -297,10 +317,10 @@ class DataParallel:
     function with ``out_shardings``), which orbax cannot restore onto: for a
     restore target use :meth:`abstract_state`.
     """
-    layout = self.layout(params)
-    params = place.put(self.mesh, params, layout.param_specs)
-    state = self._body(layout).init(self, layout, params)
-    return place.put(self.mesh, state, layout.state_specs)
+    layout, placer = self.layout(params), self._placer
+    params = placer.put(params, layout.param_specs)
+    state = self._body(layout).init(params)
+    return placer.put(state, layout.state_specs)
 
   # -- the step ------------------------------------------------------------------
 
@@ -333,34 +353,36 @@ class DataParallel:
       where every aux leaf gains a leading ``[num_workers]`` axis. No
       collective is spent on metrics.
     """
-    common.check_model_state(self, model_state)
-    layout = place.checked_layout(self, params, opt_state)
-    params = place.put(self.mesh, params, place.param_specs(self, layout))
-    opt_state = place.put(self.mesh, opt_state, layout.state_specs)
+    self._check_model_state(model_state)
+    placer = self._placer
+    layout = placer.checked_layout(params, opt_state)
+    param_specs = placer.param_specs(layout)
+    params = placer.put(params, param_specs)
+    opt_state = placer.put(opt_state, layout.state_specs)
     batch = self.place_batch(batch)
     ms_specs = None
     if self.has_state:
-      ms_specs = place.specs_of(self, model_state, "model state leaf")
-      model_state = place.put(self.mesh, model_state, ms_specs)
+      ms_specs = placer.specs_of(model_state, "model state leaf")
+      model_state = placer.put(model_state, ms_specs)
     if key is not None:
       key = jax.device_put(key, NamedSharding(self.mesh, P()))
-    extra_args = place.put_replicated(self.mesh, extra_args)
+    extra_args = placer.put_replicated(extra_args)
     new_params, new_state, metrics, new_ms = self._body(layout).step(
-        self, layout, params, opt_state, batch, model_state, key, extra_args)
-    new_params = place.put(self.mesh, new_params, place.param_specs(self, layout))
-    new_state = place.put(self.mesh, new_state, layout.state_specs)
+        params, opt_state, batch, model_state, key, extra_args)
+    new_params = placer.put(new_params, param_specs)
+    new_state = placer.put(new_state, layout.state_specs)
     if self.has_state:
-      return new_params, new_state, place.put(self.mesh, new_ms, ms_specs), metrics
+      return new_params, new_state, placer.put(new_ms, ms_specs), metrics
     return new_params, new_state, metrics
 
   def _body(self, layout: Layout) -> StepBody:
-    """The step body for ``layout``'s parameters: a module with ``init`` and ``step``
-    (:class:`._step_common.StepBody`). A new parameter layout is a new module, picked here."""
+    """The step body for ``layout``'s parameters (a :class:`~._steps.StepBody` with ``init``
+    and ``step``). A new parameter layout is a new class, picked here."""
     if layout.shard_local:
-      return _shard_local_step
-    if _tensor_parallel_step.applies(self, layout):
-      return _tensor_parallel_step
-    return _replicated_step
+      return ShardLocalStep(self, layout)
+    if WholeLeafStep.applies(self, layout):
+      return WholeLeafStep(self, layout)
+    return ReplicatedStep(self, layout)
 
   @functools.cached_property
   def _jitted_step(self):
@@ -375,14 +397,14 @@ class DataParallel:
     arrays passed as ``params``, ``opt_state`` and ``model_state`` are consumed:
     use the returned ones. ``extra_args`` reach ``tx.update`` (see :meth:`step_fn`).
     """
-    *args, extra_args = place.placed(self, params, opt_state, batch, model_state, key,
-                                     extra_args)
+    *args, extra_args = self._placer.placed(params, opt_state, batch, model_state, key,
+                                            extra_args)
     return self._jitted_step(*args, **extra_args)
 
   def lower(self, params, opt_state, batch, model_state=None, key=None, **extra_args):
     """``jax.jit(...).lower`` of the step, for HLO audits (see :mod:`commopt.wire`)."""
-    *args, extra_args = place.placed(self, params, opt_state, batch, model_state, key,
-                                     extra_args)
+    *args, extra_args = self._placer.placed(params, opt_state, batch, model_state, key,
+                                            extra_args)
     return self._jitted_step.lower(*args, **extra_args)
 
 

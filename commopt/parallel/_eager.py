@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base
+from commopt.parallel._data_parallel import data_parallel
 from commopt.parallel._overlapped import _probe_loss, _worker_skip
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._sync._common import _outer, _reducer
@@ -128,7 +129,6 @@ class EagerDiLoCo:
                error_feedback="auto", residual_decay: float = 1.0, strategy: str = "auto",
                min_size: int = DEFAULT_MIN_SIZE, seed: int = 0,
                own_weight: Optional[float] = None, skip_nonfinite: bool = True):
-    from commopt.parallel._data_parallel import data_parallel
     fn = "eager_diloco"
     self.period = base.check_positive_int("period", period, fn=fn)
     self.outer = _outer(optax.sgd(1.0) if outer is None else outer, fn)

@@ -10,9 +10,13 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from commopt._src import base
+from commopt.parallel._data_parallel import data_parallel
+from commopt.parallel._layout import local_value_and_grad
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
+from commopt.transforms._control import apply_if_finite
 from commopt.transforms._sync._diloco import diloco
 
 
@@ -51,7 +55,6 @@ def _probe_loss(params, batch):
 def _worker_skip(inner, skip_nonfinite, fn: str):
   """``inner`` wrapped so that each worker skips its own non-finite inner step (a verdict
   of its own: no collective across workers), or ``inner`` itself (``skip_nonfinite=False``)."""
-  from commopt.transforms._control import apply_if_finite
   return apply_if_finite(inner) if base.check_bool("skip_nonfinite", skip_nonfinite,
                                                    fn=fn) else inner
 
@@ -126,7 +129,6 @@ class OverlappedDiLoCo:
                compressor: Optional[base.Compressor] = None, error_feedback="auto",
                residual_decay: float = 1.0, strategy: str = "auto",
                min_size: int = DEFAULT_MIN_SIZE, seed: int = 0, skip_nonfinite: bool = True):
-    from commopt.parallel._data_parallel import data_parallel
     fn = "overlapped_diloco"
     self.period = base.check_positive_int("period", period, fn=fn)
     self.delay = base.check_int("delay", delay, fn=fn, minimum=0)
@@ -293,10 +295,6 @@ class OverlappedDataParallel:
 
   def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh, *,
                axis_name="data"):
-    from jax.sharding import PartitionSpec as P
-
-    from commopt.parallel._data_parallel import data_parallel
-    from commopt.parallel._layout import local_value_and_grad
     self.exchange_dp = data_parallel(_kept_loss, tx, mesh, axis_name, donate=False)
     if len(self.exchange_dp.axes) != 1 or len(mesh.axis_names) != 1:
       raise ValueError(f"overlapped_data_parallel: `mesh` must have one axis, the data axis "

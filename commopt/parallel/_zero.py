@@ -29,10 +29,9 @@ from jax.sharding import PartitionSpec as P
 from commopt._src import base, feedback
 from commopt.comm import _collectives as coll
 from commopt.comm import _zero as zero_comm
-from commopt.parallel import _faults as faults
-from commopt.parallel import _step_common as common
 from commopt.parallel import _zero_leaves as zr
 from commopt.parallel import _zero_tp as zt
+from commopt.parallel._steps import LossContract
 from commopt.parallel._zero_leaves import ShardedLeaf, is_sharded as _is_sharded
 from commopt.parallel._zero_leaves import is_state_leaf as _is_state_leaf
 
@@ -42,7 +41,7 @@ _NEVER = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ZeroDataParallel:
+class ZeroDataParallel(LossContract):
   """The sharded (ZeRO-3) step for ``loss_fn`` and ``tx`` over ``axis_name`` of ``mesh``.
 
   Use :meth:`shard` on the parameters, :meth:`init` for the optimizer state, :meth:`step`
@@ -65,6 +64,7 @@ class ZeroDataParallel:
   error_feedback: Any = False
   residual_dtype: Any = None
   NAME: ClassVar[str] = "zero_data_parallel"
+  _CALLER: ClassVar[str] = NAME    # the factory named in the loss contract's errors
 
   def __post_init__(self):
     fn = "zero_data_parallel"
@@ -344,18 +344,17 @@ class ZeroDataParallel:
     def loss_of(tree):
       args = (model_state, batch) if self.has_state else (batch,)
       if self.gather == "manual":
-        return common.checked_loss(self, tree, *args, gather)
-      return common.checked_loss(self, gather(tree), *args)
+        return self._checked_loss(tree, *args, gather)
+      return self._checked_loss(gather(tree), *args)
 
     tree = sharded if residuals is None else zr.merge(sharded, residuals)
     out, grads = jax.value_and_grad(loss_of, has_aux=self.has_aux or self.has_state)(tree)
     memories = None
     if residuals is not None:
       grads, memories = zr.split(grads, residuals, {slot for slot, _ in used})
-    loss, aux, new_ms = common.split_out(self, out)
+    loss, aux, new_ms = self._split_out(out)
     if self.has_state:   # after the gradients' collectives (their order across processes)
-      new_ms = common.mean_model_state(coll.after(new_ms, grads), self._data_axes,
-                                       self.model_state_sync, self.workers, self.NAME)
+      new_ms = self._mean_model_state(coll.after(new_ms, grads), self._data_axes, self.workers)
     loss = jnp.reshape(loss, (1,))
     if self.has_aux:
       loss = (loss, jax.tree.map(lambda a: jnp.asarray(a)[None], aux))
@@ -371,7 +370,7 @@ class ZeroDataParallel:
     PRNG key, replicated) is needed only by compressors that draw random bits. It runs
     inside the caller's own ``jax.jit`` or ``lax.scan`` (the tests scan it over steps);
     on a mesh with explicit axes, call that function inside ``jax.set_mesh(mesh)``."""
-    common.check_model_state(self, model_state)
+    self._check_model_state(model_state)
     specs = jax.tree.map(self._spec, sharded, is_leaf=_is_sharded)
     residuals = None
     if self._feedback:
@@ -380,9 +379,9 @@ class ZeroDataParallel:
     local = self._data_manual(sharded, specs, memory_specs, batch)
     grads, losses, memories, new_ms = local(sharded, residuals, batch, model_state, key)
     # A non-finite model state (the same mean on every device) skips the step too.
-    grads = faults.poison_if_nonfinite(self, grads, new_ms)
+    grads = self._poison_if_nonfinite(grads, new_ms)
     updates, opt_state = self._tx.update(grads, opt_state, sharded)
-    new_ms = faults.keep_on_skip(self, new_ms, model_state, opt_state)
+    new_ms = self._keep_on_skip(new_ms, model_state, opt_state)
     if self._feedback:
       if self.skip_nonfinite:    # a skipped step keeps its memories too
         memories = jax.tree.map(lambda new, old: jnp.where(opt_state.last_finite, new, old),
@@ -428,7 +427,7 @@ class ZeroDataParallel:
     return jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
 
   def _place_model_state(self, model_state):
-    common.check_model_state(self, model_state)
+    self._check_model_state(model_state)
     if model_state is None:
       return None
     return jax.device_put(model_state, NamedSharding(self.mesh, P()))
