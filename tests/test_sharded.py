@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import commopt
 from commopt import wire
-from commopt._src import compat
+from commopt._src import vma
 
 TP = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
 SHAPES = {"w1": (16, 256), "w2": (256, 8), "b": (8,)}
@@ -225,11 +225,11 @@ def mean_of(compressor, grads, mesh, in_spec, out_spec, q=None, q_spec=None, spe
     return out["w"]
 
   q_in = jnp.zeros(()) if q is None else q
-  if not compat.is_tracer(grads):   # arguments placed as in_specs say
+  if not vma.is_tracer(grads):   # arguments placed as in_specs say
     grads = jax.device_put(grads, NamedSharding(mesh, in_spec))
     q_in = jax.device_put(q_in, NamedSharding(mesh, q_spec or P()))
   fn = jax.shard_map(body, mesh=mesh, in_specs=(in_spec, q_spec or P()), out_specs=out_spec)
-  return fn(grads, q_in) if compat.is_tracer(grads) else jax.jit(fn)(grads, q_in)
+  return fn(grads, q_in) if vma.is_tracer(grads) else jax.jit(fn)(grads, q_in)
 
 
 def flat_mesh():

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commopt._src import bits, compat
+from commopt._src import bits, vma
 from commopt._src.errors import AxisNameError, OptionTypeError  # noqa: F401  (re-exported)
 
 Payload = Any
@@ -298,7 +298,7 @@ def is_real_number(value) -> bool:
     return False
   if isinstance(value, numbers.Real):
     return True
-  if isinstance(value, (np.ndarray, jax.Array)) and not compat.is_tracer(value):
+  if isinstance(value, (np.ndarray, jax.Array)) and not vma.is_tracer(value):
     return (np.ndim(value) == 0 and (jnp.issubdtype(value.dtype, jnp.integer)
                                      or jnp.issubdtype(value.dtype, jnp.floating)))
   return False

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from commopt._src import base, compat, finite, scope
+from commopt._src import base, finite, scope, vma
 from commopt._src.vma import vary, vary_like, varying_axes  # noqa: F401  (re-exported)
 
 
@@ -92,7 +92,7 @@ def _record(kind: str, tree, axis_name) -> None:
     return
   nbytes = sum(int(np.prod(jnp.shape(x))) * jnp.result_type(x).itemsize
                for x in jax.tree.leaves(tree))
-  bound = compat.bound_axis_names()
+  bound = vma.bound_axis_names()
   device = jax.lax.axis_index(bound if bound else axis_name)
   jax.debug.callback(functools.partial(_RECORDERS[-1].add, kind, nbytes, axis_name), device)
 
@@ -118,7 +118,7 @@ def tracks_varying(axis_name: str) -> bool:
   exactly when the types are tracked (JAX 0.10–0.12). The probe adds one
   ``axis_index`` to the trace, which the compiler removes unused.
   """
-  return axis_name in compat.varying_axes_of_type(jax.typeof(jax.lax.axis_index(axis_name)))
+  return axis_name in vma.varying_axes_of_type(jax.typeof(jax.lax.axis_index(axis_name)))
 
 
 def bound_axis_size(axis_name) -> Optional[int]:
@@ -210,7 +210,7 @@ def check_input(fn: str, tree: Any, axis_name) -> None:
   names = base.axis_names(axis_name)
   missing = [a for a in names if bound_axis_size(a) is None]
   if missing:
-    bound = compat.bound_axis_names()
+    bound = vma.bound_axis_names()
     where = (f"the axes bound here are {bound}" if bound else
              "no axis is bound here (the transform runs outside any jax.shard_map or "
              "jax.vmap over a named axis)")
@@ -223,7 +223,7 @@ def check_input(fn: str, tree: Any, axis_name) -> None:
   if not tracked or not _TRACED.get().typed:
     return
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if not compat.is_tracer(x):
+    if not vma.is_tracer(x):
       continue
     invariant = [a for a in tracked if a not in varying_axes(x)]
     if invariant:
@@ -428,9 +428,12 @@ def shard_axes(x, axis_name) -> tuple[str, ...]:
   a shard), under ``jax.vmap``, locally, and for leaves replicated over the
   model axes.
   """
+  model = _TRACED.get().model_axes
+  if not model:
+    return ()
   skip = set() if axis_name is None else set(
       axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
-  return tuple(sorted((varying_axes(x) & _TRACED.get().model_axes) - skip))
+  return tuple(sorted((varying_axes(x) & model) - skip))
 
 
 def leaf_sum(value: Any, like, axis_name) -> Any:

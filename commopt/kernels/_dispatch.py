@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from commopt._src import compat, vma
+from commopt._src import vma
 
 try:   # deprecated in JAX 0.11 and to be removed: the kernels need it on a GPU
   from jax.experimental.pallas import triton as plt
@@ -268,7 +268,7 @@ def call(kernel, out_shape, grid: int, interpret: bool, name: str):
   """
   def run(*args):
     axes = frozenset().union(*(vma.varying_axes(a) for a in args))
-    shapes = jax.tree.map(lambda s: compat.varying_struct(s.shape, s.dtype, axes), out_shape)
+    shapes = jax.tree.map(lambda s: vma.varying_struct(s.shape, s.dtype, axes), out_shape)
     return pl.pallas_call(
         kernel, out_shape=shapes, grid=(grid,), interpret=interpret, name=name,
         compiler_params=plt.CompilerParams(num_warps=_NUM_WARPS))(*args)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from commopt._src import base, compat, vma
+from commopt._src import base, vma
 from commopt._src.vma import spec_axes
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan, _shards
@@ -302,16 +302,16 @@ def shard_hazards(jaxpr, model_axes) -> list[Hazard]:
       here = inside or vma.SHARD_AWARE_SCOPE in str(
           getattr(getattr(eqn, "source_info", None), "name_stack", ""))
       reduces = (eqn.primitive.name in REDUCING and _contracts(eqn)
-                 and any(compat.varying_axes_of_type(getattr(v, "aval", None)) & model_axes
+                 and any(vma.varying_axes_of_type(getattr(v, "aval", None)) & model_axes
                          for v in eqn.invars))
       draws = (eqn.primitive.name in RANDOM
                and any(len(getattr(getattr(v, "aval", None), "shape", ())) > 1
                        or max(getattr(getattr(v, "aval", None), "shape", (0,)) or (0,)) > 2
                        for v in eqn.outvars)
-               and not any(compat.varying_axes_of_type(getattr(v, "aval", None)) & model_axes
+               and not any(vma.varying_axes_of_type(getattr(v, "aval", None)) & model_axes
                            for v in eqn.invars))
       if not here and (reduces or draws):
-        hazard = Hazard(eqn.primitive.name, compat.where_traced(eqn))
+        hazard = Hazard(eqn.primitive.name, vma.where_traced(eqn))
         if hazard not in found:
           found.append(hazard)
       for v in eqn.params.values():

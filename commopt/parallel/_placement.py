@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from commopt._src import compat
+from commopt._src import vma
 from commopt._src.vma import spec_axes
 from commopt.parallel import _layout as lay
 from commopt.parallel import _resize
@@ -56,7 +56,7 @@ class Placer:
     """The user's sharding of a parameter or model-state leaf over the non-data axes."""
     mesh = self.mesh
     sharding = getattr(x, "sharding", None)
-    placed_named = isinstance(sharding, NamedSharding) and not compat.is_tracer(x)
+    placed_named = isinstance(sharding, NamedSharding) and not vma.is_tracer(x)
     if placed_named and sharding.mesh is mesh:
       # Placed on this mesh already (every step after the first): its spec is the layout.
       spec = lay.full_spec(sharding.spec, len(x.shape))
@@ -172,7 +172,7 @@ class Placer:
             "dp.place_params(params) to the first step.")
     def one(x):
       # One worker's shape, keeping the sharding over the other axes.
-      sharding = None if compat.is_tracer(x) else getattr(x, "sharding", None)
+      sharding = None if vma.is_tracer(x) else getattr(x, "sharding", None)
       if isinstance(sharding, NamedSharding) and sharding.mesh.shape_tuple == mesh.shape_tuple:
         spec = lay.full_spec(sharding.spec, len(jnp.shape(x)))
       else:
@@ -231,7 +231,7 @@ class Placer:
     # nnx Variables, costs more than placing the batch).
     flat = [jax.tree.flatten(a) for a in args]
     before = [x for leaves, _ in flat for x in leaves]
-    if any(map(compat.is_tracer, before)):
+    if any(map(vma.is_tracer, before)):
       return args
     treedefs = tuple(t for _, t in flat)
     signature = _signature(treedefs, before)
@@ -389,7 +389,7 @@ def leaf_spec(x) -> P:
 def put_leaf(x, target: NamedSharding, copy: bool = True, concrete: bool = False):
   """One leaf of :meth:`Placer.put`: ``x`` placed with ``target``, passed through if it
   already is (``concrete``: ``x`` is known not to be a tracer)."""
-  if isinstance(x, jax.Array) and (concrete or not compat.is_tracer(x)):
+  if isinstance(x, jax.Array) and (concrete or not isinstance(x, vma.Tracer)):
     if x.sharding == target:
       return x
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):

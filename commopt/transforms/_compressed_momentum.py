@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from commopt._src import base, compat
+from commopt._src import base, vma
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import compressed_mean
@@ -114,7 +114,7 @@ def check_exp_avg_mask(fn: str, mask):
           f"{fn}: `exp_avg_mask` leaf {where} must be an array of 0s and 1s (or bools) of "
           f"the parameter's shape, or None to leave the parameter unmasked, got "
           f"{type(leaf).__name__}{f' of dtype {dtype}' if dtype is not None else ''}.")
-    if compat.is_tracer(leaf):
+    if vma.is_tracer(leaf):
       continue
     values = np.asarray(leaf)
     bad = values[(values != 0) & (values != 1)]
