@@ -229,18 +229,23 @@ def test_hierarchical_dense_means_are_judged_as_means(mesh2d):
   assert int(_adam(state).count) == 2 and int(state.total_notfinite) == 1
 
 
-def test_a_stateful_transform_before_the_exchange_keeps_its_state(mesh):
+@pytest.mark.parametrize("named", [False, True])
+def test_a_stateful_transform_before_the_exchange_keeps_its_state(mesh, named):
   # A gradient-norm logger first, returning the updates as they came: the exchange gets the
   # very input, but the logger's state took the NaN, so the skip keeps the whole state.
+  # In a named chain the logger's name sorts after the exchange's, as a pytree flattens
+  # a dict: what counts is the order the transforms ran in.
   def logger():
     return optax.GradientTransformation(lambda p: jnp.zeros(()),
                                         lambda u, s, p=None: (u, s + optax.tree.norm(u)))
-  tx = optax.chain(logger(), commopt.compressed_mean(commopt.compressors.identity(),
-                                                     axis_name="data"), optax.adam(1e-2))
+  mean = commopt.compressed_mean(commopt.compressors.identity(), axis_name="data")
+  tx = (optax.named_chain(("z_logger", logger()), ("a_mean", mean), ("b_adam", optax.adam(1e-2)))
+        if named else optax.chain(logger(), mean, optax.adam(1e-2)))
   dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite="zero")
   _, before, params, state = _good_then_bad(dp, bad_worker=2)
   assert_same_bits(host_copy(state.inner_state), before.inner_state)
-  assert np.all(np.isfinite(np.asarray(state.inner_state[0])))
+  logged = state.inner_state["z_logger"] if named else state.inner_state[0]
+  assert np.all(np.isfinite(np.asarray(logged)))
   assert int(state.total_notfinite) == 1
 
 

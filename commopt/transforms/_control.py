@@ -191,12 +191,29 @@ def _is_exchange_state(x) -> bool:
   return isinstance(x, CompressedMeanState)
 
 
+def _first_with_state(state):
+  """The state of the first transform, in the order the transforms ran, that holds any
+  array: ``state`` itself, or for a chain's tuple (or a named chain's dict, in its
+  insertion order), that of its first element holding any, looked into the same way."""
+  if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
+    parts = list(state)
+  elif isinstance(state, dict):
+    parts = list(state.values())
+  else:
+    return state
+  for part in parts:
+    if jax.tree.leaves(part):
+      return _first_with_state(part)
+  return None
+
+
 def _answers(inner_state) -> tuple:
   """``(verdicts, inner_state, settled)``: the verdicts the exchanges in ``inner_state``
   answered the skip with (their states' ``verdict``), the state with them cleared (as
-  ``init`` made it), and whether the first state with any leaves is an exchange that
-  answered: then no transform with state ran before it on the non-finite input, and with
-  the zero-gradient skip it held its own state (:mod:`commopt._src.finite`)."""
+  ``init`` made it), and whether the first transform with state (in the order they ran)
+  is an exchange that answered: then no transform with state ran before it on the
+  non-finite input, and with the zero-gradient skip it held its own state
+  (:mod:`commopt._src.finite`)."""
   verdicts = []
 
   def clear(x):
@@ -204,7 +221,7 @@ def _answers(inner_state) -> tuple:
       verdicts.append(x.verdict)
       return x._replace(verdict=None)
     return x
-  first = next(iter(jax.tree.leaves(inner_state, is_leaf=_is_exchange_state)), None)
+  first = _first_with_state(inner_state)
   settled = _is_exchange_state(first) and first.verdict is not None
   return verdicts, jax.tree.map(clear, inner_state, is_leaf=_is_exchange_state), settled
 
