@@ -581,3 +581,24 @@ def test_dgc_chains_with_an_optimizer_and_trains():
     updates, state = step(params, state)
     params = optax.apply_updates(params, updates)
   assert float(loss(params)) < 0.01 * start
+
+
+@pytest.mark.parametrize("name", ["random_k", "variance_balanced"])
+def test_unbiased_sparse_compressors_under_error_feedback_keep_the_scaled_residual(mesh, name):
+  """Under error_feedback=True an unbiased compressor runs as C/(1+ω): its payload no longer
+  decodes to the values it carries, so the gather's sparse fast path must not write the
+  residual from them. Worker 0's residual equals the one a single worker computes."""
+  options = {"shared_seed": False, "scale": True} if name == "random_k" else {}
+  compressor = commopt.compressors.make(name, **options)
+  tx = commopt.compressed_mean(compressor, axis_name="data", min_size=0, error_feedback=True,
+                               strategy="gather")
+  local = commopt.compressed_mean(compressor, min_size=0, error_feedback=True)
+  params = {"w": jnp.zeros((64, 32))}
+  grads = np.asarray(jax.random.normal(jax.random.key(3), (mesh.size, 64, 32)))
+  workers = commopt.testing.shard_map_workers(tx, mesh, "data")
+  _, state = workers.update({"w": grads}, workers.init(params))
+  _, alone = local.update({"w": jnp.asarray(grads[0])}, local.init(params))
+  np.testing.assert_allclose(np.asarray(state.residual["w"])[0], np.asarray(alone.residual["w"]),
+                             rtol=1e-6, atol=1e-6)
+  assert "sparse_values" not in commopt._src.feedback.feedback_compressor(
+      compressor, True, "test")[0].capabilities

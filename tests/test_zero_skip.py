@@ -312,3 +312,36 @@ def test_a_bfloat16_model_is_judged_from_its_means(mesh):
   p2, state, _ = dp.step(p1, state, _batch(1, bad_worker=6))
   assert_same_bits(host_copy(p2), host_copy(p1))
   assert int(state.total_notfinite) == 1 and int(_adam(state).count) == 2   # settled
+
+
+@pytest.mark.parametrize("wrap", ["masked", "multi_transform"])
+def test_an_exchange_of_part_of_the_updates_does_not_settle_the_skip(mesh, wrap):
+  """Only an exchange of the skip's very updates (their tree structure) settles the zero
+  skip: under optax.masked or multi_transform it reduces part of them, so the skip checks
+  the output and keeps the whole state, and nothing non-finite gets through."""
+  mean = lambda: commopt.compressed_mean(commopt.compressors.identity(), axis_name="data")
+  if wrap == "masked":
+    tx = optax.chain(optax.masked(mean(), {"w": True, "b": False}),
+                     optax.masked(mean(), {"w": False, "b": True}), optax.adam(1e-2))
+  else:
+    tx = optax.multi_transform({"a": optax.chain(mean(), optax.adam(1e-2)),
+                                "b": optax.chain(optax.trace(0.9), mean())},
+                               {"w": "b", "b": "a"})
+  dp = commopt.data_parallel(_loss, tx, mesh, skip_nonfinite="zero")
+  before_p, before, params, state = _good_then_bad(dp, bad_worker=2)
+  assert int(state.total_notfinite) == 1
+  assert_same_bits(host_copy(params), before_p)
+  assert_same_bits(host_copy(state.inner_state), before.inner_state)
+
+
+def test_a_skip_inside_data_parallels_skip(mesh):
+  """A transform that is itself an apply_if_finite (optax's max_consecutive_errors, say)
+  under data_parallel's skip: the outer skip's flag is not passed on twice."""
+  inner = apply_if_finite(optax.chain(
+      commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.1)),
+      axis_name="data", max_consecutive_errors=3)
+  for skip in (True, "zero"):
+    dp = commopt.data_parallel(_loss, inner, mesh, skip_nonfinite=skip)
+    before_p, _, params, state = _good_then_bad(dp, bad_worker=5)
+    assert int(state.total_notfinite) == 1
+    assert_same_bits(host_copy(params), before_p)

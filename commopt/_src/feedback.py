@@ -76,6 +76,8 @@ def scaled(compressor: base.Compressor) -> base.Compressor:
 
   return dataclasses.replace(
       compressor, name=f"{compressor.name}/(1+ω)", decode=decode, accumulate=None,
+      # Its payload no longer decodes to the values it carries: no sparse fast path.
+      sparse_values=False,
       decode_tree=decode_tree if compressor.decode_tree is not None else None,
       reduce=reduce if compressor.reduce is not None else None,
       reduce_tree=reduce_tree if compressor.reduce_tree is not None else None,

@@ -9,12 +9,15 @@ The skip and the exchange cooperate through arguments and state, never ambiently
    ignores it).
 2. An exchange over exactly ``NonFinite.axes`` (:func:`~commopt.compressed_mean`)
    may carry ``flag`` as one more element of a dense all-reduce it runs anyway,
-   and answers in its returned state (``CompressedMeanState.verdict``): whether
-   every worker's input was finite (with ``zero``, and its own mean too: it then
-   returns a zero mean and keeps its own state where not).
-3. ``apply_if_finite`` reads those answers out of the inner state and clears them,
-   so the state it returns has the structure ``init`` gave. Where nothing answered,
-   it agrees on the flag with an all-reduce of its own.
+   and answers by returning its new state wrapped in an :class:`Answer`: whether
+   every worker's input was finite. With ``zero``, an exchange whose input has the
+   wrapper's input's structure (``NonFinite.structure``: it reduces the wrapper's
+   very updates) also judges its own mean, returns a zero mean and keeps its own
+   state where the verdict is false, and says so by a :class:`Settled` instead.
+3. ``apply_if_finite`` reads those answers out of the inner state and unwraps them,
+   so the state it returns has the structure ``init`` gave (and a checkpoint
+   holds no answer). Where nothing answered, it agrees on the flag with an
+   all-reduce of its own.
 
 A transform that runs its inner transform only on some steps (inside a
 ``lax.cond``: :func:`~commopt.transforms.multi_steps`, the synchronisation modes'
@@ -27,7 +30,7 @@ that skip it, and a verdict on another input is not the one asked for.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -53,15 +56,41 @@ class NonFinite(NamedTuple):
     zero: the zero-gradient skip (``on_skip="zero"``): an exchange that answers also
       judges its own mean, and where its verdict is false returns a zero mean and keeps
       its own state.
+    structure: the tree structure of the wrapper's input, by which an exchange tells
+      that it reduces those very updates (only such an exchange settles ``zero``).
   """
   axes: tuple
   flag: Optional[jax.Array] = None
   agreed: Optional[jax.Array] = None
   zero: bool = False
+  structure: Any = None
 
   def for_axes(self, axis_name) -> bool:
     """Whether an exchange over ``axis_name`` reduces over exactly these axes."""
     return axis_name is not None and base.axis_names(axis_name) == self.axes
+
+
+class Answer(NamedTuple):
+  """An exchange's state, returned wrapped to answer a :class:`NonFinite`.
+
+  Attributes:
+    state: the exchange's new state, as it returns it otherwise.
+    finite: whether every worker's input was finite (a bool, the same on every worker).
+  """
+  state: Any
+  finite: jax.Array
+
+
+class Settled(NamedTuple):
+  """As :class:`Answer`, from an exchange that settled the zero-gradient skip itself: it
+  judged its own mean too (``finite``), and where that is false returned a zero mean and
+  its state as it was (``state``)."""
+  state: Any
+  finite: jax.Array
+
+
+def is_answer(x) -> bool:
+  return isinstance(x, (Answer, Settled))
 
 
 def offered(extra_args: dict, axis_name) -> Optional[NonFinite]:

@@ -474,7 +474,8 @@ def agreed_finite(tree, axis_name) -> jax.Array:
   """Whether every worker's ``tree`` is finite: one int32 all-reduce over ``axis_name`` and
   the model axes any leaf is sharded over (so every shard of every worker agrees)."""
   local_bad = jnp.logical_not(finite.all_finite(tree)).astype(jnp.int32)
-  return psum(local_bad, _names(axis_name) + model_axes_of(tree, axis_name)) == 0
+  axes = _names(axis_name) + model_axes_of(tree, axis_name)
+  return (psum(local_bad, axes) if axes else local_bad) == 0
 
 
 def reduced_finite(tree, axis_name) -> jax.Array:

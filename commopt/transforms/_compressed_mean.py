@@ -40,11 +40,6 @@ class CompressedMeanState(NamedTuple):
       ``inner_strategy="two_phase"``: its chunk of its shard,
       ``[⌈⌈n/L⌉/S⌉]`` for ``S`` nodes); ``optax.MaskedNode()`` for other
       strategies and without error feedback.
-    verdict: None, except in the state an ``update`` called with the extra argument
-      ``nonfinite`` returns (:mod:`commopt._src.finite`, from
-      :func:`~commopt.transforms.apply_if_finite`, which reads it and clears it): whether
-      every worker's input was finite (with the zero-gradient skip, and the mean too),
-      the same on every worker.
 
   Both memories are float32 for 16-bit float leaves (bf16, f16) unless
   ``residual_dtype`` says otherwise. The per-worker parts are allocated when ``init`` runs where
@@ -59,7 +54,6 @@ class CompressedMeanState(NamedTuple):
   residual: Any
   compressor_state: Any
   server_residual: Any = None
-  verdict: Any = None
 
 
 def _check_leaf(path, leaf, what: str):
@@ -264,13 +258,15 @@ def _update(cfg: _Config, updates, state: CompressedMeanState, params=None, **ex
 
 
 def _answer(cfg: _Config, nf: Optional[finite.NonFinite], carried, out: list,
-            new_state: CompressedMeanState, state: CompressedMeanState):
+            new_state: CompressedMeanState, state: CompressedMeanState, updates):
   """The answer to a non-finite skip's ``nf`` (:mod:`commopt._src.finite`): ``(out,
-  new_state)`` with ``new_state.verdict`` set where this exchange carried the flag
-  (``carried``: the flag's mean from a dense bucket) or the skip is the zero-gradient one.
-  With ``nf.zero`` the means are judged too, and where the verdict is false they are
-  zeroed and ``state`` is kept."""
-  if nf is None or (not nf.zero and (nf.agreed is not None or carried is None)):
+  new_state)`` as they are, or with the state wrapped in an ``Answer`` where this exchange
+  carried the flag (``carried``: the flag's mean from a dense bucket), or in a ``Settled``
+  where it settles the zero-gradient skip (it reduces the skip's very ``updates``): then
+  its means are judged too, and where the verdict is false they are zeroed and ``state``
+  is kept."""
+  settles = nf is not None and nf.zero and jax.tree.structure(updates) == nf.structure
+  if nf is None or (not settles and (nf.agreed is not None or carried is None)):
     return out, new_state       # nothing to tell: the skip agrees by itself
   if nf.agreed is not None:
     ok = nf.agreed
@@ -281,12 +277,12 @@ def _answer(cfg: _Config, nf: Optional[finite.NonFinite], carried, out: list,
       carried = coll.psum(coll.after(nf.flag, [o for o in out if o is not None]),
                           cfg.axis_name)
     ok = jnp.isfinite(carried)
-  if nf.zero:
-    # The means are the same on every worker: so is their verdict.
-    ok = ok & coll.reduced_finite(out, cfg.axis_name)
-    out = [finite.zero_unless(ok, o) for o in out]
-    new_state = finite.hold_unless(ok, new_state, state)
-  return out, new_state._replace(verdict=ok)
+  if not settles:
+    return out, finite.Answer(new_state, ok)
+  # The means are the same on every worker: so is their verdict.
+  ok = ok & coll.reduced_finite(out, cfg.axis_name)
+  out = [finite.zero_unless(ok, o) for o in out]
+  return out, finite.Settled(finite.hold_unless(ok, new_state, state), ok)
 
 
 def _update_leaves(cfg: _Config, updates, state: CompressedMeanState,
@@ -346,8 +342,7 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState,
       count=optax.safe_int32_increment(state.count), key=state.key,
       residual=unflat(residuals),
       compressor_state=unflat(cstates), server_residual=unflat(memories))
-  out, new_state = _answer(cfg, nf, carried, out, new_state,
-                           state._replace(verdict=None))
+  out, new_state = _answer(cfg, nf, carried, out, new_state, state, updates)
   return unflat(out), new_state
 
 

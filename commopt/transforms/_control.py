@@ -25,7 +25,6 @@ import optax
 from commopt._src import base, finite, vma
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
-from commopt.transforms._compressed_mean import CompressedMeanState
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -187,10 +186,6 @@ def _hold_state(new, old, worker, shared, axis_name, shared_held=False):
   return jax.tree.map(hold, new, old)
 
 
-def _is_exchange_state(x) -> bool:
-  return isinstance(x, CompressedMeanState)
-
-
 def _first_with_state(state):
   """The state of the first transform, in the order the transforms ran, that holds any
   array: ``state`` itself, or for a chain's tuple (or a named chain's dict, in its
@@ -209,21 +204,20 @@ def _first_with_state(state):
 
 def _answers(inner_state) -> tuple:
   """``(verdicts, inner_state, settled)``: the verdicts the exchanges in ``inner_state``
-  answered the skip with (their states' ``verdict``), the state with them cleared (as
-  ``init`` made it), and whether the first transform with state (in the order they ran)
-  is an exchange that answered: then no transform with state ran before it on the
-  non-finite input, and with the zero-gradient skip it held its own state
-  (:mod:`commopt._src.finite`)."""
+  answered the skip with (their states wrapped in ``finite.Answer`` or
+  ``finite.Settled``), the state with them unwrapped (as ``init`` made it), and whether
+  the first transform with state (in the order they ran) is an exchange that settled
+  the zero-gradient skip: then no transform with state ran before it on the non-finite
+  input, and it held its own state (:mod:`commopt._src.finite`)."""
   verdicts = []
 
-  def clear(x):
-    if _is_exchange_state(x) and x.verdict is not None:
-      verdicts.append(x.verdict)
-      return x._replace(verdict=None)
+  def unwrap(x):
+    if finite.is_answer(x):
+      verdicts.append(x.finite)
+      return x.state
     return x
-  first = _first_with_state(inner_state)
-  settled = _is_exchange_state(first) and first.verdict is not None
-  return verdicts, jax.tree.map(clear, inner_state, is_leaf=_is_exchange_state), settled
+  settled = isinstance(_first_with_state(inner_state), finite.Settled)
+  return verdicts, jax.tree.map(unwrap, inner_state, is_leaf=finite.is_answer), settled
 
 
 def _offer(inner, nf, updates, inner_state, params, extra_args) -> tuple:
@@ -355,16 +349,20 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    # An outer skip's flag is not this one's to pass on: this skip answers for its inner.
+    extra_args = finite.without(extra_args)
     with vma.shard_aware():
       carry = bool(names) and agree_when is None and not coll.model_axes_of(updates, axis_name)
       if carry:
         # Agreed in the exchange, where one carries the flag (below, where none does).
-        nf = finite.NonFinite(names, flag=finite.nonfinite_flag(updates), zero=zero)
+        nf = finite.NonFinite(names, flag=finite.nonfinite_flag(updates), zero=zero,
+                              structure=jax.tree.structure(updates))
       else:
         worker, agreed = _input_verdicts(updates, state.inner_state, axis_name, agree_when)
         # Every collective of `inner` runs after the verdict's, not beside it.
         updates = coll.after(updates, agreed)
-        nf = finite.NonFinite(names, agreed=agreed, zero=zero) if names else None
+        nf = (finite.NonFinite(names, agreed=agreed, zero=zero,
+                               structure=jax.tree.structure(updates)) if names else None)
     new_updates, new_inner = _offer(inner, nf, updates, state.inner_state, params, extra_args)
     verdicts, new_inner, settled = _answers(new_inner)
     settled = settled and zero

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base
+from commopt._src import base, finite
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import compressed_mean
@@ -218,6 +218,11 @@ def sfb_mean(batch_rows: int, mask: Union[Any, Callable[[Any], Any]], *, axis_na
   def update(updates, state, params=None, **extra):
     coll.check_input("sfb_mean", updates, axis_name)
     picks = chosen(updates)
+    nf = extra.get(finite.EXTRA_ARG)
+    if isinstance(nf, finite.NonFinite):
+      # `other` reduces only part of the updates: it may carry the skip's flag, but not
+      # settle the zero-gradient skip (the chosen leaves' means are not its to judge).
+      extra = {**extra, finite.EXTRA_ARG: nf._replace(zero=False)}
     out, state = other.update(rest(updates, picks), state, params, **extra)
     exact = jax.tree.map(lambda g, c: exact_mean(g) if c else None, updates, picks)
     merged = jax.tree.map(lambda o, e, c: e if c else o, out, exact, picks,

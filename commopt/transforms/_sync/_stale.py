@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from commopt._src import base
+from commopt._src import base, finite
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
@@ -204,7 +204,9 @@ class _Stale(_Mode):
     _require_params(self.fn, params, "each worker's own, stale, copy")
     coll.check_input(self.fn, updates, self.axis_name)
     mean, reducer_state = self.reducer_for(updates).update(updates, state.reducer_state)
-    step, inner_state = self.inner.update(mean, state.inner_state, state.params, **extra_args)
+    # The inner step runs on the mean, not on this call's input: the skip's flag stays here.
+    step, inner_state = self.inner.update(mean, state.inner_state, state.params,
+                                          **finite.without(extra_args))
     new = optax.apply_updates(state.params, step)
     count = optax.safe_int32_increment(state.count)
     history = jax.tree.map(lambda h, x: h.at[count % self.slots].set(x), state.history, new)
