@@ -702,3 +702,18 @@ def test_the_modes_take_the_agreed_verdict_into_their_exchange(mode, mesh, monke
     p, s = dp.place_params(params), dp.init(params)
     dp.step(p, s, batches[0])
     assert any(taken), (period, taken)
+
+
+def test_a_verdict_agreed_over_fewer_axes_than_the_mode_exchanges_over_is_refused():
+  """A mode holds the state the workers share by the skip's agreed verdict; one agreed over
+  other axes could differ between the mode's workers, so it is refused by name."""
+  from commopt._src import finite
+  from commopt.transforms._sync._common import _take_verdict
+  agreed = jnp.array(False)
+  go, rest = _take_verdict({"nonfinite": finite.NonFinite(("data",), agreed=agreed), "x": 1},
+                           "data")
+  assert go is agreed and rest == {"x": 1}
+  with pytest.raises(ValueError, match=r"agree over \('node',\).*exchanges over \('node', 'local'\)"):
+    _take_verdict({"nonfinite": finite.NonFinite(("node",), agreed=agreed)}, ("node", "local"))
+  assert _take_verdict({"nonfinite": finite.NonFinite(("data",), flag=jnp.zeros(()))},
+                       "data")[0] is None

@@ -125,12 +125,18 @@ def _require_params(fn: str, params, what: str = "each worker's own parameters")
 def _take_verdict(extra_args: dict, axis_name) -> tuple:
   """``(go, extra_args)``: the non-finite skip's agreed verdict handed to the mode
   (``nonfinite.agreed``, :mod:`commopt._src.finite`: false on a step every worker skips),
-  or None where none was (or it was agreed over fewer axes than the mode's); and the extra
-  arguments for the inner step, without ``nonfinite`` (the mode answers the skip itself)."""
+  or None where none was; and the extra arguments for the inner step, without
+  ``nonfinite`` (the mode answers the skip itself). A verdict agreed over fewer axes than
+  the mode exchanges over is refused: the mode could not hold its shared state by it."""
   nf = extra_args.get(finite.EXTRA_ARG)
   go = None
-  if (isinstance(nf, finite.NonFinite) and nf.agreed is not None
-      and set(base.axis_names(axis_name)) <= set(nf.axes)):
+  if isinstance(nf, finite.NonFinite) and nf.agreed is not None:
+    if not set(base.axis_names(axis_name)) <= set(nf.axes):
+      # The skip would count on this mode to hold the state the workers share.
+      raise ValueError(
+          f"apply_if_finite: the workers agree over {nf.axes!r}, but the synchronisation "
+          f"mode it wraps exchanges over {axis_name!r}: pass apply_if_finite the mode's "
+          "axis_name (or a tuple holding every axis of it).")
     go = nf.agreed
   return go, finite.without(extra_args)
 
