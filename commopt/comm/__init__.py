@@ -2,14 +2,13 @@
 
 - :mod:`commopt.comm._collectives`: collectives over a named axis that also
   run under ``jax.vmap`` and locally (``axis_name=None``); the only code that
-  calls ``jax.lax``'s collectives.
+  calls ``jax.lax``'s collectives. It also holds what the step states about its
+  trace: the model axes and how parameters are sharded over them
+  (:func:`model_sharding`), for methods that need a leaf's dimensions.
 - :mod:`commopt.comm._strategies`: how compressed payloads cross an axis
   beyond a plain all-reduce or all-gather: ``two_phase`` (all-to-all of
   compressed chunks, re-compression, all-gather) and ``hierarchical`` (dense
   inside a fast axis, compressed across a slow one).
-
-- :mod:`commopt.comm._shards`: how parameters are sharded over the model
-  axes (:func:`model_sharding`), for methods that need a leaf's dimensions.
 - :mod:`commopt.comm._exchange`: the payload exchange every reduction sends
   through (gathered payloads summed decoded in one pass, :func:`sum_decoded`),
   and the per-worker keys.
@@ -26,7 +25,6 @@ from commopt.comm._exchange import (
     sum_decoded_reference,
     worker_key,
 )
-from commopt.comm._shards import model_sharding
 from commopt.comm._collectives import (
     after,
     all_gather,
@@ -37,6 +35,7 @@ from commopt.comm._collectives import (
     bound_axis_size,
     cond,
     mean_factors,
+    model_sharding,
     pmean,
     psum,
     psum_scatter,

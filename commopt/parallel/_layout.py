@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from commopt._src import base, vma
 from commopt._src.vma import spec_axes
 from commopt.comm import _collectives as coll
-from commopt.comm import _plan, _shards
+from commopt.comm import _plan
 
 
 class Layout(NamedTuple):
@@ -540,7 +540,7 @@ class LayoutSolver:
     sizes = dict(dp.mesh.shape)
 
     def body(p):
-      with _shards.model_sharding(param_specs, abstract, sizes):
+      with coll.model_sharding(param_specs, abstract, sizes):
         state = opt.init(p)
         flat, treedef = jax.tree_util.tree_flatten_with_path(state)
         leaves = [x for _, x in flat]
@@ -575,7 +575,7 @@ class LayoutSolver:
   def _shard_fields(self, params, param_specs, found) -> dict:
     """The :class:`Layout` fields of a shard-local trace."""
     sizes = dict(self.dp.mesh.shape)
-    described = [(keystr(path), _shards.local_shape(jnp.shape(x), spec, sizes), spec)
+    described = [(keystr(path), coll.local_shape(jnp.shape(x), spec, sizes), spec)
                  for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                             jax.tree.leaves(param_specs, is_leaf=is_spec))]
     specs = [self._state_spec(path, shape, axes, stacked, described)

@@ -39,7 +39,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commopt._src.finite import all_finite
 from commopt.comm import _collectives as coll
-from commopt.comm import _shards
 from commopt.parallel import _layout as lay
 from commopt.parallel._layout import Layout, keystr, local_value_and_grad
 
@@ -435,7 +434,7 @@ class ShardLocalStep(ShardedStep):
   def _sharding(self, shapes):
     """The context telling the reductions inside how each parameter (of global ``shapes``)
     is sharded over the model axes."""
-    return _shards.model_sharding(self.layout.param_specs, shapes, self.dp.mesh)
+    return coll.model_sharding(self.layout.param_specs, shapes, self.dp.mesh)
 
   def init(self, params) -> Any:
     """``tx.init`` on each device's shards; per-worker leaves stacked, sharded leaves kept so."""

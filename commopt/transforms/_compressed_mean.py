@@ -12,7 +12,7 @@ import optax
 from commopt._src import base, feedback, finite, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
-from commopt.comm import _exchange, _plan, _shards, _strategies
+from commopt.comm import _exchange, _plan, _strategies
 
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
@@ -319,7 +319,7 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState,
     if cfg.error_feedback or cfg.server_memory:
       coll.check_state_kept(FN, cfg.axis_name, "error-feedback residuals")
     wkey = _exchange.worker_key(state.key, state.count, cfg.compressor, cfg.axis_name)
-    specs = _shards.specs_for(updates, cfg.axis_name)
+    specs = coll.specs_for(updates, cfg.axis_name)
     batch = _strategies.Batch(
         updates=[leaves[i] for i in compressed],
         residuals=[residuals[i] if cfg.error_feedback else None for i in compressed],
