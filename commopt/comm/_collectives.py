@@ -557,20 +557,21 @@ def model_axes_of(tree, axis_name) -> tuple:
   return tuple(sorted({a for x in jax.tree.leaves(tree) for a in shard_axes(x, axis_name)}))
 
 
-def _names(axis_name) -> tuple:
+def axes_of(axis_name) -> tuple:
+  """``axis_name`` as a tuple of axis names; ``()`` for None (one local worker)."""
   return () if axis_name is None else base.axis_names(axis_name)
 
 
 def per_worker(x, axis_name) -> bool:
   """Whether ``x`` is typed varying over an axis of ``axis_name`` (differs between workers)."""
-  return bool(set(varying_axes(x)) & set(_names(axis_name)))
+  return bool(set(varying_axes(x)) & set(axes_of(axis_name)))
 
 
 def agreed_finite(tree, axis_name) -> jax.Array:
   """Whether every worker's ``tree`` is finite: one int32 all-reduce over ``axis_name`` and
   the model axes any leaf is sharded over (so every shard of every worker agrees)."""
   local_bad = jnp.logical_not(finite.all_finite(tree)).astype(jnp.int32)
-  axes = _names(axis_name) + model_axes_of(tree, axis_name)
+  axes = axes_of(axis_name) + model_axes_of(tree, axis_name)
   return (psum(local_bad, axes) if axes else local_bad) == 0
 
 

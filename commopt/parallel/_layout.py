@@ -100,10 +100,6 @@ def local_value_and_grad(loss_fn: Callable, axis_name, *, has_aux: bool = False)
   return f
 
 
-def per_worker(leaf, axes) -> bool:
-  return bool(coll.varying_axes(leaf) & set(axes))
-
-
 def full_spec(spec, ndim: int) -> P:
   """``spec`` with one entry per dimension (missing trailing entries are None)."""
   entries = list(spec)[:ndim]
@@ -496,7 +492,7 @@ class LayoutSolver:
             treedef, [coll.vary(l, axes) if m else l for l, m in zip(leaves, mask)])
         new = jax.tree.leaves(jax.eval_shape(lambda g, s: opt.update(g, s, p, **extra)[1],
                                              grads, s))
-        seen = [m or per_worker(x, axes) for x, m in zip(new, mask)]
+        seen = [m or coll.per_worker(x, axes) for x, m in zip(new, mask)]
         if seen == mask:
           break
         mask = seen

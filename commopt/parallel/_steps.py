@@ -112,7 +112,7 @@ class LossContract:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
     out = []
     for path, x in leaves:
-      if not lay.per_worker(x, axes):
+      if not coll.per_worker(x, axes):
         out.append(x)
         continue
       if sync == "none" or not jnp.issubdtype(x.dtype, jnp.inexact):
@@ -173,7 +173,7 @@ class StepBody:
     """A ValueError if a leaf of ``tree`` differs between workers (inside ``shard_map``)."""
     name = self.dp.axis_name
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      if lay.per_worker(leaf, self.axes):
+      if coll.per_worker(leaf, self.axes):
         raise ValueError(
             f"data_parallel: {what} {keystr(path)} differs between "
             f"workers on axis {name!r}, so the replicas would drift apart. "

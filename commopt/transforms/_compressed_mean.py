@@ -304,7 +304,8 @@ def _update_leaves(cfg: _Config, updates, state: CompressedMeanState,
   memories = _server_memories(state, treedef)
   compressed = ([] if cfg.sends_dense() else
                 [i for i, u in enumerate(leaves) if cfg.compresses(u)])
-  dense = [i for i, u in enumerate(leaves) if not tree.is_node(u) and i not in set(compressed)]
+  sent = set(compressed)
+  dense = [i for i, u in enumerate(leaves) if not tree.is_node(u) and i not in sent]
   out = list(leaves)
   carried = None
   if dense:

@@ -99,12 +99,6 @@ def _run_or_hold(pred, run, operand, inner_state):
   return coll.cond(pred, run, hold, operand, inner_state)
 
 
-def _names(axis_name) -> tuple:
-  if axis_name is None:
-    return ()
-  return base.axis_names(axis_name)
-
-
 def _check_agree_when(agree_when, axis_name, max_consecutive_errors) -> None:
   """Refuses an ``agree_when`` that is not callable, or with options it does not serve."""
   if agree_when is None:
@@ -169,7 +163,7 @@ def _input_verdicts(updates, inner_state, axis_name, agree_when) -> tuple:
         f"from state the workers share, such as a step count); it returned a value that varies "
         f"over {axis_name!r}, so the workers could disagree on when to agree and deadlock.")
   agreed = coll.cond(now,
-                     lambda b: coll.psum(b, _names(axis_name)) == 0,
+                     lambda b: coll.psum(b, coll.axes_of(axis_name)) == 0,
                      lambda b: jnp.array(True), bad)
   return (bad == 0) & agreed, agreed
 
@@ -336,7 +330,7 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   """
   inner, max_consecutive_errors, zero = _apply_if_finite_options(
       inner, axis_name, strict, max_consecutive_errors, agree_when, on_skip)
-  names = _names(axis_name)
+  names = coll.axes_of(axis_name)
   # A synchronisation mode that registered when it exchanges holds the state the workers
   # share itself, given the agreed verdict (commopt.transforms._sync._common._advance).
   shared_held = agree_when is not None and _plan.exchanges_of(inner) is not None
@@ -351,18 +345,19 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
   def update_fn(updates, state, params=None, **extra_args):
     # An outer skip's flag is not this one's to pass on: this skip answers for its inner.
     extra_args = finite.without(extra_args)
+    structure = jax.tree.structure(updates)
     with vma.shard_aware():
       carry = bool(names) and agree_when is None and not coll.model_axes_of(updates, axis_name)
       if carry:
         # Agreed in the exchange, where one carries the flag (below, where none does).
         nf = finite.NonFinite(names, flag=finite.nonfinite_flag(updates), zero=zero,
-                              structure=jax.tree.structure(updates))
+                              structure=structure)
       else:
         worker, agreed = _input_verdicts(updates, state.inner_state, axis_name, agree_when)
         # Every collective of `inner` runs after the verdict's, not beside it.
         updates = coll.after(updates, agreed)
-        nf = (finite.NonFinite(names, agreed=agreed, zero=zero,
-                               structure=jax.tree.structure(updates)) if names else None)
+        nf = (finite.NonFinite(names, agreed=agreed, zero=zero, structure=structure)
+              if names else None)
     new_updates, new_inner = _offer(inner, nf, updates, state.inner_state, params, extra_args)
     verdicts, new_inner, settled = _answers(new_inner)
     settled = settled and zero

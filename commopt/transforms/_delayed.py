@@ -168,8 +168,7 @@ def pipelined(inner: optax.GradientTransformation, *, delay: int = 1
     warm = state.count >= delay              # the same on every worker
     keep = warm & finite
     out = jax.tree.map(lambda u: jnp.where(keep, u, fin.skip_zeros(u)), out)
-    new_inner = jax.tree.map(lambda new, old: fin.select(keep, new, old), new_inner,
-                             state.inner_state)
+    new_inner = fin.hold_unless(keep, new_inner, state.inner_state)
     kept = jax.tree.map(lambda u, p: u.astype(jnp.result_type(p)), updates, state.pending[0])
     return out, PipelinedState(
         count=optax.safe_int32_increment(state.count),
