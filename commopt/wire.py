@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from commopt._src import base
 from commopt.comm import _collectives, _plan, _strategies
@@ -246,7 +247,14 @@ def comm_plan(tx, params, workers, *, axis_name="data", strategy: str = "auto",
   if step is not None:
     step = base.check_int("step", step, fn="comm_plan", minimum=0)
   uncovered = ()
-  if isinstance(tx, base.Compressor):
+  on_mesh = _model_mesh(params, axis_name, workers)
+  if on_mesh is not None:
+    if isinstance(tx, base.Compressor):
+      from commopt.transforms import compressed_mean
+      tx = compressed_mean(tx, axis_name=axis_name, strategy=strategy,
+                           inner_strategy=inner_strategy, min_size=min_size)
+    entries, uncovered = _traced_plan(tx, params, workers, axis_name, step, on_mesh)
+  elif isinstance(tx, base.Compressor):
     reduction = _strategies.resolve(strategy, tx, "comm_plan", inner_strategy)
     entries = _strategies.plan_reduction(tx, reduction, params, axis_sizes(axis_name, workers),
                                          axis_name, min_size, step)
@@ -276,7 +284,46 @@ def _describe(tx) -> str:
   return f"{type(tx).__name__}(init={getattr(init, '__qualname__', init)!r})"
 
 
-def _traced_plan(tx, params, workers, axis_name, step) -> tuple[list, tuple]:
+def _model_mesh(params, axis_name, workers):
+  """``(mesh, specs)`` where ``params`` are placed (``NamedSharding``) on a mesh with model
+  axes that the step runs shard-local, as :func:`~commopt.data_parallel` does: some leaf
+  cut over them, or every axis explicit. Else None."""
+  shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
+  if not shardings or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
+    return None
+  mesh = shardings[0].mesh
+  data = set(base.axis_names(axis_name))
+  other = [a for a in mesh.axis_names if a not in data and mesh.shape[a] > 1]
+  cut = any(a in other for s in shardings for a in _collectives.spec_axes(s.spec))
+  explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  if not other or not (cut or explicit) or any(s.mesh != mesh for s in shardings):
+    return None
+  if not data <= set(mesh.axis_names):
+    raise ValueError(f"comm_plan: `params` are placed on a mesh with axes "
+                     f"{tuple(mesh.axis_names)}, which lacks axis_name={axis_name!r}.")
+  counts = tuple(mesh.shape[a] for a in base.axis_names(axis_name))
+  if (workers if isinstance(workers, tuple) else (workers,)) != counts:
+    raise ValueError(f"comm_plan: workers={workers!r}, but the mesh `params` are placed on "
+                     f"has {counts if len(counts) > 1 else counts[0]} on axis_name="
+                     f"{axis_name!r}.")
+  specs = jax.tree.map(lambda x: x.sharding.spec, params)
+  return mesh, specs
+
+
+def _shards(abstract, specs, mesh, axis_name) -> dict:
+  """``{path: (whole_size, senders)}`` of each leaf's block (:class:`_plan.Shard`)."""
+  data = set(base.axis_names(axis_name))
+  other = [a for a in mesh.axis_names if a not in data and mesh.shape[a] > 1]
+  out = {}
+  for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],
+                             jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+    cut = set(_collectives.spec_axes(spec))
+    out[jax.tree_util.keystr(path)] = (math.prod(x.shape),
+                                      math.prod(mesh.shape[a] for a in other if a not in cut))
+  return out
+
+
+def _traced_plan(tx, params, workers, axis_name, step, on_mesh=None) -> tuple[list, tuple]:
   """The plans of the reductions ``tx`` runs, found by tracing it abstractly on every worker.
 
   ``tx.init`` and ``tx.update`` run for one worker under ``jax.vmap`` over
@@ -298,10 +345,32 @@ def _traced_plan(tx, params, workers, axis_name, step) -> tuple[list, tuple]:
     # as data_parallel's step hands it the mean loss.
     return update_with_value(tx, g, state, p, jnp.zeros((), jnp.float32))[0]
 
-  fn = one_worker
-  for name in reversed(tuple(sizes)):
-    fn = jax.vmap(fn, in_axes=(0, None), axis_name=name, axis_size=sizes[name])
-  with _plan.recording(workers, step) as rec:
+  fn, shards = one_worker, None
+  if on_mesh is None:
+    for name in reversed(tuple(sizes)):
+      fn = jax.vmap(fn, in_axes=(0, None), axis_name=name, axis_size=sizes[name])
+  else:
+    # As the shard-local step runs it: each device's blocks, in a shard_map manual over
+    # every mesh axis, the parameters' specs stated.
+    mesh, specs = on_mesh
+    shards = _shards(abstract, specs, mesh, axis_name)
+    data = base.axis_names(axis_name)
+    shapes = jax.tree.map(lambda x: tuple(x.shape), abstract)
+
+    def one_device(g, p):
+      other = [a for a in mesh.axis_names if a not in data and mesh.shape[a] > 1]
+      with _collectives.model_sharding(specs, shapes, mesh, other):
+        one_worker(jax.tree.map(lambda x: x.reshape(x.shape[len(data):]), g), p)
+      return jnp.zeros(())
+
+    grad_specs = jax.tree.map(lambda s: P(*data, *s), specs,
+                              is_leaf=lambda s: isinstance(s, P))
+    fn = jax.shard_map(one_device, mesh=mesh, in_specs=(grad_specs, specs), out_specs=P())
+    placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                               sharding=jax.sharding.NamedSharding(mesh, s))
+    grads = jax.tree.map(placed, grads, grad_specs)
+    abstract = jax.tree.map(placed, abstract, specs)
+  with _plan.recording(workers, step, shards) as rec:
     try:
       jaxpr = jax.make_jaxpr(fn)(grads, abstract)
     except NameError as e:

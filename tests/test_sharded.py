@@ -110,9 +110,9 @@ def test_each_device_sends_the_payload_of_its_shard(name):
 
 def test_flat_buckets_of_model_shards_move_each_shard_once():
   """identity's dense leaves packed into flat buckets on 2 x 4: the shards of w1 and w2
-  (varying over "model") share one bucket, b (replicated over it) has its own; over the
-  data axis each device moves its shards' bytes once, and the step is the tuple
-  all-reduce's bit for bit."""
+  (varying over "model") share one bucket, b (replicated over it) has its own, which the
+  4 model ranks split; over the data axis each device moves its shards' bytes and a
+  quarter of b's, and the step is the tuple all-reduce's bit for bit."""
   mesh = tp_mesh()
   steps = {}
   for bucket_bytes in (None, 2**20):
@@ -122,7 +122,8 @@ def test_flat_buckets_of_model_shards_move_each_shard_once():
     state = dp.init(params)
     audit = wire.hlo_collectives(dp, params, state, batch())
     if bucket_bytes:
-      shards = sum(np.prod(s.shape) * 4 for s in local_shapes(mesh, TP).values())
+      shards = 4 * (np.prod(local_shapes(mesh, TP)["w1"].shape)
+                    + np.prod(local_shapes(mesh, TP)["w2"].shape) + SHAPES["b"][0] // 4)
       assert bytes_over(audit, data_groups(mesh)) == shards
       reduces = [c for c in audit if c.kind == "all-reduce" and "f32" in c.dtypes
                  and {tuple(sorted(g)) for g in c.replica_groups} <= data_groups(mesh)]
@@ -178,7 +179,8 @@ def test_a_nonfinite_shard_skips_the_step_on_every_device():
 @pytest.mark.slow
 def test_step_memory_shrinks_with_the_model_axis():
   """memory_analysis of the step on 2 x 4: the shard-local step's arguments and
-  temporaries are <= 0.3 of the same step's with replicated parameters."""
+  temporaries are within 1.1x of a quarter of the same step's with replicated
+  parameters, the default non-finite skip's copies included."""
   mesh = tp_mesh()
   keys = jax.random.split(jax.random.PRNGKey(1), 2)
   big = {"w1": jax.random.normal(keys[0], (64, 512)) * 0.1,
@@ -199,7 +201,7 @@ def test_step_memory_shrinks_with_the_model_axis():
     dp = commopt.data_parallel(loss, tx, mesh)
     m = dp.lower(params, dp.init(params), b).compile().memory_analysis()
     used[label] = m.argument_size_in_bytes + m.temp_size_in_bytes
-  assert used["sharded"] <= 0.3 * used["replicated"], used
+  assert used["sharded"] <= 1.1 / 4 * used["replicated"], used
 
 
 # -- the exchange in the user's own shard_map ------------------------------------------
@@ -574,3 +576,64 @@ def test_the_shard_local_step_inside_the_users_jit_and_scan_equals_plain_calls()
   assert losses.shape == (3, 2)
   for k in p1:
     np.testing.assert_array_equal(np.asarray(p2[k]), np.asarray(p1[k]))
+
+
+@pytest.mark.parametrize("view", ["last", "first"])
+def test_power_sgd_shard_local_steps_equal_the_replicated_steps(view):
+  """Two data_parallel steps of power_sgd(rank=2) on tensor-parallel shards equal the same
+  steps on replicated parameters, to float rounding: each shard's initial Q is its block
+  of the whole leaf's Q, drawn from the one seed."""
+  mesh = tp_mesh()
+  tx = sgd_tx(commopt.power_sgd(rank=2, min_compression_rate=0, view=view))
+  out = {}
+  for label, specs in (("sharded", TP), ("replicated", {k: P() for k in TP})):
+    params = placed(mesh, specs)
+    dp = commopt.data_parallel(loss_fn, tx, mesh)
+    state = dp.init(params)
+    for _ in range(2):
+      params, state, _ = dp.step(params, state, batch())
+    out[label] = params
+  start = raw_params()
+  for k in ("w1", "w2"):
+    moved = float(jnp.max(jnp.abs(out["replicated"][k] - start[k])))
+    assert moved > 1e-4, k
+    np.testing.assert_allclose(np.asarray(out["sharded"][k]), np.asarray(out["replicated"][k]),
+                               rtol=0, atol=2e-6, err_msg=k)
+
+
+def test_a_16_bit_exchange_of_replicated_parameters_on_a_tensor_parallel_mesh_compiles():
+  """Replicated parameters on an explicit 2 x 4 mesh run in a shard_map manual over every
+  axis (shard-local, each shard a whole leaf): cast(bfloat16)'s all-reduce compiles and
+  trains (manual over the data axis alone, XLA:CPU aborted the process)."""
+  mesh = tp_mesh()
+  params = placed(mesh, {k: P() for k in TP})
+  dp = commopt.data_parallel(loss_fn, sgd_tx(commopt.cast(jnp.bfloat16)), mesh)
+  assert dp.layout(params).shard_local
+  state, losses = dp.init(params), []
+  for _ in range(4):
+    params, state, loss = dp.step(params, state, batch())
+    losses.append(loss)
+  assert np.all(np.isfinite(np.asarray(losses)))
+  assert float(np.mean(losses[-1])) < float(np.mean(losses[0]))
+
+
+@pytest.mark.parametrize("name", ["identity", "scaled_sign", "top_k", "cast"])
+@pytest.mark.parametrize("placement", ["sharded", "replicated"])
+def test_comm_plan_of_sharded_parameters_predicts_each_devices_bytes(name, placement):
+  """wire.comm_plan on parameters placed on a 2 x 4 mesh plans what the step runs: each
+  device's shard (a quarter of the whole leaf), and a quarter of a dense leaf replicated
+  over the model axis (the model ranks split its all-reduce); the HLO's data-axis bytes,
+  up to the non-finite skip's flag riding in the dense bucket."""
+  mesh = tp_mesh()
+  params = placed(mesh, TP if placement == "sharded" else {k: P() for k in TP})
+  tx = sgd_tx(commopt.compressors.make(name))
+  dp = commopt.data_parallel(loss_fn, tx, mesh)
+  hlo = bytes_over(wire.hlo_collectives(dp, params, dp.init(params), batch()), data_groups(mesh))
+  plan = wire.comm_plan(tx, params, 2)
+  planned = sum(c.contributed_bytes for c in plan.collectives)
+  assert planned <= hlo <= planned + 4, (planned, hlo)
+  if placement == "sharded" or name == "identity":   # compressed replicated leaves: whole
+    whole = wire.comm_plan(tx, raw_params(), 2)
+    assert planned < 0.3 * sum(c.contributed_bytes for c in whole.collectives)
+  with pytest.raises(ValueError, match="workers=4, but the mesh"):
+    wire.comm_plan(tx, params, 4)

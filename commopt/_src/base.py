@@ -42,6 +42,15 @@ class Compressor:
   Attributes:
     name: a short name used in reports and error messages.
     init: ``init(leaf) -> state``, the per-leaf state (``EmptyState()`` if none).
+    init_shard: optional ``init_shard(leaf, spec, channel) -> state``: the state of
+      this device's block of a leaf sharded by ``spec`` over model axes, called
+      inside a ``shard_map`` manual over them (:meth:`init_block`); ``channel``
+      gives the block's place (``channel.model_index(axes)``,
+      ``channel.model_size(axes)``). Where the state
+      depends on the leaf's whole shape (PowerSGD's seeded ``Q``), it is the block
+      of the whole leaf's ``init`` state that the shard's reductions use, so that
+      the sharded run equals the unsharded one; without it each shard gets
+      ``init(shard)``.
     encode: ``encode(x, state, key) -> (payload, state)``. ``payload`` is a
       pytree of arrays with static shapes; signs and low-bit levels are packed
       into unsigned integers.
@@ -142,6 +151,7 @@ class Compressor:
   flat_chunks: bool = True
   encode_feedback: Optional[Callable[..., tuple]] = None
   sparse_values: bool = False
+  init_shard: Optional[Callable[[Any, Any, Any], Any]] = None
 
   def __post_init__(self):
     if self.error_kind not in ERROR_KINDS:
@@ -175,6 +185,14 @@ class Compressor:
     if self.error_kind == "unbiased":
       return 1.0 / (1.0 + float(self.error_bound(tuple(shape))))
     return None
+
+  def init_block(self, leaf, spec, channel) -> Any:
+    """The state of ``leaf``, this device's block of a leaf sharded by ``spec`` over
+    model axes (``init_shard``), or ``init(leaf)`` where ``spec`` names no axis or is
+    unknown (None)."""
+    if self.init_shard is None or spec is None or not vma.spec_axes(spec):
+      return self.init(leaf)
+    return self.init_shard(leaf, spec, channel)
 
   def omega(self, shape) -> Optional[float]:
     """The variance factor ``ω`` of an unbiased compressor on a leaf of ``shape`` (else None)."""

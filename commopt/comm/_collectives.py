@@ -485,7 +485,7 @@ def local_shape(shape, spec, sizes: dict) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def model_sharding(specs, shapes, mesh):
+def model_sharding(specs, shapes, mesh, axes=None):
   """States the parameters' shardings over the model axes for the code traced inside.
 
   :func:`~commopt.data_parallel`'s shard-local step enters it around ``tx``;
@@ -504,6 +504,9 @@ def model_sharding(specs, shapes, mesh):
     shapes: a pytree like the parameters of their global shapes (tuples), or
       of global arrays / ``ShapeDtypeStruct``\\ s.
     mesh: the ``jax.sharding.Mesh`` (or a dict of axis name -> size).
+    axes: the model axes (default: those the specs name). Name every non-data
+      axis of the mesh to have the model ranks split the dense all-reduce of
+      leaves replicated over them (each byte crosses the data axis once).
 
   Examples:
     >>> import jax, commopt
@@ -523,7 +526,8 @@ def model_sharding(specs, shapes, mesh):
     seen.setdefault(key, set()).add(spec)
   by_local = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1}
   with stating(sharding=_Sharding(specs, treedef, tuple(flat), by_local),
-                    model_axes=frozenset(a for spec in flat for a in spec_axes(spec))):
+                    model_axes=frozenset(a for spec in flat for a in spec_axes(spec))
+               | frozenset(axes or ())):
     yield
 
 

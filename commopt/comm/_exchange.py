@@ -227,6 +227,27 @@ def _chunks(xs: list, idx: list[int], cap: int, seat: Optional[int] = None) -> l
   return out
 
 
+def _model_split(x: jax.Array) -> tuple[tuple, int]:
+  """``(axes, M)``: the declared model axes ``x`` is the same on, and their size."""
+  axes = tuple(a for a in sorted(coll.traced().model_axes) if a not in coll.varying_axes(x))
+  return axes, math.prod(coll.axis_size(a) for a in axes)
+
+
+def _split_over_model(reduce: Callable, flat: jax.Array) -> jax.Array:
+  """``reduce(flat)`` for a buffer that is the same on every device of the declared model
+  axes (leaves replicated over them: biases, norms): each of those devices reduces its
+  ``1/M`` of it (padded to a multiple of ``M``) and the parts are all-gathered over the
+  model axes, so that each byte crosses the data axis once, not ``M`` times. Elementwise:
+  the same means."""
+  axes, m = _model_split(flat)
+  if m <= 1:
+    return reduce(flat)
+  size = -(-flat.shape[0] // m)
+  padded = jnp.pad(flat, (0, size * m - flat.shape[0]))
+  part = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axes) * size, size)
+  return coll.all_gather_tiled(reduce(part), axes, 0)[:flat.shape[0]]
+
+
 def bucketed_mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
                   bucket_bytes: Optional[int], flag: Optional[jax.Array] = None) -> tuple:
   """The mean of each of ``xs`` over ``axis_name``, by ``dense_mean(tree, axis_name)``
@@ -254,13 +275,16 @@ def bucketed_mean(xs: list, axis_name, dense_mean: Callable[[Any, Any], Any],
   out: list = [None] * len(xs)
   prev = ()
   for idx in groups:
-    if bucket_bytes is None:
+    if bucket_bytes is None and _model_split(xs[idx[0]])[1] <= 1:
       for i, y in zip(idx, dense_mean([xs[i] for i in idx], axis_name)):
         out[i] = y
       continue
-    for run in _chunks(xs, idx, bucket_bytes, seat):
+    # Flat buffers; a group the model ranks split is one buffer even without a cap.
+    cap = bucket_bytes if bucket_bytes is not None else math.inf
+    for run in _chunks(xs, idx, cap, seat):
       parts = [jnp.ravel(xs[i]) for i in run]
-      flat = dense_mean(coll.after(tree.concat_flat(parts), prev), axis_name)
+      flat = _split_over_model(lambda x: dense_mean(x, axis_name),
+                               coll.after(tree.concat_flat(parts), prev))
       prev = flat
       at = 0
       for i in run:

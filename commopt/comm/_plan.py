@@ -94,11 +94,27 @@ class _Recording:
   synchronisation mode around its reducer) is planned once, by the outer one.
   """
 
-  def __init__(self, workers, step):
+  def __init__(self, workers, step, shards=None):
     self.workers = workers
     self.step = step
+    self.shards = shards or {}
     self.records: dict = {}
     self.inside = False
+
+
+class Shard(jax.ShapeDtypeStruct):
+  """One device's block of a leaf on a mesh with model axes, as a plan reads it.
+
+  Attributes:
+    whole_size: the whole leaf's elements (``min_size`` judges the whole leaf).
+    senders: the model ranks that split the leaf's dense all-reduce (those of the
+      model axes it is replicated over; 1 where it is cut over every model axis).
+  """
+  __slots__ = ("whole_size", "senders")
+
+  def __init__(self, shape, dtype, whole_size: int, senders: int = 1):
+    super().__init__(shape, dtype)
+    self.whole_size, self.senders = int(whole_size), int(senders)
 
 
 # A recorder for `commopt.wire.comm_plan`, active only while it traces a step: the
@@ -166,10 +182,13 @@ def exchanges_of(tx):
   return _lookup(_EXCHANGES, tx)
 
 
-def recording(workers, step=None):
+def recording(workers, step=None, shards=None):
   """While active, every transform registered by :func:`with_planner` records its planner
-  when its ``update`` is traced; yields the :class:`_Recording` (see :func:`traced_plans`)."""
-  return scope.bound(_RECORDING, _Recording(workers, step))
+  when its ``update`` is traced; yields the :class:`_Recording` (see :func:`traced_plans`).
+
+  ``shards``: ``{path: (whole_size, senders)}`` for a trace on each device's blocks of
+  the parameters (:class:`Shard`), by leaf path."""
+  return scope.bound(_RECORDING, _Recording(workers, step, shards))
 
 
 def subjaxprs(value):
@@ -222,6 +241,10 @@ def traced_plans(rec: _Recording, jaxpr) -> tuple[list, list]:
   entries, covered = [], []
   for token in sorted(kept & rec.records.keys()):
     planner, step_planner, abstract = rec.records[token]
+    if rec.shards:
+      abstract = jax.tree_util.tree_map_with_path(
+          lambda p, x: Shard(x.shape, x.dtype, *rec.shards[jax.tree_util.keystr(p)])
+          if jax.tree_util.keystr(p) in rec.shards else x, abstract)
     if rec.step is None:
       entries += planner(abstract, rec.workers)
     elif step_planner is not None:
@@ -287,7 +310,9 @@ def leaf_plans(params, sizes: dict, axis_name, compressed_plan, dense_plan=None)
     where = jax.tree_util.keystr(path)
     got = compressed_plan(where, leaf)
     if got is None:
-      nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+      # A leaf the model ranks split sends its part (comm._exchange, dense buckets).
+      elements = -(-int(np.prod(leaf.shape, dtype=np.int64)) // getattr(leaf, "senders", 1))
+      nbytes = elements * np.dtype(leaf.dtype).itemsize
       got = (dense_plan(where, nbytes, axis_name, sizes) if dense_plan is not None else
              [planned(where, "all-reduce", axis_name, total_workers(sizes), nbytes, packed=False)])
     entries += got

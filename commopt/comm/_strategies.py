@@ -674,7 +674,8 @@ def plan_reduction(compressor: base.Compressor, reduction: Strategy, params, siz
   warm_up = step is not None and step < compressor.dense_steps
 
   def compressed(where, leaf):
-    if warm_up or not tree.compresses(compressor, leaf.shape, leaf.dtype, min_size):
+    if warm_up or not tree.compresses(compressor, leaf.shape, leaf.dtype, min_size,
+                                      getattr(leaf, "whole_size", None)):
       return None
     return reduction.plan(compressor, where, leaf.shape, leaf.dtype, axis_name, sizes)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, NamedTuple, Union
 
 import jax
@@ -178,6 +179,27 @@ def _init(opts: _Options, leaf) -> PowerSGDLeafState:
   _, m, r = _dims(opts, leaf.shape)
   q = jax.random.normal(jax.random.PRNGKey(opts.seed), (m, r), _work_dtype(leaf.dtype))
   return PowerSGDLeafState(q=q, count=jnp.zeros([], jnp.int32))
+
+
+def _init_shard(opts: _Options, leaf, spec, channel) -> PowerSGDLeafState:
+  """This device's block of the whole leaf's :func:`_init` state, for a leaf sharded by
+  ``spec`` over model axes (inside a ``shard_map`` manual over them): the whole seeded
+  ``Q`` ``[m, r]``, of which this shard keeps the rows of its columns, so that the sharded
+  protocol is the unsharded one exactly."""
+  _, cols = _matrix_axes(opts, spec, leaf.ndim)
+  state = _init(opts, leaf)
+  if not cols:
+    return state      # the columns are whole here: so is Q
+  split = leaf.ndim - 1 if opts.view == "last" else 1
+  entries = (list(spec) + [None] * leaf.ndim)[split:leaf.ndim]
+  cuts = [vma.spec_axes((e,)) for e in entries]
+  local = leaf.shape[split:]
+  whole = tuple(n * channel.model_size(axes) for n, axes in zip(local, cuts))
+  r = state.q.shape[1]
+  q = jax.random.normal(jax.random.PRNGKey(opts.seed), (math.prod(whole), r), state.q.dtype)
+  starts = [channel.model_index(axes) * n for n, axes in zip(local, cuts)]
+  q = jax.lax.dynamic_slice(q.reshape(*whole, r), (*starts, 0), (*local, r))
+  return state._replace(q=q.reshape(-1, r))
 
 
 # ---------------------------------------------------------------------------
@@ -552,6 +574,7 @@ def power_sgd(rank: int = 1, *, view: View = "last",
   return base.Compressor(
       name=f"power_sgd(rank={opts.rank})",
       init=functools.partial(_init, opts),
+      init_shard=functools.partial(_init_shard, opts),
       stateful=True,
       encode=functools.partial(_encode, opts),
       decode=_decode,

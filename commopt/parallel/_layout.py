@@ -399,7 +399,14 @@ class LayoutSolver:
         lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
                                           sharding=NamedSharding(dp.mesh, s)),
         params, param_specs)
-    if dp.shard_local is not False and any(e is not None for s in flat_specs for e in s):
+    # On a mesh with model axes, parameters sharded over them run shard-local; on an
+    # explicit mesh replicated ones too (each device's shard is the whole leaf): the
+    # optimizer then runs in a shard_map manual over every axis, whose dense buckets the
+    # model ranks split (comm._exchange), and whose 16-bit all-reduces XLA:CPU compiles
+    # (manual over the data axes alone, it aborts on them).
+    explicit = all(t == jax.sharding.AxisType.Explicit for t in dp.mesh.axis_types)
+    if dp.shard_local is not False and (
+        any(e is not None for s in flat_specs for e in s) or (dp._other_axes and explicit)):
       result = self._shard_local(params, abstract, param_specs)
       if result is not None:
         self._layouts[key] = result

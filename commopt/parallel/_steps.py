@@ -434,7 +434,8 @@ class ShardLocalStep(ShardedStep):
   def _sharding(self, shapes):
     """The context telling the reductions inside how each parameter (of global ``shapes``)
     is sharded over the model axes."""
-    return coll.model_sharding(self.layout.param_specs, shapes, self.dp.mesh)
+    return coll.model_sharding(self.layout.param_specs, shapes, self.dp.mesh,
+                               self.dp._other_axes)
 
   def init(self, params) -> Any:
     """``tx.init`` on each device's shards; per-worker leaves stacked, sharded leaves kept so."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -13,6 +14,7 @@ from commopt._src import base, feedback, finite, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
 from commopt.comm import _collectives as coll
 from commopt.comm import _exchange, _plan, _strategies
+from commopt.comm._channel import Channel
 
 
 STRATEGIES = ("auto", "psum", "gather", "two_phase", "hierarchical")
@@ -178,14 +180,16 @@ def _configure(compressor, axis_name, error_feedback, residual_dtype, min_size, 
 def _init(cfg: _Config, params) -> CompressedMeanState:
   """Zero memories for the compressed leaves, sized for the workers where the axis is bound."""
   leaves, treedef = tree.flatten(params)
+  specs = coll.specs_for(params, cfg.axis_name)
   residual, cstate, server = [], [], []
-  for path, leaf in leaves:
+  for (path, leaf), spec in zip(leaves, specs):
     _check_leaf(path, leaf, "a parameter")
     if cfg.compresses(leaf):
       rdtype = cfg.memory_dtype(leaf.dtype)
       rshape, sshape = cfg.memory_shapes(leaf.shape, coll.bound_axis_size)
       residual.append(jnp.zeros(rshape, rdtype) if cfg.error_feedback else optax.MaskedNode())
-      cstate.append(cfg.compressor.init(leaf))
+      with _strategies.naming(jax.tree_util.keystr(path), spec):
+        cstate.append(cfg.compressor.init_block(leaf, spec, Channel(cfg.axis_name, (spec,))))
       server.append(jnp.zeros(sshape, rdtype) if cfg.server_memory else optax.MaskedNode())
     else:
       residual.append(optax.MaskedNode())
@@ -485,9 +489,11 @@ def compressed_mean(
                    inner_strategy, seed, bucket_bytes, residual_decay)
 
   def planner(params, workers, step=None):
+    # Leaves whose mean is the dense mean (identity) share the dense leaves' buckets.
+    min_size = math.inf if cfg.sends_dense() else cfg.min_size
     return _strategies.plan_reduction(cfg.compressor, cfg.reduction, params,
                                       _plan.axis_sizes(axis_name, workers), axis_name,
-                                      cfg.min_size, step)
+                                      min_size, step)
 
   return _plan.with_planner(
       optax.GradientTransformationExtraArgs(functools.partial(_init, cfg),
