@@ -528,3 +528,64 @@ def test_an_nnx_model_trains_through_split_and_merge(mesh):
   nnx.update(model, out["nnx"][0])
   np.testing.assert_allclose(np.asarray(model.l1.kernel[...]), np.asarray(out["dict"][0]["w1"]),
                              rtol=1e-5, atol=1e-6)
+
+
+# -- the batch and the weight compressor are checked as data_parallel checks them ---------
+
+
+def _batch_error(run):
+  with pytest.raises(ValueError) as e:
+    run()
+  return str(e.value)
+
+
+@pytest.mark.parametrize("batch", [
+    {"x": make_batch(0)["x"], "y": make_batch(0)["y"][:8]},   # one label row per worker
+    make_batch(0, size=60),                                    # 60 rows over 8 workers
+    make_batch(0, size=0),
+], ids=["rows_differ", "not_divisible", "empty"])
+def test_the_step_checks_its_batch_as_data_parallel_does(mesh, batch):
+  """A batch whose leaves differ in rows (64 inputs, 8 labels: each worker's one label row
+  would be broadcast over its inputs), whose rows do not divide over the workers, or that is
+  empty: the step refuses it, naming its leaves and shapes, with data_parallel's message; in
+  the step, its lowering, the pure step under a user's jit, and local_batch."""
+  zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh)
+  params = zp.shard(make_params())
+  state = zp.init(params)
+  dp = commopt.data_parallel(loss_fn, optax.chain(commopt.compressed_mean(
+      commopt.compressors.make("identity"), axis_name="data"), optax.sgd(0.1)), mesh)
+  want = _batch_error(lambda: dp.place_batch(batch)).replace("data_parallel",
+                                                             "zero_data_parallel")
+  assert "zero_data_parallel: " in want and "batch" in want
+  assert _batch_error(lambda: zp.step(params, state, batch)) == want
+  assert _batch_error(lambda: zp.lower(params, state, batch)) == want
+  pure = jax.jit(zp.step_fn)
+  with jax.set_mesh(mesh):
+    assert _batch_error(lambda: pure(params, state, batch)) == want
+  local = _batch_error(lambda: dp.local_batch(batch)).replace("data_parallel",
+                                                               "zero_data_parallel")
+  assert _batch_error(lambda: zp.local_batch(batch)) == local
+  # The parameters and state were not donated to a step that never ran.
+  zp.step(params, state, make_batch(0))
+
+
+@pytest.mark.parametrize("weights", [commopt.top_k(0.1),
+                                     commopt.compressors.make("gradient_dropping"),
+                                     commopt.compressors.make("threshold"),
+                                     commopt.compressors.make("chunk_top_k")],
+                         ids=lambda c: c.name)
+def test_a_biased_weight_compressor_that_drops_coordinates_is_refused(mesh, weights):
+  """The forward pass would run on sparsified weights: most of them zero, never in
+  expectation the weights."""
+  with pytest.raises(ValueError, match=r"zero_data_parallel: `weights`=.* drops coordinates") as e:
+    commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh, weights=weights)
+  assert weights.name in str(e.value) and "int_quant(bits=8" in str(e.value)
+  assert f"error_kind={weights.error_kind!r}" in str(e.value)
+
+
+@pytest.mark.parametrize("weights", [Q8, Q4, commopt.int_quant(bits=8), commopt.cast("bfloat16"),
+                                     commopt.scaled_sign(), commopt.qsgd()],
+                         ids=lambda c: c.name)
+def test_quantizers_of_every_coordinate_stay_accepted_as_weight_compressors(mesh, weights):
+  zp = commopt.zero_data_parallel(loss_fn, optax.sgd(0.1), mesh, weights=weights)
+  assert zp.weights is weights

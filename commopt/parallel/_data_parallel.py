@@ -36,7 +36,8 @@ from commopt._src import base
 from commopt.comm import _plan
 from commopt.parallel import _layout as lay
 from commopt.parallel._layout import Layout, LayoutSolver
-from commopt.parallel._placement import Placer, check_batch, layouts_of
+from commopt.parallel._placement import (Placer, check_batch, explicit, layouts_of,
+                                         local_workers, placed_on_trace)
 from commopt.parallel._steps import (LossContract, ReplicatedStep, ShardLocalStep, StepBody,
                                      WholeLeafStep)
 from commopt.transforms._control import apply_if_finite
@@ -186,8 +187,9 @@ class DataParallel(LossContract):
   def abstract_state(self, params) -> tuple[Any, Any]:
     """``(params, opt_state)`` as ``jax.ShapeDtypeStruct``\\ s placed on the mesh: a restore target.
 
-    Shapes and dtypes come from ``jax.eval_shape(self.init, params)`` (nothing
-    is computed), shardings from the step's layout, so orbax restores a saved
+    The state is ``jax.eval_shape(self.init, params)`` (nothing is computed),
+    the parameters as the step places them (stacked per worker with
+    ``local_params``), each with the step's sharding, so orbax restores a saved
     ``{"params": ..., "opt_state": ...}`` straight onto the devices the step
     uses, per-worker residuals on their workers::
 
@@ -295,8 +297,8 @@ class DataParallel(LossContract):
     the same leaf shapes.
     """
     data = P(lay.data_spec(self.axes))
-    local_workers = max(1, len(self.mesh.local_devices) * self.num_workers // self.mesh.size)
-    self._check_batch(batch, "data_parallel.local_batch", local_workers, "this process hosts")
+    self._check_batch(batch, "data_parallel.local_batch",
+                      local_workers(self.mesh, self.num_workers), "this process hosts")
 
     def make(path, x):
       x = np.asarray(x)
@@ -307,16 +309,30 @@ class DataParallel(LossContract):
 
   # -- init ----------------------------------------------------------------------
 
-  def init(self, params) -> Any:
-    """The optimizer state: per-worker leaves stacked ``[num_workers, ...]``, the rest replicated.
+  @functools.cached_property
+  def init(self) -> Callable[[Any], Any]:
+    """``init(params)``: the optimizer state, per-worker leaves stacked ``[num_workers, ...]``,
+    the rest replicated.
 
     ``tx.init`` runs inside the step's ``shard_map``, so a transform can size
-    per-worker chunks by the number of workers. Pure: ``jax.eval_shape(dp.init,
-    params)`` gives the state's shapes and dtypes, and its shardings on the
-    mesh's *abstract* mesh (JAX gives device shardings only for a jitted
-    function with ``out_shardings``), which orbax cannot restore onto: for a
-    restore target use :meth:`abstract_state`.
+    per-worker chunks by the number of workers. Pure, and jitted on a mesh whose
+    axes are all explicit (``jax.make_mesh``'s default): ``jax.eval_shape(dp.init,
+    params)`` then gives the state's shapes, dtypes and shardings on the mesh's
+    devices (:meth:`state_shardings`), the restore target orbax takes::
+
+        target = jax.eval_shape(dp.init, params)
+        opt_state = orbax.checkpoint.StandardCheckpointer().restore(path, target)
+
+    On a mesh with other axis types it runs eagerly, checking how the parameters
+    were placed, and :meth:`abstract_state` gives the target.
     """
+    if not explicit(self.mesh):   # eager: the placement checks read the arrays' shardings
+      return self._init
+    return placed_on_trace(self._init, self.state_shardings)
+
+  def _init(self, params) -> Any:
+    """:attr:`init`'s work: the parameters placed, ``tx.init`` in the step body, the state
+    placed by the layout."""
     layout, placer = self.layout(params), self._placer
     params = placer.put(params, layout.param_specs)
     state = self._body(layout).init(params)
@@ -491,6 +507,15 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
       (:func:`~commopt.local_sgd`, :func:`~commopt.diloco`). ``init`` takes the
       parameters as usual; :meth:`~DataParallel.place_params` stacks them for
       the first step, which returns them stacked.
+    shard_local: on a mesh with axes besides the data axes (tensor parallel,
+      FSDP inside a replica), where ``tx`` runs: ``"auto"`` (default) on each
+      device's shards of the parameters (each device compresses and sends only
+      its shard; state sharded like the parameters; replicated parameters on
+      an explicit mesh too, each shard the whole leaf), falling back with a
+      warning to whole leaves all-gathered over the model axes where ``tx``
+      computes over a whole leaf (``optax.clip_by_global_norm``); True: shards
+      or a ValueError naming what computes over whole leaves; False: whole
+      leaves, quietly. See the guide's "Sharded models" page.
 
   Returns:
     A :class:`DataParallel`: ``init(params) -> opt_state``,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -12,7 +13,9 @@ from flax import nnx
 
 from commopt._src import base
 from commopt.comm import _collectives as coll
+from commopt.parallel import _layout as lay
 from commopt.parallel._data_parallel import DataParallel
+from commopt.parallel._placement import explicit, placed_on_trace
 
 
 class NnxTrainState(NamedTuple):
@@ -45,8 +48,40 @@ class NnxDataParallel:
     _, params, state = nnx.split(model, self.wrt, ...)
     return params, state
 
-  def init(self, model: nnx.Module) -> NnxTrainState:
-    """The train state for ``model``'s current variables (the model is not modified)."""
+  @functools.cached_property
+  def init(self) -> Callable[[nnx.Module], NnxTrainState]:
+    """``init(model)``: the train state for ``model``'s current variables (the model is not
+    modified).
+
+    Pure, and jitted on a mesh whose axes are all explicit (``jax.make_mesh``'s
+    default): ``jax.eval_shape(trainer.init, model)`` then gives the train state's
+    shapes, dtypes and shardings on the mesh's devices (:meth:`state_shardings`), the
+    restore target orbax takes::
+
+        target = jax.eval_shape(trainer.init, model)
+        state = orbax.checkpoint.StandardCheckpointer().restore(path, target)
+
+    On a mesh with other axis types it runs eagerly, checking how the variables were
+    placed (as :attr:`commopt.DataParallel.init` does).
+    """
+    if not explicit(self.dp.mesh):
+      return self._init
+    return placed_on_trace(self._init, self.state_shardings)
+
+  def state_shardings(self, model: nnx.Module) -> NnxTrainState:
+    """The train state's ``NamedSharding``\\ s on the mesh for ``model`` (its variables as
+    arrays or ``jax.ShapeDtypeStruct``\\ s): the parameters and model state as the step
+    places them, the optimizer state by the step's layout."""
+    dp = self.dp
+    params, model_state = self.split(model)
+    layout, placer = dp.layout(params), dp._placer
+    return NnxTrainState(lay.to_shardings(dp.mesh, placer.param_specs(layout)),
+                         lay.to_shardings(dp.mesh, placer.specs_of(model_state,
+                                                                   "model state leaf")),
+                         dp.state_shardings(params))
+
+  def _init(self, model: nnx.Module) -> NnxTrainState:
+    """:attr:`init`'s work."""
     # Copies: the step donates the train state, and placing an array can share
     # its buffer, which donation would then take from the model.
     params, state = jax.tree.map(jnp.copy, self.split(model))

@@ -447,6 +447,40 @@ def check_batch(batch, fn: str, workers: int, where: str) -> None:
         f"{workers} workers {where}.")
 
 
+def placed_on_trace(fn, shardings_of):
+  """``jax.jit(fn)`` whose ``trace`` gives its outputs the shardings ``shardings_of(*args)``
+  (``NamedSharding``\\ s on the concrete mesh), and so does ``jax.eval_shape`` of it.
+
+  ``jax.eval_shape(f, params)`` gives the shardings of ``f``'s outputs on the mesh's
+  *abstract* mesh (no devices), which orbax cannot restore onto, unless ``f`` is a jitted
+  function: then it is ``f.trace(params).out_info``, with ``f``'s ``out_shardings``. An
+  optimizer state's shardings depend on the parameters, which no one ``out_shardings``
+  fixes, so ``trace`` (and ``lower`` and ``eval_shape``, through it) traces ``fn`` under a
+  ``jax.jit`` with the arguments' own ``out_shardings``. A call runs ``fn`` jitted; ``fn``
+  places its outputs itself, by the same shardings.
+
+  Args:
+    fn: the function (an ``init``); traceable, with array (or pytree) arguments.
+    shardings_of: ``shardings_of(*args, **kwargs)``: a pytree prefix of ``fn``'s output of
+      ``NamedSharding``\\ s, from the arguments' shapes and shardings alone.
+  """
+  jitted = jax.jit(fn)
+
+  def trace(*args, **kwargs):
+    return jax.jit(fn, out_shardings=shardings_of(*args, **kwargs)).trace(*args, **kwargs)
+
+  jitted.trace = trace
+  jitted.lower = lambda *args, **kwargs: trace(*args, **kwargs).lower()
+  jitted.eval_shape = lambda *args, **kwargs: trace(*args, **kwargs).out_info
+  return jitted
+
+
+def local_workers(mesh, workers: int) -> int:
+  """The workers of ``workers`` (all of ``mesh``'s data-axis devices) that this process
+  hosts, at least one: what a ``local_batch``'s rows must divide into (:func:`check_batch`)."""
+  return max(1, len(mesh.local_devices) * workers // mesh.size)
+
+
 def on_cpu(mesh) -> bool:
   """Whether ``mesh`` spans several CPU devices (see :meth:`Placer.placed`)."""
   return mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"

@@ -17,6 +17,7 @@ replicated answer. The padding stays zero (the gather gives it no gradient).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, ClassVar, Optional
 
 import jax
@@ -31,6 +32,7 @@ from commopt.comm import _collectives as coll
 from commopt.comm import _zero as zero_comm
 from commopt.parallel import _zero_leaves as zr
 from commopt.parallel import _zero_tp as zt
+from commopt.parallel._placement import check_batch, local_workers, placed_on_trace
 from commopt.parallel._steps import LossContract
 from commopt.parallel._zero_leaves import ShardedLeaf, is_sharded as _is_sharded
 from commopt.parallel._zero_leaves import is_state_leaf as _is_state_leaf
@@ -38,6 +40,49 @@ from commopt.parallel._zero_leaves import is_state_leaf as _is_state_leaf
 
 _NEVER = 2**31 - 1
 """``optax.apply_if_finite``'s ``max_consecutive_errors``: never apply a non-finite update."""
+
+_EVERY_COORDINATE = ("lossless", "rounding", "unbiased")
+"""Error kinds of a weight compressor whose gathered weights are the weights: exactly, to a
+rounding of each, or in expectation."""
+
+_PROBE = 4096
+"""The flat shard length :func:`_dropped_coordinates` reads a compressor's payload at."""
+
+
+def _dropped_coordinates(compressor: base.Compressor) -> Optional[str]:
+  """Why ``compressor`` drops coordinates (sends only some of a shard's), as declared: a
+  sparse payload (values and their indices), indices in its payload, or fewer payload bits
+  than coordinates; None if it sends every coordinate."""
+  caps = compressor.capabilities
+  if "sparse_values" in caps or "sparse" in caps:
+    return "its payload is the values it keeps and their indices"
+  bits = compressor.payload_bits((_PROBE,), jnp.float32)
+  if bits < _PROBE:
+    return (f"its payload has {bits} bits for a shard of {_PROBE} coordinates, fewer than "
+            "one per coordinate")
+  like = jax.ShapeDtypeStruct((_PROBE,), jnp.float32)
+  payload = jax.eval_shape(
+      lambda x: compressor.encode(x, compressor.init(like), jax.random.key(0))[0], like)
+  if isinstance(payload, dict) and "indices" in payload:
+    return "its payload carries the indices of the values it keeps"
+  return None
+
+
+def _check_weight_compressor(compressor: Optional[base.Compressor], fn: str) -> None:
+  """A ValueError if ``compressor``, the weight gather's, is biased and drops coordinates:
+  the forward pass would run on sparsified weights, not the model being trained."""
+  if compressor is None or compressor.error_kind in _EVERY_COORDINATE:
+    return
+  why = _dropped_coordinates(compressor)
+  if why is not None:
+    raise ValueError(
+        f"{fn}: `weights`={compressor.name} is a biased compressor "
+        f"(error_kind={compressor.error_kind!r}) that drops coordinates ({why}): every "
+        "forward pass would run on sparsified weights, most of them zero, and not on the "
+        "model being trained. The weight gather must carry every coordinate: use a "
+        "quantizer, e.g. commopt.int_quant(bits=8, rounding='nearest') (ZeRO++'s qwZ) or "
+        "commopt.cast('bfloat16'), or weights=None (dense). Sparsifiers belong to `grads` "
+        "(with error_feedback=True).")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,6 +130,7 @@ class ZeroDataParallel(LossContract):
       object.__setattr__(self, "axis_name", tuple(axes))
     base.check_choice("gather", self.gather, ("step", "manual"), fn)
     zero_comm.check_compressor(self.weights, "weights", fn)
+    _check_weight_compressor(self.weights, fn)
     zero_comm.check_compressor(self.grads, "grads", fn)
     object.__setattr__(self, "_keyed", tuple(
         f"`{what}`={c.name}" for what, c in (("weights", self.weights), ("grads", self.grads))
@@ -250,25 +296,53 @@ class ZeroDataParallel(LossContract):
     every per-parameter leaf sharded as the parameters are, the rest (step counts)
     replicated."""
     self._check_sharded(sharded, "reshard_state")
-    template = jax.eval_shape(self._tx.init, sharded)
-    if self._feedback:
-      template = zr.ZeroFeedbackState(template, jax.tree.map(
-          lambda leaf: zr.ResidualLeaf(None, leaf.shape, self._residual_dtype, leaf.layers,
-                                       leaf.tp),
-          sharded, is_leaf=_is_sharded))
-    return zr.restore_state(template, whole_state, self._shard_value, self.mesh,
-                            self.axis_name, self.workers)
+    return zr.restore_state(self._state_template(sharded), whole_state, self._shard_value,
+                            self.mesh, self.axis_name, self.workers)
 
-  def init(self, sharded):
-    """The optimizer state of the sharded parameters, sharded as they are."""
-    self._check_sharded(sharded, "init")
-    with jax.set_mesh(self.mesh):   # around the call, never inside traced code
-      state = jax.jit(self._tx.init)(sharded)
+  def _state_template(self, sharded):
+    """The optimizer state's structure: its per-parameter leaves as :class:`ShardedLeaf`\\ s
+    (and the error memories as :class:`ResidualLeaf`\\ s) without rows, the rest as
+    ``jax.ShapeDtypeStruct``\\ s."""
+    template = jax.eval_shape(self._tx.init, sharded)
     if not self._feedback:
-      return state
-    return zr.ZeroFeedbackState(state, jax.tree.map(
-        lambda leaf: zr.zeros_like(leaf, self._residual_dtype, self.mesh, self.axis_name,
-                                   self.workers), sharded, is_leaf=_is_sharded))
+      return template
+    return zr.ZeroFeedbackState(template, jax.tree.map(
+        lambda leaf: zr.ResidualLeaf(None, leaf.shape, self._residual_dtype, leaf.layers,
+                                     leaf.tp),
+        sharded, is_leaf=_is_sharded))
+
+  def state_shardings(self, sharded):
+    """The optimizer state's ``NamedSharding``\\ s on the mesh, a pytree prefix of the state:
+    each per-parameter leaf's rows (and error memory) sharded as the parameter's rows, the
+    rest (step counts) replicated."""
+    self._check_sharded(sharded, "state_shardings")
+    return jax.tree.map(
+        lambda x: NamedSharding(self.mesh, self._spec(x) if _is_state_leaf(x) else P()),
+        self._state_template(sharded), is_leaf=_is_state_leaf)
+
+  @functools.cached_property
+  def init(self):
+    """``init(sharded)``: the optimizer state of the sharded parameters, sharded as they
+    are (:meth:`state_shardings`).
+
+    Jitted, and pure: ``jax.eval_shape(zp.init, sharded)`` gives the state's shapes,
+    dtypes and shardings on the mesh's devices, the restore target orbax takes::
+
+        target = {"params": sharded, "opt_state": jax.eval_shape(zp.init, sharded)}
+        restored = orbax.checkpoint.StandardCheckpointer().restore(path, target)
+    """
+    return placed_on_trace(self._init, self.state_shardings)
+
+  def _init(self, sharded):
+    """:attr:`init`'s work (traced): ``tx.init`` on the rows, and zero error memories, placed
+    by :meth:`state_shardings`."""
+    self._check_sharded(sharded, "init")
+    state = self._tx.init(sharded)
+    if self._feedback:
+      state = zr.ZeroFeedbackState(state, jax.tree.map(
+          lambda leaf: zr.zeros_like(leaf, self._residual_dtype, self.mesh, self.axis_name,
+                                     self.workers), sharded, is_leaf=_is_sharded))
+    return jax.device_put(state, self.state_shardings(sharded))
 
   def _check_sharded(self, sharded, fn: str) -> None:
     leaves = jax.tree.leaves(sharded, is_leaf=_is_sharded)
@@ -371,6 +445,7 @@ class ZeroDataParallel(LossContract):
     inside the caller's own ``jax.jit`` or ``lax.scan`` (the tests scan it over steps);
     on a mesh with explicit axes, call that function inside ``jax.set_mesh(mesh)``."""
     self._check_model_state(model_state)
+    self._check_batch(batch)   # on static shapes: when the step is traced
     specs = jax.tree.map(self._spec, sharded, is_leaf=_is_sharded)
     residuals = None
     if self._feedback:
@@ -417,14 +492,31 @@ class ZeroDataParallel(LossContract):
     per leaf, sharded over the data axis on its leading dimension, process ``p``'s rows
     on the devices it hosts (``jax.make_array_from_process_local_data``). Every process
     calls it with the same leaf shapes."""
+    self._check_batch(batch, f"{self.NAME}.local_batch", local_workers(self.mesh, self.workers),
+                      "this process hosts")
+
     def make(x):
       x = np.asarray(x)
       spec = P(self.axis_name, *([None] * (x.ndim - 1)))
       return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), x)
     return jax.tree.map(make, batch)
 
+  def _check_batch(self, batch, fn: Optional[str] = None, workers: Optional[int] = None,
+                   where: Optional[str] = None) -> None:
+    """``data_parallel``'s check (:func:`._placement.check_batch`): every leaf with the same
+    leading size, at least one row, divisible by the workers (default: the data axes')."""
+    if workers is None:
+      workers, where = self.workers, f"on axis {self.axis_name!r}"
+    check_batch(batch, fn or self.NAME, workers, where)
+
   def _place_batch(self, batch):
-    return jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
+    """The batch split over the data axis on its leading dimension. Its shapes are checked
+    when the step is traced (:meth:`step_fn`), or here when placing fails on them."""
+    try:
+      return jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
+    except (TypeError, ValueError):
+      self._check_batch(batch)   # a placement that fails on shapes, with the shapes named
+      raise
 
   def _place_model_state(self, model_state):
     self._check_model_state(model_state)
