@@ -22,7 +22,6 @@ from commopt.comm._channel import Channel
 from commopt.comm._exchange import (
     exchange,
     sum_decoded,
-    sum_decoded_reference,
     worker_key,
 )
 from commopt.comm._collectives import (
@@ -49,7 +48,6 @@ __all__ = [
     "model_sharding",
     "exchange",
     "sum_decoded",
-    "sum_decoded_reference",
     "worker_key",
     "after",
     "all_gather",

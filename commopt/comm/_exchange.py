@@ -59,7 +59,8 @@ def sum_decoded(gathered, add: Callable[[Any, Any], Any], acc):
   several payloads into one pass over the accumulator: no ``[N, d]`` decoded
   array exists. Up to ``2·UNROLL`` workers are unrolled; more run in a loop of
   ``UNROLL`` per iteration. The order is fixed (worker 0 first), so the sum
-  equals :func:`sum_decoded_reference` bit for bit, unless the compiler
+  equals decoding every payload to a dense array and adding the rows in worker order
+  (``commopt.testing.checks.fused_sum_equals_reference``) bit for bit, unless the compiler
   contracts a decoder's last inexact product with the add into one FMA
   (qsgd's and int_quant's ``scale · l · 1/top``: within one rounding per add).
   """
@@ -81,16 +82,6 @@ def sum_decoded(gathered, add: Callable[[Any, Any], Any], acc):
   acc = jax.lax.fori_loop(0, groups, group, acc)
   for w in range(groups * UNROLL, n):
     acc = add(acc, row(w))
-  return acc
-
-
-def sum_decoded_reference(gathered, decode, acc):
-  """:func:`sum_decoded` by the long way: every payload decoded to a dense
-  array (``jax.vmap(decode)``), then the rows added to ``acc`` in worker order."""
-  decoded = jax.vmap(decode)(gathered)
-  n = jax.tree.leaves(gathered)[0].shape[0]
-  for w in range(n):
-    acc = jax.tree.map(lambda a, t: a + t[w].astype(a.dtype), acc, decoded)
   return acc
 
 

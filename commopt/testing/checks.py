@@ -470,6 +470,16 @@ def option_types(name: str) -> list[str]:
   return checked
 
 
+def _sum_decoded_reference(gathered, decode, acc):
+  """:func:`commopt.comm.sum_decoded` by the long way: every payload decoded to a dense
+  array (``jax.vmap(decode)``), then the rows added to ``acc`` in worker order."""
+  decoded = jax.vmap(decode)(gathered)
+  n = jax.tree.leaves(gathered)[0].shape[0]
+  for w in range(n):
+    acc = jax.tree.map(lambda a, t: a + t[w].astype(a.dtype), acc, decoded)
+  return acc
+
+
 def fused_sum_equals_reference(compressor: base.Compressor, workers=(8, 16, 37),
                                dtype=jnp.float32, exact: bool = False) -> None:
   """The gathered reduction's one-pass sum equals decoding every payload.
@@ -477,14 +487,13 @@ def fused_sum_equals_reference(compressor: base.Compressor, workers=(8, 16, 37),
   For each count in ``workers`` (up to 16 run fully unrolled, 37 through
   the loop), every worker encodes its own input of awkward values (ties, ±0,
   denormals); :func:`commopt.comm.sum_decoded` with the compressor's
-  :meth:`~commopt.Compressor.add_decoded` must equal
-  :func:`commopt.comm.sum_decoded_reference` (``jax.vmap(decode)``, rows
-  added in worker order) under ``jit``: bit for bit with ``exact``, else
-  within one rounding of each decoded term per add. ``exact=False`` is for
+  :meth:`~commopt.Compressor.add_decoded` must equal the long way (every
+  payload decoded by ``jax.vmap(decode)``, the rows added in worker order)
+  under ``jit``: bit for bit with ``exact``, else within one rounding of each decoded term per add. ``exact=False`` is for
   decoders whose last step is an inexact product (``scale · l · (1/top)``):
   once fused, the compiler may contract it with the add into one FMA.
   """
-  from commopt.comm import sum_decoded, sum_decoded_reference
+  from commopt.comm import sum_decoded
   shape = (33, 65)
   like = jnp.zeros(shape, dtype)
   for n in workers:
@@ -498,7 +507,7 @@ def fused_sum_equals_reference(compressor: base.Compressor, workers=(8, 16, 37),
     decode = lambda pl: compressor.decode(pl, state0, like)
     fused = np.asarray(jax.jit(lambda g: sum_decoded(
         g, lambda acc, pl: compressor.add_decoded(acc, pl, state0, like), zeros))(payloads))
-    want = np.asarray(jax.jit(lambda g: sum_decoded_reference(g, decode, zeros))(payloads))
+    want = np.asarray(jax.jit(lambda g: _sum_decoded_reference(g, decode, zeros))(payloads))
     message = f"{compressor.name}, {n} workers"
     if exact:
       np.testing.assert_array_equal(fused, want, err_msg=message)
