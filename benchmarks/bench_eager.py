@@ -30,6 +30,9 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.data import batch_rows, digits_cnn, eval_rows  # noqa: E402  (after the path)
+from harness.plots import pyplot  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -90,13 +93,10 @@ def main(argv=None) -> dict:
   import optax
 
   import commopt
-  sys.path.insert(0, str(ROOT / "examples"))
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  from bench_network import batch_rows, eval_rows
-  from digits_cnn import load_digits_flat, mlp_fns
 
-  x_all, y_all = load_digits_flat()
-  params0, loss_fn = mlp_fns(args.hidden)
+  digits = digits_cnn()
+  x_all, y_all = digits.load_digits_flat()
+  params0, loss_fn = digits.mlp_fns(args.hidden)
   scored = eval_rows(len(x_all))
   score = jax.jit(loss_fn)
   mesh = jax.make_mesh((args.workers,), ("data",))
@@ -167,9 +167,7 @@ def table(rows, target: float) -> str:
 
 
 def plot(rows, args, path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
   fig, axes = plt.subplots(1, len(args.periods), figsize=(4.5 * len(args.periods), 3.6),
                            squeeze=False, sharey=True)
   for ax, period in zip(axes[0], args.periods):

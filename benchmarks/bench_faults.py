@@ -36,81 +36,26 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import pathlib
 import platform
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-from commopt.testing.processes import alive, all_gone, kill_own, pids_in
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from commopt.testing.processes import alive  # noqa: E402
+from harness.faults import (  # noqa: E402  (after the path)
+    ENV, killed_launcher, raising_worker, rss_mib, run_injected, try_call, wait_until)
+
 WORKERS = 8
 
-# -- helpers for processes ------------------------------------------------------------
-
-SLEEPS = """
-import os, pathlib, sys, time
-from commopt import launch
-ctx = launch.initialize()
-pathlib.Path(sys.argv[1], f"{ctx.process_id}.pid").write_text(str(os.getpid()))
-time.sleep(600)
-"""
-
-RAISES = """
-import os, pathlib, sys, time
-from commopt import launch
-ctx = launch.initialize()
-from jax.experimental import multihost_utils
-out = pathlib.Path(sys.argv[1])
-(out / f"{ctx.process_id}.pid").write_text(str(os.getpid()))
-multihost_utils.sync_global_devices("joined")
-if ctx.process_id == 1:
-  (out / "failed_at").write_text(repr(time.time()))
-  raise RuntimeError("process 1 broke")
-multihost_utils.sync_global_devices("never")
-time.sleep(600)
-"""
-
-KILLED_SAVE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "killed_save_worker.py"
-
-
-def _wait_until(ready, proc, seconds: float) -> bool:
-  deadline = time.monotonic() + seconds
-  while time.monotonic() < deadline and not ready():
-    if proc is not None and proc.poll() is not None:
-      return ready()
-    time.sleep(0.1)
-  return ready()
-
-
-def _kill_ours(folder: pathlib.Path) -> None:
-  """SIGKILL the workers whose pids ``folder`` holds and whose command line names it."""
-  kill_own(pids_in(folder), folder)
+KILLED_SAVE = ROOT / "tests" / "killed_save_worker.py"
 
 
 # -- 1. bad inputs --------------------------------------------------------------------
-
-
-def _names(message: str, argument: str) -> bool:
-  return f"`{argument}`" in message or re.search(rf"\b{re.escape(argument)}\b", message) is not None
-
-
-def _try(call, argument: str) -> str:
-  """``"clear"``, ``"unclear"`` (raised, but not a TypeError/ValueError naming
-  ``argument``) or ``"silent"`` (nothing raised)."""
-  try:
-    call()
-  except (TypeError, ValueError) as e:
-    return "clear" if _names(str(e), argument) else "unclear"
-  except Exception:   # noqa: BLE001 - an error, but not a clear one
-    return "unclear"
-  return "silent"
 
 
 def option_calls():
@@ -175,7 +120,7 @@ def bad_inputs(mesh, log):
   outcomes = {"clear": 0, "unclear": 0, "silent": 0}
   failures = []
   for label, argument, call in calls:
-    outcome = _try(call, argument)
+    outcome = try_call(call, argument)
     outcomes[outcome] += 1
     if outcome != "clear":
       failures.append(f"{label}: {outcome}")
@@ -195,39 +140,6 @@ def _loss(p, b):
   """A linear model whose gradient is the mean of the worker's rows of ``x``, whatever ``w``."""
   import jax.numpy as jnp
   return jnp.sum(jnp.mean(b["x"] @ p["w"] - b["y"], axis=0))
-
-
-def _run_injected(dp, params, batch, injected, steps, expected=None):
-  """Runs ``steps`` steps; ``batch(i)`` is step ``i``'s batch. Classes each injected step;
-  for one applied, the relative error of the parameters' mean change against ``expected``."""
-  import jax
-  import numpy as np
-  host = lambda t: jax.tree.map(lambda x: np.asarray(jax.device_get(x)).copy(), t)
-  state = dp.init(params)
-  counts = {"skipped": 0, "applied_finite": 0, "wrong": 0, "rel_error": None}
-  for i in range(steps):
-    before, count = host(params), int(state.total_notfinite)
-    params, state, _ = dp.step(params, state, batch(i))
-    after, now = host(params), int(state.total_notfinite)
-    finite = all(np.all(np.isfinite(x.astype(np.float32))) for x in jax.tree.leaves(after))
-    same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after),
-                                                     jax.tree.leaves(before)))
-    if i not in injected:
-      if not finite or now != count:
-        counts["wrong"] += 1   # an ordinary step must be applied
-      continue
-    if finite and same and now == count + 1:
-      counts["skipped"] += 1
-    elif finite and not same and now == count:
-      counts["applied_finite"] += 1
-      if expected is not None:
-        change = np.mean([np.mean(a.astype(np.float64) - b.astype(np.float64))
-                          for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))])
-        rel = abs(change - expected) / abs(expected)
-        counts["rel_error"] = float(max(rel, counts["rel_error"] or 0.0))
-    else:
-      counts["wrong"] += 1
-  return counts
 
 
 def nonfinite(mesh, steps, log):
@@ -279,7 +191,7 @@ def nonfinite(mesh, steps, log):
   ]
   rows = []
   for label, dp, params, batch, injected, n, expected in cases:
-    counts = _run_injected(dp, params, batch, injected, n, expected)
+    counts = run_injected(dp, params, batch, injected, n, expected)
     rows.append({"case": label, "injected": len(injected), "skipped_exactly": counts["skipped"],
                  "applied_finite": counts["applied_finite"], "wrong": counts["wrong"],
                  "applied_rel_error": counts["rel_error"]})
@@ -288,55 +200,6 @@ def nonfinite(mesh, steps, log):
 
 
 # -- 3. processes ---------------------------------------------------------------------
-
-
-def killed_launcher(work: pathlib.Path, log):
-  out = work / "launcher"
-  out.mkdir()
-  script = out / "sleeps.py"
-  script.write_text(SLEEPS)
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "commopt.launch", "--processes", "2", "--cpu-devices", "1",
-       "--timeout", "120", str(script), str(out)],
-      cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  try:
-    started = _wait_until(lambda: len(pids_in(out)) == 2, proc, 120)
-    pids = pids_in(out)
-    proc.kill()   # SIGKILL: the launcher cleans nothing up
-    proc.wait(timeout=30)
-    time.sleep(5)
-    orphans = sum(alive(p) for p in pids)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-    _kill_ours(out)
-  log(f"processes: launcher SIGKILL: {len(pids)} workers started ({started}), "
-      f"{orphans} alive 5 s later")
-  return {"case": "launcher killed (SIGKILL)", "killed": 1, "workers": len(pids),
-          "resumed_bit_identical": None, "orphans": orphans, "ok": started and orphans == 0}
-
-
-def raising_worker(work: pathlib.Path, log):
-  from commopt import launch
-  out = work / "raises"
-  out.mkdir()
-  script = out / "raises.py"
-  script.write_text(RAISES)
-  raised, took = False, None
-  try:
-    launch.launch([str(script), str(out)], processes=2, devices_per_process=1, timeout=120,
-                  env={"PYTHONPATH": str(ROOT)})
-  except launch.LaunchError:
-    raised = True
-    took = time.time() - float((out / "failed_at").read_text())
-  pids = pids_in(out)
-  all_gone(pids, 5)
-  orphans = sum(alive(p) for p in pids)
-  _kill_ours(out)
-  log(f"processes: worker raises: LaunchError={raised} after {took} s, {orphans} orphans")
-  return {"case": "a worker raises", "killed": 1, "workers": len(pids),
-          "seconds_to_launch_error": took, "resumed_bit_identical": None, "orphans": orphans,
-          "ok": raised and orphans == 0}
 
 
 def killed_save(work: pathlib.Path, mesh, log):
@@ -351,7 +214,7 @@ def killed_save(work: pathlib.Path, mesh, log):
     proc = subprocess.Popen([sys.executable, str(script), str(out)], env=ENV, stdout=f,
                             stderr=subprocess.STDOUT)
     try:
-      stalled = _wait_until(lambda: (out / "stalled").exists(), proc, 240)
+      stalled = wait_until(lambda: (out / "stalled").exists(), proc, 240)
     finally:
       proc.kill()
       proc.wait()
@@ -427,11 +290,6 @@ def processes(mesh, log):
 # -- 4. soak --------------------------------------------------------------------------
 
 
-def _rss_mib() -> float:
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-
-
 def soak(mesh, steps, log):
   import jax
   import jax.numpy as jnp
@@ -450,11 +308,11 @@ def soak(mesh, steps, log):
     params, state, losses = dp.step(params, state, batch)
     if i == first:
       jax.block_until_ready(losses)
-      start = _rss_mib()
+      start = rss_mib()
     if i % max(1, steps // 5) == 0:
       log(f"soak: step {i}/{steps}")
   jax.block_until_ready((params, state))
-  end = _rss_mib()
+  end = rss_mib()
   row = {"steps": steps, "from_step": first, "rss_start_mib": start, "rss_end_mib": end,
          "rss_growth_mib": end - start, "seconds": time.perf_counter() - t0,
          "skipped": int(state.total_notfinite)}

@@ -25,7 +25,7 @@ same start on the same batches (``--rows`` per worker), for ``--steps`` steps:
 
 For each, per bandwidth: the median step time (every step blocked until ready; the first,
 compiling, step not timed), its ratio to dense's, the bytes one device sends per step
-across nodes and in all (ring model, from the compiled step, ``bench_zero.sent_bytes``),
+across nodes and in all (ring model, from the compiled step, ``harness.hlo.sent_bytes``),
 the mean loss of the last 5 steps, and the time to ``--target`` (the first step whose
 workers' mean loss reaches it, times the median step time; by default 1.1x dense's final
 loss at the same bandwidth).
@@ -47,20 +47,14 @@ import json
 import os
 import pathlib
 import platform
-import random
-import secrets
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_network import cannot_shape, sh  # noqa: E402  (after the path)
+from harness import jobs, netns  # noqa: E402  (after the path)
+from harness.summary import first_reaching, markdown_table  # noqa: E402
 
 SETUPS = {
     # label: zero_data_parallel options (Q8: int8 weights, Q4: int4 gradients)
@@ -114,7 +108,8 @@ def worker(config_path: str, result_path: str) -> None:
   from jax.experimental import multihost_utils
 
   import commopt
-  from bench_zero import sent_bytes, stacked_problem
+  from harness.hlo import sent_bytes
+  from harness.models import quantizer, stacked_problem
 
   cfg = json.loads(pathlib.Path(config_path).read_text())
   local = cfg["local"]
@@ -122,8 +117,7 @@ def worker(config_path: str, result_path: str) -> None:
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   mesh = jax.sharding.Mesh(np.array(devices).reshape(2, local), ("node", "local"))
   params, loss_fn, batch = stacked_problem(cfg["width"], cfg["layers"])
-  quant = {"Q8": commopt.int_quant(bits=8, block_size=2048, rounding="nearest"),
-           "Q4": commopt.int_quant(bits=4, block_size=2048, rounding="nearest")}
+  quant = {"Q8": quantizer(8), "Q4": quantizer(4)}
   workers = 2 * local
   size = cfg["rows"] * workers
   mine = lambda rows: {k: np.split(v, ctx.num_processes)[ctx.process_id] for k, v in rows.items()}
@@ -156,94 +150,6 @@ def worker(config_path: str, result_path: str) -> None:
     pathlib.Path(result_path).write_text(json.dumps(out))
 
 
-# -- the two nodes -----------------------------------------------------------------------
-
-class Nodes:
-  """Two network namespaces joined by a veth pair, each with its loopback up and this host's
-  name resolving to its own address; all of it removed on exit."""
-
-  def __init__(self):
-    tag = f"{os.getpid()}-{secrets.token_hex(3)}"
-    self.names = [f"commopt-node{r}-{tag}" for r in range(2)]
-    self.links = [f"cn{r}{tag[-6:]}" for r in range(2)]      # at most 15 characters
-    net = random.Random(tag).randrange(16, 32)
-    sub = random.Random(tag[::-1]).randrange(1, 255)
-    self.addresses = [f"172.{net}.{sub}.{r + 1}" for r in range(2)]
-
-  def __enter__(self):
-    try:
-      for name, address in zip(self.names, self.addresses):
-        sh("ip", "netns", "add", name)
-        sh("ip", "-n", name, "link", "set", "lo", "up")
-        folder = pathlib.Path("/etc/netns", name)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "hosts").write_text(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
-      sh("ip", "link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
-      for name, link, address in zip(self.names, self.links, self.addresses):
-        sh("ip", "link", "set", link, "netns", name)
-        sh("ip", "-n", name, "addr", "add", f"{address}/24", "dev", link)
-        sh("ip", "-n", name, "link", "set", link, "up")
-    except BaseException:
-      self.delete()
-      raise
-    return self
-
-  def shape(self, rate: str) -> None:
-    """Both directions of the link between the nodes limited to ``rate`` (or not)."""
-    for name, link in zip(self.names, self.links):
-      sh("tc", "-n", name, "qdisc", "del", "dev", link, "root", check=False)
-      if rate != "unlimited":
-        sh("tc", "-n", name, "qdisc", "add", "dev", link, "root", "tbf", "rate", rate,
-           "burst", "256kb" if rate.endswith("gbit") else "128kb", "latency", "20ms")
-
-  def delete(self) -> None:
-    for name in self.names:
-      sh("ip", "netns", "del", name, check=False)      # its end of the veth pair with it
-      shutil.rmtree(pathlib.Path("/etc/netns", name), ignore_errors=True)
-
-  def __exit__(self, *exc):
-    self.delete()
-
-
-def run_bandwidth(nodes: Nodes, cfg: dict, timeout: float) -> dict:
-  """One job over both nodes: a launcher in each namespace; node 0's process 0 writes the
-  result. Either launcher failing ends the other (its processes' collectives fail)."""
-  port = random.randrange(20000, 60000)   # a fresh namespace: nothing listens there yet
-  with tempfile.TemporaryDirectory(prefix="commopt-nodes-") as tmp:
-    config, result = pathlib.Path(tmp, "config.json"), pathlib.Path(tmp, "result.json")
-    config.write_text(json.dumps(cfg))
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = []
-    try:
-      for rank in (1, 0):
-        argv = ["ip", "netns", "exec", nodes.names[rank], sys.executable, "-m",
-                "commopt.launch", "--nodes", "2", "--node-rank", str(rank), "--coordinator",
-                f"{nodes.addresses[0]}:{port}", "--processes", str(cfg["local"]),
-                "--cpu-devices", "1", "--timeout", str(timeout), str(pathlib.Path(__file__)),
-                "--worker", str(config), str(result)]
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
-      outs = [p.communicate(timeout=timeout + 60)[0] for p in procs]
-    finally:
-      for p in procs:
-        if p.poll() is None:   # the launcher ends its processes on SIGTERM
-          os.killpg(p.pid, signal.SIGTERM)
-          try:
-            p.wait(30)
-          except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    for line in outs[1].splitlines():
-      if line.startswith("  "):
-        print(line, flush=True)
-    if any(p.returncode for p in procs) or not result.exists():
-      raise RuntimeError("the two-node job failed (exit codes "
-                         f"{[p.returncode for p in procs]}):\n" + outs[1][-3000:]
-                         + "\n--- node 1 ---\n" + outs[0][-3000:])
-    return json.loads(result.read_text())
-
-
 def derive(rows: dict, target: float | None) -> dict:
   """Each setup's row with its final loss, ratio to dense's step, and time to the target
   (``target``, or 1.1x dense's final loss)."""
@@ -252,8 +158,7 @@ def derive(rows: dict, target: float | None) -> dict:
     target = 1.1 * final["dense"]
   out = {}
   for k, r in rows.items():
-    reach = next((i + 1 for i, l in enumerate(r["losses"]) if target is not None and l <= target),
-                 None)
+    reach = None if target is None else first_reaching(enumerate(r["losses"], 1), target)
     out[k] = {**{n: v for n, v in r.items() if n != "losses"}, "final_loss": final[k],
               "target": target, "steps_to_target": reach,
               "time_to_target_s": None if reach is None else reach * r["step_s"],
@@ -264,44 +169,35 @@ def derive(rows: dict, target: float | None) -> dict:
 def table(results: dict) -> str:
   head = ["link between nodes", "setup", "ms/step", "× dense", "bytes across nodes",
           "bytes sent", "final loss", "time to target"]
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  lines = []
   for rate, rows in results.items():
     for k, r in rows.items():
       ttt = "not reached" if r["time_to_target_s"] is None else (
           f"{r['time_to_target_s']:.2f} s ({r['steps_to_target']} steps)")
       ratio = "" if r["vs_dense"] is None else f"{r['vs_dense']:.2f}"
-      lines.append(f"| {rate} | {k} | {1e3 * r['step_s']:.1f} | {ratio} | "
-                   f"{r.get('cross_node_bytes', 0):,} | {r.get('total_bytes', 0):,} | "
-                   f"{r['final_loss']:.4f} | {ttt} |")
-  return "\n".join(lines)
+      lines.append([rate, k, f"{1e3 * r['step_s']:.1f}", ratio,
+                    f"{r.get('cross_node_bytes', 0):,}", f"{r.get('total_bytes', 0):,}",
+                    f"{r['final_loss']:.4f}", ttt])
+  return markdown_table(head, lines)
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  if args.worker:
-    worker(*args.worker)
+  out = jobs.driver_out(args, worker)
+  if out is None:
     return 0
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  reason = cannot_shape()
-  if reason is None:
-    try:                                   # namespaces and a veth pair of our own, or why not
-      with Nodes():
-        pass
-    except subprocess.CalledProcessError as e:
-      reason = f"cannot build two namespaces joined by a veth pair: {e.stderr.strip() or e}"
+  reason = netns.why_not_shaped(netns.Nodes, "cannot build two namespaces joined by a veth pair")
   if reason is not None:
-    print(f"bench_nodes: skipped, {reason}")
-    (out / "nodes.json").write_text(json.dumps({"skipped": reason}))
-    return 0
+    return netns.report_skip("bench_nodes", out / "nodes.json", reason, end="", indent=None)
   cfg = {"local": args.local, "setups": args.setups.split(","), "width": args.width,
          "layers": args.layers, "rows": args.rows, "steps": args.steps, "lr": args.lr}
   results = {}
-  with Nodes() as nodes:
+  with netns.Nodes() as nodes:
     for rate in args.bandwidths.split(","):
       nodes.shape(rate)
       print(f"[{rate}] 2 nodes x {args.local} processes", flush=True)
-      results[rate] = derive(run_bandwidth(nodes, cfg, args.timeout), args.target)
+      job = jobs.launch_nodes(nodes, cfg, args.timeout, [str(pathlib.Path(__file__)), "--worker"])
+      results[rate] = derive(job, args.target)
   print(table(results))
   report = {"config": cfg, "bandwidths": args.bandwidths.split(","), "results": results,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

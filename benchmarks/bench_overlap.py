@@ -8,7 +8,7 @@ them is up to the runtime. This benchmark measures it on XLA:CPU with gloo.
 Processes of one ``jax.distributed`` job (collectives over gloo on TCP) run
 inside a network namespace of this benchmark's own whose loopback is limited
 by ``tc ... tbf`` to ``--bandwidth`` (the namespace and shaping of
-``benchmarks/bench_network.py``, imported from it). Each process has two CPU
+``benchmarks/bench_network.py``, ``harness.netns``). Each process has two CPU
 devices when ``split/2dev`` runs (one otherwise); every other variant uses
 the first. Every variant trains the MLP of ``examples/digits_cnn.py`` (64 ->
 H -> H -> 10, H = ``--hidden``) with ``--batch`` rows per worker and plain
@@ -44,7 +44,7 @@ most 1.2 times that) are taken per round, from that round's medians (the
 variants of a round ran seconds apart, under the same load), and their
 median over rounds is reported. From each data_parallel program's compiled
 HLO it also reports which collectives wait for the batch
-(:func:`batch_dependent_collectives`). ``--xla-flags`` runs the job once per
+(:func:`harness.hlo.batch_dependent_collectives`). ``--xla-flags`` runs the job once per
 set of flags (e.g. with XLA:CPU's
 ``--xla_cpu_enable_concurrency_optimized_scheduler=false``).
 
@@ -63,15 +63,18 @@ import argparse
 import json
 import os
 import pathlib
-import platform
-import re
-import signal
 import statistics
 import sys
 import time
 from typing import Any, Callable, NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import jobs, netns  # noqa: E402  (after the path)
+from harness.arrays import global_batch, moved, zeros_per_worker  # noqa: E402
+from harness.hlo import batch_dependent_collectives, waiting  # noqa: E402
+from harness.summary import markdown_table, meta  # noqa: E402
+from harness.timing import round_medians  # noqa: E402
 
 METHODS = {
     # label: (registry name, options, strategy, error feedback)
@@ -121,74 +124,6 @@ def parse_args(argv=None):
   return args
 
 
-# -- the compiled program: which collectives wait for the batch ------------------------
-
-_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|"
-                         r"collective-permute)(?:-start)?\(")
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
-_HEAD = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*[(]")
-
-
-def _computations(hlo_text: str) -> tuple[dict, str]:
-  """``({name: [(instruction, rest of its line)]}, entry name)`` of an HLO module's text."""
-  comps, entry, current = {}, None, None
-  for line in hlo_text.splitlines():
-    head = _HEAD.match(line)
-    if head:
-      current = head.group(2)
-      comps[current] = []
-      entry = current if head.group(1) else entry
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      m = _DEF.match(line)
-      if m:
-        comps[current].append(m.groups())
-  return comps, entry
-
-
-def batch_dependent_collectives(hlo_text: str) -> list[dict]:
-  """Every collective of a compiled program, and whether it waits for the batch.
-
-  A collective of the entry computation waits when it depends, through any chain of
-  instructions, on a parameter holding the batch (``op_name`` starting with ``batch``).
-  One inside a computation the entry calls (a conditional's branch, a loop's body)
-  starts only once that call's operands are ready, so it waits when the call does. A
-  collective that does not wait can run while the forward and backward pass do.
-  Returns ``[{"name", "kind", "shape", "batch": bool}]`` in program order.
-  """
-  comps, entry = _computations(hlo_text)
-
-  def inside(name, seen=()):
-    """The collectives in computation ``name`` and the computations it calls."""
-    out = []
-    for inst, rest in comps.get(name, []):
-      kind = _COLLECTIVE.search(rest)
-      if kind:
-        out.append((inst, kind.group(1), rest.split(" ")[0]))
-      for callee in re.findall(r"%([\w.\-]+)", rest):
-        if callee in comps and callee not in seen and callee != name:
-          out += inside(callee, seen + (name,))
-    return out
-
-  depends: dict[str, bool] = {}
-  found = []
-  for inst, rest in comps[entry]:
-    operands = [t for t in re.findall(r"%([\w.\-]+)", rest) if t in depends]
-    batch = ("parameter(" in rest and 'op_name="batch' in rest) or any(
-        depends[t] for t in operands)
-    depends[inst] = batch
-    kind = _COLLECTIVE.search(rest)
-    if kind:
-      found.append({"name": inst, "kind": kind.group(1), "shape": rest.split(" ")[0],
-                    "batch": batch})
-    for callee in re.findall(r"%([\w.\-]+)", rest):
-      if callee in comps and callee != entry:
-        found += [{"name": f"{inst}/{n}", "kind": k, "shape": shape, "batch": batch}
-                  for n, k, shape in inside(callee)]
-  return found
-
-
 # -- the worker: one process of the job ------------------------------------------------
 
 class _Program(NamedTuple):
@@ -204,8 +139,6 @@ def _programs(cfg, label, meshes, loss_fn, params0) -> dict:
   """The variants' programs for one method, ``{variant: _Program}``. ``meshes``: ``"data"``
   (each process's first device), ``"local"`` (this process's first device alone) and
   ``"comm"`` (each process's second device, for ``split/2dev``)."""
-  import jax
-  import jax.numpy as jnp
   import optax
 
   import commopt
@@ -229,7 +162,7 @@ def _programs(cfg, label, meshes, loss_fn, params0) -> dict:
 
   def comm_only():
     dp = commopt.data_parallel(_linear, inner(), mesh)
-    g = _zeros(mesh, params0)
+    g = zeros_per_worker(mesh, params0)
     return plain(dp, audited=False, batch=lambda rows: {"g": g})
 
   make = {
@@ -255,27 +188,6 @@ def _linear(p, b):
   return _kept_loss(p, b)
 
 
-def _zeros(mesh, params0):
-  """Zeros like ``params0`` with a leading worker axis, sharded over ``mesh``'s data axis."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-      NamedSharding(mesh, P("data")), np.zeros((1,) + np.shape(x), np.asarray(x).dtype)),
-      params0)
-
-
-def _moved(tree, mesh, spec):
-  """``tree`` (global arrays) on ``mesh``'s devices with ``spec``: each process copies its own
-  shards to its device of ``mesh`` (one local copy per leaf, no collective)."""
-  import jax
-  from jax.sharding import NamedSharding
-  mine = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-  return jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(
-      a.shape, NamedSharding(mesh, spec),
-      [jax.device_put(s.data, mine) for s in a.addressable_shards]), tree)
-
-
 def _split(mesh, comm_mesh, inner, loss_fn, params0) -> _Program:
   """The delayed update as two jitted programs per step: the exchange of the kept gradient
   (a data_parallel step on :func:`_linear`, on ``comm_mesh``), dispatched first, then the
@@ -296,8 +208,8 @@ def _split(mesh, comm_mesh, inner, loss_fn, params0) -> _Program:
 
   def init():
     params = exchange.place_params(params0)
-    return (params, exchange.init(params0), _zeros(comm_mesh, params0),
-            _moved(params, mesh, P()) if apart else params)
+    return (params, exchange.init(params0), zeros_per_worker(comm_mesh, params0),
+            moved(params, mesh, P()) if apart else params)
 
   def step(carry, batch):
     params, state, kept, here = carry
@@ -306,9 +218,9 @@ def _split(mesh, comm_mesh, inner, loss_fn, params0) -> _Program:
       grads = backward(here, batch)                                    # then this
     if not apart:
       return new_params, state, grads, new_params
-    return new_params, state, _moved(grads, comm_mesh, P("data")), _moved(new_params, mesh, P())
+    return new_params, state, moved(grads, comm_mesh, P("data")), moved(new_params, mesh, P())
 
-  return _Program(init, step, lambda rows: _global_batch(mesh, rows))
+  return _Program(init, step, lambda rows: global_batch(mesh, rows))
 
 
 def _overlapped(mesh, inner, loss_fn, params0) -> _Program:
@@ -326,7 +238,7 @@ def _overlapped(mesh, inner, loss_fn, params0) -> _Program:
     params, state, _ = run.step(*carry, batch)
     return params, state
 
-  return _Program(init, step, lambda rows: _global_batch(mesh, rows))
+  return _Program(init, step, lambda rows: global_batch(mesh, rows))
 
 
 def worker(config_path: str, result_path: str) -> None:
@@ -336,13 +248,13 @@ def worker(config_path: str, result_path: str) -> None:
   import numpy as np
   from jax.experimental import multihost_utils
 
-  sys.path.insert(0, str(ROOT / "examples"))
-  from digits_cnn import load_digits_flat, mlp_fns
+  from harness.data import digits_cnn
 
   cfg = json.loads(pathlib.Path(config_path).read_text())
-  x_all, y_all = load_digits_flat()
+  digits = digits_cnn()
+  x_all, y_all = digits.load_digits_flat()
   rows = cfg["batch"]
-  params0, loss_fn = mlp_fns(cfg["hidden"])
+  params0, loss_fn = digits.mlp_fns(cfg["hidden"])
   by_process: dict = {}
   for d in jax.devices():
     by_process.setdefault(d.process_index, []).append(d)
@@ -389,25 +301,7 @@ def worker(config_path: str, result_path: str) -> None:
     pathlib.Path(result_path).write_text(json.dumps(results))
 
 
-def _global_batch(mesh, rows):
-  """This process's rows as one global array per leaf, sharded over the data axis."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-      NamedSharding(mesh, P("data", *[None] * (np.ndim(x) - 1))), np.asarray(x)), rows)
-
-
 # -- the driver ------------------------------------------------------------------------
-
-def run_job(ns, processes: int, cfg: dict, xla_flags: str, timeout: float) -> dict:
-  """One launched job inside ``ns``: the workers' results."""
-  from bench_network import launch_job
-  return launch_job(ns, processes, cfg, timeout,
-                    [str(pathlib.Path(__file__).resolve()), "--worker"],
-                    cpu_devices=2 if "split/2dev" in cfg["variants"] else 1,
-                    xla_flags=xla_flags)
-
 
 def derive(r: dict, steps: int) -> dict:
   """Each delayed or undelayed variant's step against no overlap (``compute + comm``) and
@@ -417,7 +311,7 @@ def derive(r: dict, steps: int) -> dict:
   t = r["times_s"]
   if "compute" not in t or "comm" not in t:
     return {}
-  rounds = lambda v: [statistics.median(t[v][i:i + steps]) for i in range(0, len(t[v]), steps)]
+  rounds = lambda v: round_medians(t[v], steps)
   compute, comm = rounds("compute"), rounds("comm")
   out = {}
   for v in ("undelayed",) + SPLITS:
@@ -428,28 +322,18 @@ def derive(r: dict, steps: int) -> dict:
   return out
 
 
-def _waiting(collectives: list[dict]) -> str:
-  if not collectives:
-    return "-"
-  waits = [c for c in collectives if c["batch"]]
-  return f"{len(waits)} of {len(collectives)}" + (
-      f" ({', '.join(sorted({c['shape'] for c in waits}))})" if waits else "")
-
-
 def table(report: dict) -> str:
-  lines = ["| XLA flags | method | variant | step ms | / (compute + comm) | / max(compute, comm) "
-           "| collectives that wait for the batch |",
-           "|---|---|---|---|---|---|---|"]
+  lines = []
   for flags, by_method in report["results"].items():
     for label, r in by_method.items():
       ratios = derive(r, report["config"]["steps"])
       for v, t in r["median_s"].items():
         q = ratios.get(v)
         vs_sum, vs_max = ("", "") if q is None else (f"{q['vs_sum']:.2f}", f"{q['vs_max']:.2f}")
-        lines.append(
-            f"| {flags or '(none)'} | {label} | {v} | {t * 1e3:.1f} | {vs_sum} | {vs_max} | "
-            f"{_waiting(r['collectives'].get(v, []))} |")
-  return "\n".join(lines)
+        lines.append([flags or "(none)", label, v, f"{t * 1e3:.1f}", vs_sum, vs_max,
+                      waiting(r["collectives"].get(v, []))])
+  return markdown_table(["XLA flags", "method", "variant", "step ms", "/ (compute + comm)",
+                         "/ max(compute, comm)", "collectives that wait for the batch"], lines)
 
 
 def verdicts(report: dict) -> str:
@@ -468,35 +352,31 @@ def verdicts(report: dict) -> str:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  if args.worker:
-    worker(*args.worker)
+  out = jobs.driver_out(args, worker)
+  if out is None:
     return 0
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  from bench_network import Namespace, why_not_shaped
-  meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-          "argv": sys.argv[1:], "load_before": os.getloadavg()}
-  reason = why_not_shaped()
+  info = meta(load_before=os.getloadavg())
+  reason = netns.why_not_shaped()
   if reason:
-    print(f"bench_overlap: skipped, {reason}.")
-    (out / "overlap.json").write_text(json.dumps({"skipped": reason, **meta}, indent=1))
-    return 0
+    return netns.report_skip("bench_overlap", out / "overlap.json", reason, info)
   import jax
-  meta["jax"] = jax.__version__
+  info["jax"] = jax.__version__
   cfg = {k: getattr(args, k) for k in ("methods", "variants", "hidden", "batch", "lr",
                                        "rounds", "steps")}
   results: dict = {}
   t0 = time.perf_counter()
-  signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-  with Namespace() as ns:
+  netns.interrupt_on_sigterm()
+  with netns.Namespace() as ns:
     ns.shape(args.bandwidth)
     for flags in args.xla_flags:
       print(f"{args.processes} processes at {args.bandwidth}, XLA_FLAGS={flags!r} "
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
-      results[flags] = run_job(ns, args.processes, cfg, flags, args.timeout)
-  meta["load_after"] = os.getloadavg()
-  report = {"config": cfg, "meta": meta, "processes": args.processes,
+      results[flags] = jobs.launch_job(
+          ns, args.processes, cfg, args.timeout,
+          [str(pathlib.Path(__file__).resolve()), "--worker"],
+          cpu_devices=2 if "split/2dev" in cfg["variants"] else 1, xla_flags=flags)
+  info["load_after"] = os.getloadavg()
+  report = {"config": cfg, "meta": info, "processes": args.processes,
             "bandwidth": args.bandwidth, "results": results,
             "seconds": time.perf_counter() - t0}
   (out / "overlap.json").write_text(json.dumps(report, indent=1))
@@ -506,8 +386,8 @@ def main(argv=None) -> int:
       f"{args.processes} processes x {2 if 'split/2dev' in args.variants else 1} CPU devices, "
       f"gloo, loopback at {args.bandwidth}; MLP "
       f"hidden {args.hidden}, {args.batch} rows per worker; medians of {args.rounds} x "
-      f"{args.steps} steps; load average {meta['load_before'][0]:.1f} before, "
-      f"{meta['load_after'][0]:.1f} after ({meta['cpus']} CPUs).\n\n" + text + "\n")
+      f"{args.steps} steps; load average {info['load_before'][0]:.1f} before, "
+      f"{info['load_after'][0]:.1f} after ({info['cpus']} CPUs).\n\n" + text + "\n")
   print(f"wrote {out / 'overlap.json'} and {out / 'overlap.md'} in "
         f"{time.perf_counter() - t0:.0f} s")
   return 0

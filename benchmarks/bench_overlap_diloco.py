@@ -3,10 +3,10 @@
 ``--processes`` processes of one ``jax.distributed`` job (gloo over TCP, one CPU device
 each) run inside a network namespace of this benchmark's own whose loopback is limited
 by ``tc ... tbf`` to ``--bandwidth`` (``benchmarks/bench_network.py``'s namespace and
-shaping). Every variant trains the MLP of ``examples/digits_cnn.py`` (64 -> H -> H -> 10,
-H = ``--hidden``) with AdamW inside, ``--batch`` rows per worker, an exchange every
-``--period`` steps, dense float32 pseudo-gradients (the exchange that a slow link hurts
-most), Nesterov outer step:
+shaping, ``harness.netns``). Every variant trains the MLP of ``examples/digits_cnn.py``
+(64 -> H -> H -> 10, H = ``--hidden``) with AdamW inside, ``--batch`` rows per worker, an
+exchange every ``--period`` steps, dense float32 pseudo-gradients (the exchange that a slow
+link hurts most), Nesterov outer step:
 
 - ``compute``: the inner steps alone (no exchange; the time the workers compute), each
   worker skipping its own non-finite steps as the drivers' inner steps do;
@@ -45,6 +45,8 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import jobs, netns  # noqa: E402  (after the path)
 VARIANTS = ("compute", "blocking", "overlapped", "streaming_diloco", "eager")
 TARGET = 0.90
 
@@ -79,12 +81,12 @@ def worker(config_path: str, result_path: str) -> None:
   from jax.experimental import multihost_utils
 
   import commopt
-  sys.path.insert(0, str(ROOT / "examples"))
-  from digits_cnn import load_digits_flat, mlp_fns
+  from harness.data import digits_cnn
 
   cfg = json.loads(pathlib.Path(config_path).read_text())
-  x_all, y_all = load_digits_flat()
-  params0, loss_fn = mlp_fns(cfg["hidden"])
+  digits = digits_cnn()
+  x_all, y_all = digits.load_digits_flat()
+  params0, loss_fn = digits.mlp_fns(cfg["hidden"])
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   inner = optax.adamw(1e-3)
 
@@ -158,27 +160,22 @@ def derive(results: dict, steps: int) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  if args.worker:
-    worker(*args.worker)
+  out = jobs.driver_out(args, worker)
+  if out is None:
     return 0
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  from bench_network import Namespace, launch_job, why_not_shaped
-  reason = why_not_shaped()
+  reason = netns.why_not_shaped()
   if reason:
-    print(f"bench_overlap_diloco: skipped, {reason}.")
-    (out / "overlap_diloco.json").write_text(json.dumps({"skipped": reason}))
-    return 0
+    return netns.report_skip("bench_overlap_diloco", out / "overlap_diloco.json", reason,
+                             indent=None)
   cfg = {k: getattr(args, k) for k in ("hidden", "batch", "period", "delay", "steps",
                                        "rounds")}
   t0 = time.perf_counter()
   load = os.getloadavg()[0]
-  with Namespace() as ns:
+  with netns.Namespace() as ns:
     ns.shape(args.bandwidth)
-    results = launch_job(ns, args.processes, dict(cfg, methods=["overlapped DiLoCo"]),
-                         args.timeout, [str(pathlib.Path(__file__).resolve()), "--worker"],
-                         cpu_devices=1)
+    results = jobs.launch_job(ns, args.processes, dict(cfg, methods=["overlapped DiLoCo"]),
+                              args.timeout, [str(pathlib.Path(__file__).resolve()), "--worker"],
+                              cpu_devices=1)
   rows = derive(results, args.steps)
   lines = [f"{args.processes} processes, gloo over a loopback at {args.bandwidth}; MLP hidden "
            f"{args.hidden}, {args.batch} rows per worker, H = {args.period}, τ = {args.delay}; "

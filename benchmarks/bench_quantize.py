@@ -25,26 +25,17 @@ import argparse
 import json
 import pathlib
 import platform
-import time
+import sys
 
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.timing import median_seconds  # noqa: E402  (after the path)
 
 COMPRESSORS = ("sign", "scaled_sign", "onebit", "terngrad", "qsgd", "natural", "int_quant",
                "adaptive_levels")
 PEERS = {"scaled_sign": "numpy packbits", "qsgd": "torch qsgd", "terngrad": "torch terngrad"}
-
-
-def median_seconds(fn, repeats: int) -> float:
-  fn()  # compile / warm up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  times.sort()
-  return times[len(times) // 2]
 
 
 def numpy_sign(x):

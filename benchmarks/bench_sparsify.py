@@ -24,26 +24,17 @@ import json
 import math
 import pathlib
 import platform
-import time
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.timing import median_seconds  # noqa: E402  (after the path)
 
 
 def parse_size(text: str) -> int:
   text = text.strip().upper()
   scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
   return int(float(text.rstrip("KM")) * scale)
-
-
-def median_time(fn, repeats: int) -> float:
-  import numpy as np
-  fn()  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
 
 
 def main(argv=None):
@@ -94,7 +85,7 @@ def main(argv=None):
       exact_set = None
       for name, fn in jax_methods(k, args.sample_ratio).items():
         jitted = jax.jit(fn)
-        seconds = median_time(lambda: jitted(x, key).block_until_ready(), args.repeats)
+        seconds = median_seconds(lambda: jitted(x, key).block_until_ready(), args.repeats)
         idx = np.asarray(jitted(x, key))
         idx = idx[idx < size]
         if exact_set is None:
@@ -106,7 +97,7 @@ def main(argv=None):
               flush=True)
       if torch is not None:
         xt = torch.from_numpy(x_np)
-        seconds = median_time(lambda: xt.abs().topk(k, sorted=False), args.repeats)
+        seconds = median_seconds(lambda: xt.abs().topk(k, sorted=False), args.repeats)
         idx = xt.abs().topk(k, sorted=False).indices.numpy()
         rows.append({"size": size, "density": density, "k": k, "method": "torch.topk",
                      "ms": 1e3 * seconds, "recall": len(exact_set & set(idx.tolist())) / k,

@@ -37,11 +37,13 @@ import argparse
 import json
 import pathlib
 import platform
-import statistics
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.summary import markdown_table  # noqa: E402  (after the path)
+from harness.timing import interleaved, ratio, runner  # noqa: E402  (bench_base.py's too)
 
 TARGETS = {
     **dict.fromkeys(["sign", "scaled_sign", "onebit", "cast", "random_k", "power_sgd",
@@ -139,23 +141,6 @@ def reducer(name, strategy):
     return str(e).split(";")[0]
 
 
-def runner(step, p, s, batch, clock=time.perf_counter):
-  """``run(n)``: the median seconds by ``clock`` of ``n`` more steps of ``step(p, s, batch)``,
-  each blocked until ready, going on from where the last call left off (``bench_base.py``
-  times its rows with it too)."""
-  import jax
-  state = [p, s]
-
-  def run(n):
-    times = []
-    for _ in range(n):
-      t0 = clock()
-      state[0], state[1], _ = jax.block_until_ready(step(state[0], state[1], batch)[:3])
-      times.append(clock() - t0)
-    return statistics.median(times)
-  return run
-
-
 def dp_runner(dp, params, batch):
   """``(run, compile seconds)`` for ``dp.step`` (:func:`runner`), after its compile and one
   warm-up step, on a batch placed once beforehand (``dp.place_batch``), as
@@ -207,22 +192,6 @@ def plain_runner(mesh, loss_fn, params, batch):
   run = runner(step, p, s, jax.device_put(batch, NamedSharding(mesh, P("data"))))
   run(2)
   return run
-
-
-def interleaved(runs: dict, rounds: int, steps: int) -> dict:
-  """``{label: [each round's median seconds]}``: every run in ``runs`` for ``steps`` steps
-  per round, one after the other, for ``rounds`` rounds, in the given order in even rounds
-  and the reverse in odd ones (so that no row always runs first)."""
-  out = {label: [] for label in runs}
-  for r in range(rounds):
-    for label, run in (list(runs.items()) if r % 2 == 0 else reversed(list(runs.items()))):
-      out[label].append(run(steps))
-  return out
-
-
-def ratio(times, base) -> float:
-  """The median over the rounds of ``times[r] / base[r]``."""
-  return statistics.median(t / b for t, b in zip(times, base))
 
 
 def main(argv=None):
@@ -321,8 +290,7 @@ def main(argv=None):
               f"{'' if ok else ', MISSED'}; compile {compile_s:.1f} s)", flush=True)
     del identity
 
-  print("\n| model | compressor | strategy | ms/step | × identity | target |")
-  print("|---|---|---|---|---|---|")
+  cells = []
   for r in rows:
     target = r.get("target")
     mark = "" if target is None else (f"≤ {target}" + ("" if r["met"] else " **missed**"))
@@ -331,8 +299,10 @@ def main(argv=None):
               + ("" if r["met"] else " **missed**"))
     elif "vs_plain" in r:
       mark = f"{r['vs_plain']:.2f}× plain"
-    print(f"| {r['model']} | {r['compressor']} | {r['strategy']} | {r['ms']:.1f} | "
-          f"{r['ratio']:.2f} | {mark} |")
+    cells.append([r["model"], r["compressor"], r["strategy"], f"{r['ms']:.1f}",
+                  f"{r['ratio']:.2f}", mark])
+  print("\n" + markdown_table(["model", "compressor", "strategy", "ms/step", "× identity",
+                               "target"], cells))
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   path = out / f"step_{jax.default_backend()}.json"

@@ -70,9 +70,14 @@ import argparse
 import json
 import pathlib
 import statistics
+import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.hlo import sent_bytes  # noqa: E402  (after the path)
+from harness.models import problem, quantizer, stacked_problem  # noqa: E402
+from harness.summary import markdown_table  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -89,91 +94,6 @@ def parse_args(argv=None):
   p.add_argument("--check", action="store_true")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "zero.json"))
   return p.parse_args(argv)
-
-
-def problem(width, seed=0):
-  import jax.numpy as jnp
-  import numpy as np
-  rng = np.random.default_rng(seed)
-  dims = [64, width, width, 8]
-  params = {}
-  for i, (a, b) in enumerate(zip(dims, dims[1:])):
-    params[f"w{i}"] = jnp.asarray(rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32)
-    params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
-  teacher = rng.normal(size=(64, 8)).astype(np.float32) / 8
-
-  def loss_fn(p, b):
-    h = b["x"]
-    for i in range(len(dims) - 1):
-      h = h @ p[f"w{i}"] + p[f"b{i}"]
-      h = jnp.tanh(h) if i < len(dims) - 2 else h
-    return jnp.mean((h - b["y"]) ** 2)
-
-  def batch(step, size=256):
-    r = np.random.default_rng(1000 + step)
-    x = r.normal(size=(size, 64)).astype(np.float32)
-    return {"x": x, "y": np.tanh(x @ teacher).astype(np.float32)}
-
-  return params, loss_fn, batch
-
-
-def stacked_problem(width, layers, seed=0):
-  """A residual MLP: 64 inputs, ``layers`` stacked ``width x width`` tanh blocks, 8 outputs;
-  its loss gathers one layer at a time (``gather="manual"``)."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import commopt
-  rng = np.random.default_rng(seed)
-  params = {"embed": jnp.asarray(rng.normal(size=(64, width)) / 8, jnp.float32),
-            "layers": {"w": jnp.asarray(rng.normal(size=(layers, width, width))
-                                        / (2 * np.sqrt(width)), jnp.float32),
-                       "b": jnp.zeros((layers, width), jnp.float32)},
-            "head": jnp.asarray(rng.normal(size=(width, 8)) / np.sqrt(width), jnp.float32)}
-  _, _, batch = problem(width, seed)
-
-  def loss_fn(p, b, gather):
-    head = gather(p["head"])
-    # The loop after the head's gather, and its backward before the head's reduce-scatter:
-    # across CPU processes two collectives of one step must not run side by side.
-    h = commopt.comm.after(jnp.tanh(b["x"] @ gather(p["embed"])), head)
-    def block(h, rows):
-      layer = gather(rows)
-      return h + jnp.tanh(h @ layer["w"] + layer["b"]), None
-    body = gather.remat(block)
-    h, _ = jax.lax.scan(body, h, p["layers"])
-    return jnp.mean((h @ head - b["y"]) ** 2)
-
-  return params, loss_fn, batch
-
-
-def _quantizers():
-  import commopt
-  return (commopt.int_quant(bits=8, block_size=2048, rounding="nearest"),
-          commopt.int_quant(bits=4, block_size=2048, rounding="nearest"))
-
-
-def sent_bytes(hlo_text: str, mesh, local=None):
-  """``(by kind, by mesh axes, across nodes direct, across nodes ring)``: the bytes one device
-  sends per run of the compiled step ``hlo_text`` (a scan body's collectives once per
-  iteration), with logical device ``d`` on node ``d // local`` (``local``: devices per node;
-  None: no node counts). Direct: each peer sent its share itself, the shares to other nodes
-  counted; ring: a collective's ring, devices ordered by node, crosses once per node."""
-  import numpy as np
-  import commopt
-  by_kind, by_axis, direct, ring = {}, {}, 0.0, 0.0
-  for c in commopt.wire.parse_hlo(hlo_text):
-    by_kind[c.kind] = by_kind.get(c.kind, 0) + c.sent_bytes * c.trips
-    coords = np.array([np.unravel_index(d, mesh.devices.shape) for d in c.replica_groups[0]])
-    axes = "+".join(a for i, a in enumerate(mesh.axis_names) if len(set(coords[:, i])) > 1)
-    by_axis[axes] = by_axis.get(axes, 0) + c.sent_bytes * c.trips
-    if local is not None:     # logical device d sits on node d // local
-      group = c.replica_groups[0]
-      nodes = len({d // local for d in group})
-      peers_away = sum(d // local != group[0] // local for d in group)
-      direct += c.sent_bytes * c.trips * peers_away / max(1, len(group) - 1)
-      ring += c.sent_bytes * c.trips * (nodes / len(group) if nodes > 1 else 0.0)
-  return by_kind, by_axis, direct, ring
 
 
 def _measure(zp, params, batch, steps, stacked=None, local=None, specs=None):
@@ -215,7 +135,7 @@ def run(args):
   mesh = jax.make_mesh((args.workers,), ("data",))
   params, loss_fn, batch = problem(args.width)
   n = sum(x.size for x in jax.tree.leaves(params))
-  q8, q4 = _quantizers()
+  q8, q4 = quantizer(8), quantizer(4)
   setups = {"dense": (None, None), "qwZ": (q8, None), "qgZ": (None, q4), "qwZ+qgZ": (q8, q4)}
 
   dp = commopt.data_parallel(loss_fn, optax.chain(commopt.compressed_mean(
@@ -250,7 +170,7 @@ def run_feedback(args):
   mesh = jax.make_mesh((args.workers,), ("data",))
   params, loss_fn, batch = problem(args.width)
   n = sum(x.size for x in jax.tree.leaves(params))
-  _, q4 = _quantizers()
+  q4 = quantizer(4)
   memories = {"none": {}, "float32": {"error_feedback": True},
               "bfloat16": {"error_feedback": True, "residual_dtype": jnp.bfloat16}}
   setups = [("dense", None, "none"), ("int4", q4, "none")]
@@ -277,12 +197,10 @@ def run_feedback(args):
 def feedback_table(rows):
   head = ["optimizer", "gradients", "memory", "args B per device", "÷ no memory", "gradient B sent",
           "tail loss", "loss ÷ dense"]
-  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for r in rows:
-    out.append("| " + " | ".join([
-        r["tx"], r["setup"], r["memory"], f"{r['args_bytes']:,}", f"{r['args_vs_dense']:.2f}x",
-        f"{r['gradient_bytes']:,}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"]) + " |")
-  return "\n".join(out)
+  return markdown_table(head, [[
+      r["tx"], r["setup"], r["memory"], f"{r['args_bytes']:,}", f"{r['args_vs_dense']:.2f}x",
+      f"{r['gradient_bytes']:,}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"]
+      for r in rows])
 
 
 def run_nodes(args):
@@ -300,7 +218,7 @@ def run_nodes(args):
   mesh = jax.make_mesh((args.nodes, local), ("node", "local"))
   params, loss_fn, batch = stacked_problem(args.width, args.layers)
   n = sum(x.size for x in jax.tree.leaves(params))
-  q8, q4 = _quantizers()
+  q8, q4 = quantizer(8), quantizer(4)
   setups = {"dense": {}, "qwZ": {"weights": q8},
             "qwZ+qgZ": {"weights": q8, "grads": q4, "hierarchical": True},
             "hpZ": {"hpz": True},
@@ -334,7 +252,7 @@ def run_tp(args):
   n = sum(x.size for x in jax.tree.leaves(params))
   specs = {"w0": P(None, "model"), "b0": P("model"), "w1": P("model", None), "b1": None,
            "w2": None, "b2": None}
-  q8, q4 = _quantizers()
+  q8, q4 = quantizer(8), quantizer(4)
   rep_args = 4 * 3 * n          # parameters and adam's two moments, float32, replicated
   rows, base = [], {}
   for model in (1, 2, 4):
@@ -358,36 +276,31 @@ def run_tp(args):
 def tp_table(rows):
   head = ["mesh (data x model)", "setup", "data-axis B", "÷ ZeRO alone", "model-axis B",
           "args B (÷ repl/W)", "temp B", "ms/step", "tail loss", "loss ÷ ZeRO dense"]
-  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for r in rows:
-    out.append("| " + " | ".join([
-        f"{r['data']} x {r['model']}", r["setup"], f"{r['data_bytes']:,}",
-        f"{r['data_bytes_vs_zero']:.2f}x fewer", f"{r['model_bytes']:,}",
-        f"{r['args_bytes']:,} ({r['args_vs_share']:.2f})", f"{r['temp_bytes']:,}",
-        f"{r['ms_per_step']:.1f}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_zero']:.3f}"]) + " |")
-  out.append(f"\n{rows[0]['params']:,} parameters; bytes one device sends per step, by the "
-             "mesh axis its collective spans; arguments: parameters and adam's state.")
-  return "\n".join(out)
+  return markdown_table(head, [[
+      f"{r['data']} x {r['model']}", r["setup"], f"{r['data_bytes']:,}",
+      f"{r['data_bytes_vs_zero']:.2f}x fewer", f"{r['model_bytes']:,}",
+      f"{r['args_bytes']:,} ({r['args_vs_share']:.2f})", f"{r['temp_bytes']:,}",
+      f"{r['ms_per_step']:.1f}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_zero']:.3f}"]
+      for r in rows]) + (
+      f"\n\n{rows[0]['params']:,} parameters; bytes one device sends per step, by the "
+      "mesh axis its collective spans; arguments: parameters and adam's state.")
 
 
 def nodes_table(rows):
   head = ["setup", "across nodes B (direct)", "÷ dense", "across nodes B (ring)", "÷ dense",
           "total B", "args B", "temp B", "temp − dense B", "ms/step", "tail loss",
           "loss ÷ dense"]
-  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for r in rows:
-    cells = [r["setup"], f"{r['cross_node_bytes']:,}", f"{r['cross_reduction']:.2f}x fewer",
-             f"{r['cross_node_bytes_ring']:,}", f"{r['cross_reduction_ring']:.2f}x fewer",
-             f"{r['total_bytes']:,}", f"{r['args_bytes']:,}",
-             f"{r['temp_bytes']:,}", f"{r['temp_vs_dense']:+,}", f"{r['ms_per_step']:.1f}",
-             f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"]
-    out.append("| " + " | ".join(cells) + " |")
+  cells = [[r["setup"], f"{r['cross_node_bytes']:,}", f"{r['cross_reduction']:.2f}x fewer",
+            f"{r['cross_node_bytes_ring']:,}", f"{r['cross_reduction_ring']:.2f}x fewer",
+            f"{r['total_bytes']:,}", f"{r['args_bytes']:,}",
+            f"{r['temp_bytes']:,}", f"{r['temp_vs_dense']:+,}", f"{r['ms_per_step']:.1f}",
+            f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"] for r in rows]
   r = rows[0]
-  out.append(f"\n{r['params']:,} parameters, {r['nodes']} nodes of {r['local']} devices; "
-             "bytes one device sends per step (mean over devices). Across nodes, direct: "
-             "each peer sent its share itself, the shares to other nodes counted; ring: a "
-             "collective's ring, its devices ordered by node, crosses on one link per node.")
-  return "\n".join(out)
+  return markdown_table(head, cells) + (
+      f"\n\n{r['params']:,} parameters, {r['nodes']} nodes of {r['local']} devices; "
+      "bytes one device sends per step (mean over devices). Across nodes, direct: "
+      "each peer sent its share itself, the shares to other nodes counted; ring: a "
+      "collective's ring, its devices ordered by node, crosses on one link per node.")
 
 
 def table(rows, workers):
@@ -395,18 +308,16 @@ def table(rows, workers):
   head = (["setup"] + [f"{k} B" for k in kinds] +
           ["total B", "vs dense", "args B (÷ repl/N)", "temp B", "ms/step", "tail loss",
            "loss ÷ dense"])
-  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for r in rows:
-    cells = ([r["setup"]] + [f"{r['bytes'].get(k, 0):,}" for k in kinds] +
-             [f"{r['total_bytes']:,}", f"{r['reduction']:.2f}x",
-              f"{r['args_bytes']:,} ({r['args_vs_share']:.2f})", f"{r['temp_bytes']:,}",
-              f"{r['ms_per_step']:.1f}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"])
-    out.append("| " + " | ".join(cells) + " |")
+  cells = [[r["setup"]] + [f"{r['bytes'].get(k, 0):,}" for k in kinds] +
+           [f"{r['total_bytes']:,}", f"{r['reduction']:.2f}x",
+            f"{r['args_bytes']:,} ({r['args_vs_share']:.2f})", f"{r['temp_bytes']:,}",
+            f"{r['ms_per_step']:.1f}", f"{r['tail_loss']:.4f}", f"{r['loss_vs_dense']:.3f}"]
+           for r in rows]
   rep = rows[0]["replicated_args_bytes"]
-  out.append(f"\n{rows[0]['params']:,} parameters, {workers} workers; the replicated "
-             f"data_parallel step (identity compressed_mean + adam): arguments {rep:,} B, "
-             f"temporaries {rows[0]['replicated_temp_bytes']:,} B per device.")
-  return "\n".join(out)
+  return markdown_table(head, cells) + (
+      f"\n\n{rows[0]['params']:,} parameters, {workers} workers; the replicated "
+      f"data_parallel step (identity compressed_mean + adam): arguments {rep:,} B, "
+      f"temporaries {rows[0]['replicated_temp_bytes']:,} B per device.")
 
 
 def misses(rows, nodes_rows=(), tp_rows=()):

@@ -33,7 +33,7 @@ import argparse
 import json
 import pathlib
 import platform
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,34 +42,10 @@ import numpy as np
 from commopt import kernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.timing import device_seconds, median_seconds  # noqa: E402  (after the path)
+
 M = 1 << 20
-
-
-def median_seconds(fn, repeats: int) -> float:
-  """Median wall time of ``fn()`` (blocked until ready) after one warm-up call."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return sorted(times)[len(times) // 2]
-
-
-def device_seconds(fn, repeats: int, batch: int = 10) -> float:
-  """Median over ``repeats`` batches of the time per call of ``batch`` calls of ``fn()``
-  queued back to back and blocked once: the device's time per call, without the host's
-  dispatch latency (which would otherwise dominate sub-millisecond kernels)."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(batch):
-      out = fn()
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / batch)
-  return sorted(times)[len(times) // 2]
 
 
 def row(section, op, impl, n, seconds, nbytes=None, **extra):

@@ -17,7 +17,7 @@ import jax, jax.numpy as jnp
 from commopt import kernels
 from commopt.kernels import _dispatch as dispatch
 from commopt.kernels.pack import reference
-from kernels import device_seconds
+from harness.timing import device_seconds
 if jax.default_backend() != "gpu":
   sys.exit(f"kernels_sweep.py needs a GPU backend, got {jax.default_backend()!r}.")
 OUT = os.environ.get("OUT", "/tmp"); rows = []

@@ -18,12 +18,15 @@ unshaped loopback has no rate to give the model and is left out.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import statistics
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.netns import rate_bits  # noqa: E402  (after the path)
+from harness.trainers import METHODS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -35,15 +38,6 @@ def parse_args(argv=None):
                  help="α: seconds per message on the loopback (gloo over TCP)")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
   return p.parse_args(argv)
-
-
-def bench_network():
-  """benchmarks/bench_network.py as a module (its METHODS and rate parser)."""
-  spec = importlib.util.spec_from_file_location("bench_network",
-                                                ROOT / "benchmarks" / "bench_network.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def mlp_shapes(hidden: int):
@@ -64,7 +58,6 @@ def main(argv=None):
     return {}
   import commopt
   from commopt.sim import network
-  bench = bench_network()
   params = mlp_shapes(report["config"]["hidden"])
   rows, errors = [], {"comm": [], "step": []}
   runs = []          # (measured comm, the model's bytes term, its messages)
@@ -72,12 +65,12 @@ def main(argv=None):
     for bw, methods in by_bw.items():
       if bw == "unlimited":
         continue
-      gbit = bench.rate_bits(bw) / 1e9
+      gbit = rate_bits(bw) / 1e9
       shared = lambda latency: network.Network(network.Link.gbit(gbit, latency), topology="shared")
       for label, r in methods.items():
-        if label not in bench.METHODS:   # DiLoCo combinations and the PyTorch peer
+        if label not in METHODS:   # DiLoCo combinations and the PyTorch peer
           continue
-        name, opts, strategy, ef = bench.METHODS[label]
+        name, opts, strategy, ef = METHODS[label]
         reducer = commopt.compressed_mean(commopt.compressors.make(name, **opts), axis_name="data",
                                           strategy=strategy, error_feedback=ef)
         pred = network.predict(reducer, params, int(n), shared(args.latency),

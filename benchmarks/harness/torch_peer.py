@@ -7,7 +7,7 @@ ends with the launcher, and at once on an uncaught exception). The launcher's
 coordinator port, a free one inside the namespace, is torch's rendezvous
 (``MASTER_ADDR=127.0.0.1``); gloo uses the namespace's loopback.
 
-The driver hands over, in ``<config>.npz``, the JAX side's initial MLP
+The driver hands over, in ``<config>.npz`` (:func:`peer_arrays`), the JAX side's initial MLP
 weights and the standardised digits, so both sides train the same model
 (``h @ w + b``, ReLU, softmax cross-entropy; ``w`` stored ``[in, out]`` as in
 JAX) from the same start on the same batches with the same optimizer
@@ -48,6 +48,8 @@ import time
 
 START_POWER_SGD_ITER = 2
 """DDP step from which PowerSGD compresses (DDP requires at least 2 with error feedback)."""
+SCRIPT = pathlib.Path(__file__).resolve()
+"""This file: the script the launcher runs as the peer's processes."""
 
 
 def unavailable() -> str | None:
@@ -101,6 +103,20 @@ def reduced_bytes(label: str, shapes) -> int:
   return total
 
 
+def peer_arrays(hidden: int, path: pathlib.Path) -> dict:
+  """Writes the JAX side's initial MLP weights and the digits for the PyTorch peer; its config."""
+  import numpy as np
+
+  from harness import data
+  digits = data.digits_cnn()
+  params0, _ = digits.mlp_fns(hidden)
+  x_all, y_all = digits.load_digits_flat()
+  layers = sorted(params0)
+  np.savez(path, x=x_all, y=y_all, scored=data.eval_rows(len(x_all)),
+           **{f"{k}.{leaf}": params0[k][leaf] for k in layers for leaf in ("w", "b")})
+  return {"arrays": str(path), "layers": layers}
+
+
 def sent_bytes(label: str, shapes, workers: int) -> float:
   """What one worker sends per step under the ring model: ``2 (n - 1) / n`` of what it reduces."""
   return 2 * (workers - 1) / workers * reduced_bytes(label, shapes)
@@ -133,7 +149,7 @@ def main(config_path: str, result_path: str) -> None:
   from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
   from torch.nn.parallel import DistributedDataParallel as DDP
 
-  from bench_network import batch_rows    # the same batches as the JAX side (this directory)
+  from harness.data import batch_rows    # the same batches as the JAX side
   cfg = json.loads(pathlib.Path(config_path).read_text())
   arrays = np.load(cfg["arrays"])
   x_all, y_all = arrays["x"], arrays["y"].astype(np.int64)
@@ -253,4 +269,5 @@ def main(config_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
+  sys.path[0] = str(SCRIPT.parents[1])     # benchmarks/, where `harness` is, not harness/ itself
   main(*sys.argv[1:3])
