@@ -1,58 +1,32 @@
-"""Bytes and memory of the shard-local step against whole leaves, on a ("data", "model") mesh.
+"""Bytes and memory of the shard-local step against whole leaves, and sharded = unsharded.
 
-A tensor-parallel MLP (a column-parallel dense layer ``w1: [D, H]`` sharded
-``P(None, "model")``, a row-parallel one ``w2: [H, D]`` sharded
-``P("model", None)``, and a replicated bias ``b: [D]``) is trained by
-``commopt.data_parallel(loss_fn, optax.chain(compressed_mean(c,
-axis_name="data", strategy=s), optax.adam(lr)), mesh)`` for each compressor
-``c`` and strategy ``s``, in three setups on the same mesh:
+A tensor-parallel MLP (``w1: [D, H]`` sharded ``P(None, "model")``, ``w2: [H, D]``
+sharded ``P("model", None)``, a replicated bias ``b: [D]``) is trained by
+``data_parallel(loss_fn, chain(compressed_mean(c, axis_name="data", strategy=s),
+adam(lr)), mesh)`` for each compressor ``c`` and strategy ``s``, in three setups on the
+same mesh: ``local``, the shard-local step (each device compresses and sends its shard;
+state sharded like the parameters); ``whole``, ``shard_local=False`` (``tx`` on whole
+leaves all-gathered over the model axis); ``repl``, every parameter replicated (the
+memory baseline). Each row reads the compiled step (``jax.jit(dp.step_fn)`` lowered for
+``dp.abstract_state(params)``, nothing run):
 
-- ``local``: the shard-local step (``shard_local="auto"``): ``tx`` runs on
-  each device's shard, so each device compresses and sends only its shard
-  over the data axis, and residuals and Adam's moments are sharded like the
-  parameters.
-- ``whole``: ``shard_local=False``: ``tx`` runs on whole leaves, all-gathered
-  over the model axis, so every model rank compresses and sends whole leaves.
-- ``repl``: the same model with every parameter replicated (the memory
-  baseline).
+1. data-axis bytes one device contributes per step (as ``commopt.wire`` counts them),
+   for the sharded leaves and for the rest (the dense bias, split over the model ranks
+   on the shard-local step, and scalars); ``local/whole``, ideally 1/M with M model ranks;
+2. model-axis bytes the optimizer adds beyond the forward and backward pass's own, and the
+   largest model-axis all-gather in elements (a parameter-sized one means a whole leaf);
+3. memory per device: ``argument_size_in_bytes + temp_size_in_bytes``, and local/repl.
 
-Each row reads the compiled step (the ``jax.jit`` of ``dp.step_fn`` that
-``dp.step`` runs, lowered for ``dp.abstract_state(params)``):
+Then the sharded = unsharded table (``bench_sharded_exact.py``): every compressor
+``docs/guide/sharded.md`` calls exact, on the same gradients sharded and replicated.
 
-1. data-axis bytes: what one device contributes per step to collectives whose
-   replica groups are the data-axis groups (as ``commopt.wire`` counts
-   ``contributed_bytes``), split into the sharded leaves (``w1``, ``w2``) and
-   the rest (the bias, under ``min_size`` and so sent dense, and scalars);
-   ``ratio`` is local / whole over the sharded leaves, ideally 1/M with M
-   model ranks.
-2. model-axis bytes added by the optimizer: the bytes of collectives over the
-   model-axis groups, less those of the model's own forward and backward pass
-   (measured once per mesh on the shard-local step of
-   ``chain(compressed_mean(identity), sgd)``, which adds none); and the
-   largest model-axis all-gather, in elements (a parameter-sized one means a
-   whole leaf was gathered).
-3. memory per device: ``argument_size_in_bytes + temp_size_in_bytes`` of the
-   compiled step's ``memory_analysis()``, for local, whole and repl, and the
-   ratios local / repl and whole / repl.
+Refused combinations are listed as skipped with the reason; a strategy compiling the same
+programs as another is marked ``= auto``. ``--check`` exits 1 when a row misses a target
+(:data:`TARGET_FACTOR`) or an exact compressor differs. On CPU a 16-bit collective's bytes
+are read from the lowered HLO (XLA:CPU widens them to f32 when it compiles), as
+``commopt.wire.hlo_collectives`` does. Runs on 8 simulated CPU devices.
 
-Combinations the library refuses (a ValueError) are listed as skipped with the
-reason. A strategy whose programs are the ones another strategy compiled (e.g.
-``gather`` where ``auto`` gathers) is measured once and marked ``= auto``.
-``--check`` exits 1 when a row misses a target (:data:`TARGET_FACTOR`).
-
-XLA:CPU aborts the process (``Invalid binary instruction opcode copy``, in its
-``all-reduce-promotion`` pass) when it compiles a 16-bit float all-reduce
-inside a ``shard_map`` that is manual over only some mesh axes, as the
-replicated step on this mesh is: ``cast(bfloat16)`` with replicated
-parameters. Every program whose lowered HLO holds a 16-bit float all-reduce
-is therefore compiled with that pass disabled (memory marked ``*``; it
-changes the shard-local ``cast`` step's memory by under 200 bytes), and its
-bytes are read from the lowered HLO, as ``commopt.wire.hlo_collectives`` does
-on CPU, where XLA widens such collectives to f32.
-
-Runs on 8 simulated CPU devices.
-
-    python benchmarks/bench_sharded.py                      # 2x4, every compressor (~3 min)
+    python benchmarks/bench_sharded.py                      # 2x4, every compressor
     python benchmarks/bench_sharded.py --meshes 2x4,4x2 --json /tmp/sharded.json
     python benchmarks/bench_sharded.py --quick --check      # 3 compressors, a smoke run
 """
@@ -68,6 +42,11 @@ import platform
 import sys
 import time
 import warnings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness.hlo import axis_groups, on_groups, operand_bytes  # noqa: E402  (after the path)
+from bench_sharded_exact import exact_rows, exact_table  # noqa: E402
 
 COMPRESSORS = {
     "identity": {},
@@ -93,8 +72,6 @@ replicated model's memory per device (``memory_ratio``): 0.3 on 2x4. Its largest
 model-axis all-gather must also be smaller than one device's shard of a sharded leaf."""
 
 NARROW_FLOATS = ("bf16", "f16")
-SAFE_OPTIONS = {"xla_disable_hlo_passes": "all-reduce-promotion"}
-"""Compiler options for programs with a 16-bit float all-reduce (see the module docstring)."""
 
 
 def parse_args(argv=None):
@@ -143,35 +120,6 @@ def parse_args(argv=None):
   return args
 
 
-def axis_groups(mesh, axis):
-  """The replica groups of collectives over ``axis``: a set of sorted tuples of device ids."""
-  import numpy as np
-  ids = np.vectorize(lambda d: d.id)(mesh.devices)
-  moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
-  return {tuple(sorted(int(i) for i in g)) for g in moved}
-
-
-def on_groups(collective, groups) -> bool:
-  """Whether every replica group of ``collective`` is one of ``groups``."""
-  return bool(collective.replica_groups) and all(
-      tuple(sorted(g)) in groups for g in collective.replica_groups)
-
-
-def operand_bytes(collective):
-  """``(shape, bytes)`` of each operand of ``collective`` (a combined collective has
-  several), the bytes one device contributes, counted as ``commopt.wire`` counts
-  ``contributed_bytes``."""
-  n = max(collective.group_size, 1)
-  out = []
-  for dtype, shape in zip(collective.dtypes, collective.shapes):
-    bits = 8 if dtype == "pred" else int("".join(ch for ch in dtype if ch.isdigit()))
-    nbytes = -(-bits * math.prod(shape) // 8)
-    nbytes = {"all-gather": nbytes // n, "reduce-scatter": nbytes * n}.get(collective.kind,
-                                                                         nbytes)
-    out.append((tuple(shape), nbytes))
-  return out
-
-
 class Setup:
   """The model, its batch and its two placements on one ``(data, model)`` mesh."""
 
@@ -196,9 +144,9 @@ class Setup:
     self.param_bytes = sum(int(v.nbytes) for v in self.raw.values())
     self.sharded_bytes = int(self.raw["w1"].nbytes + self.raw["w2"].nbytes)
     self.shard_elements = min(self.raw["w1"].size, self.raw["w2"].size) // model
-    # The leaves every device holds whole (the bias) and scalars: their data-axis
-    # collectives are not the sharded leaves'.
-    self.replicated_shapes = {(), tuple(self.raw["b"].shape)}
+    # The leaves every device holds whole (the bias, or its part where the model ranks
+    # split it, the flag riding along) and scalars: not the sharded leaves' collectives.
+    self.other_elements = self.raw["b"].size + 1
 
   @staticmethod
   def loss_fn(p, b):
@@ -242,9 +190,7 @@ class Setup:
       return dict(cache[key], program=key)
     before = wire.parse_hlo(lowered.as_text(dialect="hlo"))
     cpu = jax.default_backend() == "cpu"
-    narrow_reduce = cpu and any(
-        c.kind == "all-reduce" and set(c.dtypes) & set(NARROW_FLOATS) for c in before)
-    compiled = lowered.compile(SAFE_OPTIONS if narrow_reduce else None)
+    compiled = lowered.compile()
     memory = compiled.memory_analysis()
     after = wire.parse_hlo(compiled.as_text())
     # Data-axis bytes as commopt.wire.hlo_collectives(step, ...) reads them: from the
@@ -258,7 +204,8 @@ class Setup:
     for c in before if narrow else after:
       if on_groups(c, self.data_groups):
         for shape, nbytes in operand_bytes(c):
-          out["data_other" if shape in self.replicated_shapes else "data_sharded"] += nbytes
+          small = math.prod(shape) <= self.other_elements
+          out["data_other" if small else "data_sharded"] += nbytes
     for c in after:
       if on_groups(c, self.data_groups):
         continue
@@ -273,7 +220,6 @@ class Setup:
     out.update(memory=int(memory.argument_size_in_bytes + memory.temp_size_in_bytes),
                argument_bytes=int(memory.argument_size_in_bytes),
                temp_bytes=int(memory.temp_size_in_bytes),
-               safe_compile=bool(narrow_reduce),
                layout="shard_local" if dp.layout(params).shard_local else "whole",
                warnings=sorted({str(w.message)[:300] for w in caught}))
     cache[key] = out
@@ -344,70 +290,6 @@ def run_mesh(setup, args, label):
   return rows
 
 
-EXACT = {
-    "identity": ("compressors.identity()", "bit for bit"),
-    "cast": ("cast(jnp.bfloat16)", "bit for bit"),
-    "sign": ("sign()", "bit for bit"),
-    "scaled_sign(block_size=64)": ("scaled_sign(block_size=64)", "bit for bit"),
-    "int_quant(block_size=64, nearest)": (
-        "int_quant(bits=8, block_size=64, rounding='nearest')", "bit for bit"),
-    "top_k(leaf threshold)": ("top_k(0.01, shard_threshold='leaf', capacity={model})",
-                              "bit for bit"),
-    "power_sgd(rank=2)": ("power_sgd(rank=2)", "to rounding"),
-}
-"""The compressors docs/guide/sharded.md says equal the unsharded run: (commopt expression,
-the promise)."""
-
-
-def exact_rows(setup, steps):
-  """``steps`` calls of ``compressed_mean(c, axis_name="data", min_size=0)`` on the same
-  per-worker gradients of ``w1`` and ``w2``, each leaf sharded as the model shards it
-  (``commopt.comm.model_sharding`` stated) and replicated, in a ``shard_map`` over the
-  mesh: the largest difference of the means, against their largest magnitude."""
-  import jax
-  import jax.numpy as jnp  # noqa: F401  (the expressions' namespace)
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  import commopt
-  names = ("w1", "w2")
-  shapes = {k: tuple(setup.raw[k].shape) for k in names}
-  keys = jax.random.split(jax.random.key(5), steps)
-  grads = [{k: jax.random.normal(jax.random.fold_in(key, i), (2, *shapes[k]))
-            for i, k in enumerate(names)} for key in keys]
-  rows = []
-  for label, (expr, promise) in EXACT.items():
-    c = eval("commopt." + expr.format(model=setup.model_ranks))   # noqa: S307
-    tx = commopt.compressed_mean(c, axis_name="data", min_size=0)
-    out = {}
-    for placement in ("sharded", "replicated"):
-      specs = {k: setup.specs[placement][k] for k in names}
-
-      def body(gs, specs=specs):
-        with commopt.comm.model_sharding(specs, shapes, setup.mesh):
-          state = tx.init(jax.tree.map(lambda g: g[0], gs[0]))
-          means = []
-          for g in gs:
-            mean, state = tx.update(jax.tree.map(lambda x: x[0], g), state)
-            means.append(mean)
-        return means
-
-      in_specs = [{k: P("data", *specs[k]) for k in names}] * steps
-      fn = jax.jit(jax.shard_map(body, mesh=setup.mesh, in_specs=(in_specs,),
-                                 out_specs=[specs] * steps))
-      placed = [{k: jax.device_put(g[k], NamedSharding(setup.mesh, in_specs[0][k]))
-                 for k in names} for g in grads]
-      out[placement] = jax.device_get(fn(placed))
-    diff = max(float(np.max(np.abs(a[k] - b[k])))
-               for a, b in zip(out["sharded"], out["replicated"]) for k in names)
-    scale = max(float(np.max(np.abs(b[k]))) for b in out["replicated"] for k in names)
-    ok = diff == 0 if promise == "bit for bit" else diff <= 1e-5 * scale
-    rows.append({"compressor": label, "promise": promise, "max_diff": diff, "scale": scale,
-                 "kept": bool(ok)})
-    print(f"[exact] {label}: max |sharded - replicated| {diff:.2e} of means up to {scale:.2e} "
-          f"({promise}: {'kept' if ok else 'MISSED'})", flush=True)
-  return rows
-
-
 def misses(row, setup):
   """The targets ``row`` misses (:data:`TARGET_FACTOR`)."""
   limit = TARGET_FACTOR / setup.model_ranks
@@ -440,15 +322,14 @@ def table(rows):
       lines.append(f"{head} skipped: {r['skipped']} |" + " |" * 10)
       continue
     loc, who, rep = r["local"], r["whole"], r["repl"]
-    star = lambda m: "*" if m["safe_compile"] else ""
     fell_back = "" if loc["layout"] == "shard_local" else " (whole leaves!)"
     lines.append(
         f"{head} {kib(loc['data_sharded'])}{fell_back} | {kib(who['data_sharded'])} | "
         f"{r['data_ratio']:.3f} | {kib(loc['data_other'])} / {kib(who['data_other'])} | "
         f"{kib(loc['model_added'])} / {kib(who['model_added'])} | "
         f"{loc['model_gather_max']} / {who['model_gather_max']} | "
-        f"{mib(loc['memory'])}{star(loc)} | {mib(who['memory'])}{star(who)} | "
-        f"{mib(rep['memory'])}{star(rep)} | {r['memory_ratio']:.3f} | "
+        f"{mib(loc['memory'])} | {mib(who['memory'])} | "
+        f"{mib(rep['memory'])} | {r['memory_ratio']:.3f} | "
         f"{r['whole_memory_ratio']:.3f}{' **missed**' if r['missed'] else ''} |")
   return "\n".join(lines)
 
@@ -459,8 +340,7 @@ LEGEND = (
     "is their ratio. data KiB rest: the same for the dense bias and scalars. model KiB added: "
     "model-axis bytes beyond the forward and backward pass's own. model gather max: the "
     "largest model-axis all-gather, in elements. MiB: argument + temp bytes per device "
-    "(repl: the same model with replicated parameters); * compiled without XLA:CPU's "
-    "all-reduce promotion (see the module docstring). (= auto): the same programs as auto.")
+    "(repl: the same model with replicated parameters). (= auto): the same programs as auto.")
 
 
 def main(argv=None):
@@ -489,11 +369,7 @@ def main(argv=None):
   exact = [] if args.quick and not args.exact else exact_rows(
       next(iter(setups.values())), args.exact_steps)
   if exact:
-    print("\n| compressor | promise | max abs diff, sharded vs replicated | largest mean | kept |\n"
-          "|---|---|---|---|---|")
-    for r in exact:
-      print(f"| {r['compressor']} | {r['promise']} | {r['max_diff']:.2e} | {r['scale']:.2e} | "
-            f"{'yes' if r['kept'] else '**no**'} |")
+    print("\n" + exact_table(exact))
   missed = [r for r in rows if r.get("missed")] + [r for r in exact if not r["kept"]]
   for r in missed:
     print(f"MISSED {r.get('mesh', 'exact')} {r['compressor']} [{r.get('strategy', r.get('promise'))}]"

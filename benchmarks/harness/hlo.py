@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|"
@@ -101,3 +102,32 @@ def sent_bytes(hlo_text: str, mesh, local=None):
       direct += c.sent_bytes * c.trips * peers_away / max(1, len(group) - 1)
       ring += c.sent_bytes * c.trips * (nodes / len(group) if nodes > 1 else 0.0)
   return by_kind, by_axis, direct, ring
+
+
+def axis_groups(mesh, axis):
+  """The replica groups of collectives over ``axis``: a set of sorted tuples of device ids."""
+  import numpy as np
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  moved = np.moveaxis(ids, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])
+  return {tuple(sorted(int(i) for i in g)) for g in moved}
+
+
+def on_groups(collective, groups) -> bool:
+  """Whether every replica group of ``collective`` is one of ``groups``."""
+  return bool(collective.replica_groups) and all(
+      tuple(sorted(g)) in groups for g in collective.replica_groups)
+
+
+def operand_bytes(collective):
+  """``(shape, bytes)`` of each operand of ``collective`` (a combined collective has
+  several), the bytes one device contributes, counted as ``commopt.wire`` counts
+  ``contributed_bytes``."""
+  n = max(collective.group_size, 1)
+  out = []
+  for dtype, shape in zip(collective.dtypes, collective.shapes):
+    bits = 8 if dtype == "pred" else int("".join(ch for ch in dtype if ch.isdigit()))
+    nbytes = -(-bits * math.prod(shape) // 8)
+    nbytes = {"all-gather": nbytes // n, "reduce-scatter": nbytes * n}.get(collective.kind,
+                                                                         nbytes)
+    out.append((tuple(shape), nbytes))
+  return out
