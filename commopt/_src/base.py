@@ -427,7 +427,7 @@ def per_element(per_block: jax.Array, n: int, block_size: Optional[int]) -> jax.
 
   A broadcast and a reshape, which XLA compiles in constant time whatever
   ``n`` (``jnp.repeat`` with ``total_repeat_length`` builds an index cumsum
-  that XLA constant-folds, which took seconds for large leaves).
+  that XLA constant-folds, in time growing with ``n``).
 
   Args:
     per_block: ``[⌈n/size⌉]`` values, one per block.

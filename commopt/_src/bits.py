@@ -133,8 +133,8 @@ def first_true(mask: jax.Array, capacity: int) -> jax.Array:
 
   The mask packed 32 entries to a word (:func:`pack`), then :func:`set_bit_slots`: the
   one scan runs over the ``⌈n/32⌉`` words' counts, not the ``n`` entries. XLA:CPU scans an
-  array several times slower than it reads one: for a 2**20-entry mask, a scan and a
-  search over the entries took about 4.4 ms, this about 1.1 ms.
+  array several times slower than it reads one, so one read that packs the mask and a
+  scan over 32 times fewer values cost less than a scan and a search over the entries.
   """
   flat = mask.reshape(-1) != 0          # a bool mask as it is; anything else, its nonzeros
   n = flat.shape[0]

@@ -3,18 +3,18 @@
 XLA:CPU allocates a step's temporary buffers at every execution and frees them at its end.
 glibc's ``malloc`` serves a large request by ``mmap`` and unmaps it at ``free``, and trims
 the heap's free top back to the system, so each step faults every page of its large
-temporaries in again (a matrix product writing a 16 MB gradient took 3.6 ms into a fresh
-buffer against 0.8 ms in the hand-written step; whole steps are measured in the guide's
-Performance page). Three of glibc's own settings keep such memory in the process: no
-``mmap`` for large requests (``M_MMAP_MAX = 0``), no trimming (``M_TRIM_THRESHOLD``
-at its largest), and one arena for every thread (``M_ARENA_MAX = 1``): a thread other
-than the main one otherwise allocates from an arena of its own, whose heaps are at most
-64 MB, and glibc maps any larger request afresh whatever ``M_MMAP_MAX`` says. XLA's
-temporaries are one such request once a step's exceed 64 MB (DiLoCo's step on
-``bench_network.py``'s 4.3M-parameter MLP with the agreed skip: 65.6 MB, and 35-36 ms
-a step against 21-22 ms with one arena). The process then keeps its peak heap for its
-lifetime, as a GPU runtime's caching allocator does. The environment variables pass on to
-the processes a script starts.
+temporaries in again, where a buffer kept from the step before is written without a page
+fault (``benchmarks/bench_base.py --host-memory system`` times the steps without the
+settings below, beside the default ``reuse``). Three of glibc's own settings keep such
+memory in the process: no ``mmap`` for large requests (``M_MMAP_MAX = 0``), no trimming
+(``M_TRIM_THRESHOLD`` at its largest), and one arena for every thread
+(``M_ARENA_MAX = 1``): a thread other than the main one otherwise allocates from an arena
+of its own, whose heaps are at most 64 MB, and glibc maps any larger request afresh
+whatever ``M_MMAP_MAX`` says. XLA's temporaries are one such request once a step's exceed
+64 MB (DiLoCo's step on ``bench_network.py``'s 4.3M-parameter MLP with the agreed skip is
+one; ``bench_network.py --host-memory system`` times it without these settings). The
+process then keeps its peak heap for its lifetime, as a GPU runtime's caching allocator
+does. The environment variables pass on to the processes a script starts.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 ``jax.random.bits`` (threefry) costs about 20 rounds of 32-bit arithmetic per
 word; stochastic rounding needs one uniform per coordinate on every step, so
-on a CPU it was most of what an encoder spent (1.66 ms of random bits per 10^6
-coordinates on 2 cores, against 0.31 ms for this hash, and 0.42 ms against
-3.04 ms once fused with the rounding).
+on a CPU it was most of what an encoder spent. This hash is two finalisers,
+a handful of multiplies, shifts and xors per word, and fuses into the
+rounding (``benchmarks/bench_quantize.py`` times the stochastic quantisers
+that draw their bits here).
 
 Word ``i`` of a stream is ``fmix(fmix(i + s0) ^ s1)``, ``fmix`` being
 MurmurHash3's 32-bit finaliser (an invertible avalanche mix) and ``(s0, s1)``

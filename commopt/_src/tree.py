@@ -39,8 +39,8 @@ def concat_flat(parts: list) -> jax.Array:
   """``jnp.concatenate(parts, axis=-1)`` of ``parts`` of one dtype and equal leading
   dimensions, each written into its place in one buffer (``dynamic_update_slice``).
   XLA:CPU runs that as in-place copies, and a concatenation as one loop that picks an
-  operand per element: packing a 16 MB leaf with two small ones took 1.1 ms against the
-  concatenation's 12.7 ms (one CPU device)."""
+  operand per element, so a large leaf costs a plain copy here instead of a per-element
+  choice among the parts."""
   if len(parts) == 1:
     return parts[0]
   lead = parts[0].shape[:-1]

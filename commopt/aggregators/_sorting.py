@@ -61,11 +61,12 @@ def sort_workers(x: jax.Array) -> jax.Array:
   """``jnp.sort(x, axis=0)`` for the ``[n, ...]`` values of ``n`` workers.
 
   For ``n <= SORT_NETWORK_MAX_N`` a sorting network of elementwise min/max
-  over whole rows, one fused pass (14-30x faster than XLA's sort for
-  ``n = 8, 16`` on CPU; a median keeps only the comparators that reach the
-  middle rows, which XLA prunes: ~300x; ``bench_robust.py --problems speed``);
-  beyond, ``jnp.sort``. Inputs must not hold NaN (the robust transforms zero
-  non-finite workers before any rule sees them).
+  over whole rows, one fused pass, where XLA's sort orders each coordinate's
+  ``n`` values on its own; a median keeps only the comparators that reach the
+  middle rows, which XLA prunes (``benchmarks/bench_robust.py --problems speed``
+  times both against ``jnp.sort`` and ``jnp.median``); beyond, ``jnp.sort``.
+  Inputs must not hold NaN (the robust transforms zero non-finite workers
+  before any rule sees them).
 
   Args:
     x: ``[n, ...]``, one row per worker.

@@ -9,17 +9,17 @@ summed in one pass by :func:`sum_decoded`. Every strategy and every compressor's
 
 Dense leaves reduced together: one all-reduce per bucket (a flat buffer, or a tuple of
 leaves). A tree of leaves averaged leaf by leaf is one all-reduce per leaf in the
-program. How that runs depends on the platform, measured with
-``benchmarks/bench_base.py``:
+program. How that runs depends on the platform (``benchmarks/bench_base.py`` times the
+hand-written step leaf by leaf, with one flat buffer and with 1 MB buckets, in one
+process and across processes):
 
 - in one process (XLA:CPU or XLA:GPU), the compiler's all-reduce combiner
   merges them into one tuple all-reduce, and concatenating the leaves into a
-  flat buffer first only adds two copies (the hand-written step took
-  1.13-1.37x as long with one flat buffer on 4 CPU devices);
+  flat buffer first only adds two copies (into the buffer and out of it);
 - across processes, XLA:CPU runs a tuple all-reduce as one gloo collective
-  per operand (8 leaves: 48.6 ms against 12.6 ms for one flat buffer of the
-  same bytes), so there one flat buffer per dtype is the faster layout, as
-  PyTorch DDP's buckets are.
+  per operand, each with a cost of its own whatever its size, where a flat
+  buffer is one operand, so there one flat buffer per dtype is the faster
+  layout, as PyTorch DDP's buckets are.
 
 :func:`bucketed_mean` does both: ``bucket_bytes`` picks flat buffers of at most that
 many bytes (``"auto"``: :func:`flat_by_default`), else one all-reduce over the
@@ -136,13 +136,13 @@ def worker_key(key, count, compressor, axis_name):
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """The largest flat buffer :func:`bucketed_mean` builds by default: 25 MB, PyTorch DDP's bucket.
-The leaves are packed by :func:`commopt._src.tree.concat_flat`. Packed by a
-concatenation, XLA:CPU took about a hundred times a copy's time for a leaf of a few MB
-(a 1 MB cap was the default then: the 2-process dense step of ``bench_network.py`` at
-1 Gbit/s took 713 ms with 25 MB buckets and 78 ms with 1 MB). Across 4 gloo processes
-(``bench_base.py --layouts processes``, both packed in place) the identity step without a
-skip took 56.8 ms with 25 MB buckets against 72.0 ms with 1 MB, the hand-written
-whole-model flat step 59.4 ms."""
+The leaves are packed by :func:`commopt._src.tree.concat_flat`, in place, so a large
+bucket costs its copies only. Packed by a concatenation, XLA:CPU's loop that picks an
+operand per element made a large bucket far dearer than its copies (the reason a 1 MB
+cap was the default then). Across gloo processes, where every collective has a cost of
+its own whatever its size, fewer and larger buckets cost less
+(``bench_base.py --layouts processes`` times the identity step in these buckets beside
+the hand-written step with one flat buffer and with 1 MB buckets)."""
 
 
 def flat_by_default() -> bool:

@@ -529,9 +529,9 @@ class TwoPhase(Strategy):
 
   Its exchange of a leaf is a generator of rounds (:meth:`reduce_rounds`), so
   ``compressed_mean`` runs every leaf's together (:func:`run_together`). Gather has none:
-  its payloads packed as bytes (one all-gather for every leaf) made the 8-device MLP step
-  of ``bench_step.py`` up to twice as slow (qsgd 40.0 to 83.1 ms) and gained nothing
-  across processes.
+  its payloads packed as bytes (one all-gather for every leaf), when tried, slowed the
+  in-process step (``bench_step.py``) and gained nothing across processes
+  (``bench_network.py``).
   """
   name = "two_phase"
   keeps_server_memory = True

@@ -357,8 +357,8 @@ def _left_product(mat: jax.Array, p: jax.Array) -> jax.Array:
 
   At rank up to :data:`SMALL_RANK` as ``r`` sums over the rows of ``M ⊙ pⱼ``
   in one read of ``M``: a matrix-vector product against the rows is
-  memory-bound, and XLA:CPU's dot runs it about four times slower than the
-  reduction (it contracts ``M``'s leading axis). The rows are summed in
+  memory-bound, and XLA:CPU's dot contracts ``M``'s leading axis, a strided read
+  the reduction avoids (``benchmarks/bench_step.py`` times the PowerSGD step). The rows are summed in
   order, not blocked as a dot sums them: the result differs in rounding only.
   """
   if p.shape[-1] > SMALL_RANK:

@@ -170,8 +170,9 @@ def onebit() -> base.Compressor:
     neg = kernels.unpack_bits(payload["signs"], 1, n).astype(jnp.float32)
     # Each mean times a 0/1 weight, summed: the same values as a select between the two
     # for finite normal means (x·1 + y·0 = x; XLA:CPU flushes subnormal ones to zero, and
-    # -0 comes out +0), fused into a gathered sum far more cheaply than a select on
-    # XLA:CPU (bench_step's 8-device MLP under two_phase: 1.67x -> 1.36x identity's step).
+    # -0 comes out +0). XLA:CPU fuses this arithmetic into the sum of the gathered
+    # payloads far more cheaply than a select (bench_step.py's onebit row under
+    # two_phase times the step that decodes this way).
     # A non-finite mean makes every coordinate non-finite (inf·0 is NaN).
     means = payload["means"]
     return _out(means[0] * (1.0 - neg) + means[1] * neg, like)

@@ -4,8 +4,9 @@ The ranking and the result are :mod:`commopt.kernels.select.reference`'s (the
 key of :func:`~commopt.kernels.magnitude_key`, ties to the lower index,
 indices ascending); only the way there differs. XLA:CPU's ``lax.top_k``
 keeps a heap of the ``k`` best, whose upkeep dominates once ``k`` is in the
-thousands (10 ms for ``k = 10^4`` of ``2^20`` on one core); this reads the
-leaf about once whatever ``k``.
+thousands (``benchmarks/bench_sparsify.py`` times ``lax.top_k`` on a CPU by
+density, ``benchmarks/kernels.py``'s CPU section this selection); this reads
+the leaf about once whatever ``k``.
 
 The leaf is cut into words of 32 coordinates, and a word's selected
 coordinates are the set bits of a uint32 mask. The masks are found in one of
