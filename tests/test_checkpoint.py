@@ -183,6 +183,7 @@ def test_same_number_of_workers_restores_bit_identically_through_checkpoint(mesh
   jax.tree.map(np.testing.assert_array_equal, host((p2, s2)), host((p, s)))
 
 
+@pytest.mark.slow
 def test_resize_errors_name_the_problem(tmp_path):
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
   dp8 = _run((8,), ("data",), REDUCERS["scaled_sign"])
@@ -201,6 +202,7 @@ def test_resize_errors_name_the_problem(tmp_path):
     checkpoint.save(tmp_path / "x", params, s, step=1.5)
 
 
+@pytest.mark.slow
 def test_per_worker_parameters_restore_onto_half_the_workers(tmp_path):
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
 

@@ -316,6 +316,7 @@ def _unwrap(state) -> MultiStepsState:
   return state.inner_state if isinstance(state, ApplyIfFiniteState) else state
 
 
+@pytest.mark.slow
 def test_multi_steps_communicates_every_kth_call():
   calls = []
 
@@ -349,6 +350,7 @@ def test_multi_steps_communicates_every_kth_call():
   assert int(_unwrap(state).gradient_step) == 2
 
 
+@pytest.mark.slow
 def test_multi_steps_equals_one_step_on_the_big_batch():
   mesh = jax.make_mesh((N,), ("data",))
   inner = optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data", min_size=0),

@@ -298,6 +298,7 @@ def _node_one(coordinator: str, devices: int, *argv) -> subprocess.Popen:
       env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_two_launchers_run_one_job_as_two_nodes(tmp_path):
   """Two launchers, node 0 here and node 1 from the command line, each with two processes of
   two devices: one job of four processes numbered node by node, a sum over all 8 devices."""
@@ -353,6 +354,7 @@ multihost_utils.sync_global_devices("never")
 """
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_node_ends_the_other_nodes_run(tmp_path):
   """Process 3 (node 1) raises once every process has joined: node 1's launcher reports it,
   and node 0's processes, waiting for it in a barrier, fail through jax.distributed, so

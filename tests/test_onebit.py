@@ -578,6 +578,7 @@ def test_exp_avg_mask_zeroes_the_momentum_and_stops_the_parameters_after_the_fre
     assert (np.asarray(p["b"]) != np.asarray(run[t - 1][0]["b"])).all(), t
 
 
+@pytest.mark.slow
 def test_exp_avg_mask_makes_zero_one_adams_synchronisations_undo_the_masked_moves():
   """0/1 Adam with gradients everywhere: the masked rows move on the local steps, but every
   synchronisation leaves their momentum exactly 0 on every worker and their parameters as

@@ -134,6 +134,7 @@ def test_flat_buckets_of_model_shards_move_each_shard_once():
                steps[None], steps[2**20])
 
 
+@pytest.mark.slow
 def test_whole_leaves_on_request_and_for_a_tx_that_reduces_a_leaf():
   mesh = tp_mesh()
   params = placed(mesh, TP)
@@ -533,6 +534,7 @@ def test_a_transform_without_an_axis_keeps_per_worker_values_per_worker():
   np.testing.assert_array_equal(np.asarray(jax.jit(fn)(g)), [1, 0, 0, 0, 0, 0, 0, 0])
 
 
+@pytest.mark.slow
 def test_a_tx_that_cannot_run_on_shards_runs_on_whole_leaves():
   """A mask shaped like whole leaves (1-bit Adam's exp_avg_mask) cannot run on shards: with
   shard_local="auto" the step warns and runs on whole leaves; True raises."""

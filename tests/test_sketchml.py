@@ -254,6 +254,7 @@ def test_a_key_reads_its_own_code_unless_every_row_holds_a_smaller_one():
   assert 0.8 < np.mean(got == codes) < 1.0
 
 
+@pytest.mark.slow
 def test_indices_per_key_beat_the_sketch_at_fewer_bits():
   """The measurement behind the default: a sketch of k/2 cells errs more, and costs more,
   than indices per key with 16 buckets."""

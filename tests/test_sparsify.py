@@ -141,6 +141,7 @@ def test_top_k_global_scope_on_one_leaf_equals_leaf_scope(seed, ratio, options):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_top_k_global_scope_spends_the_budget_where_the_mass_is():
   rng = np.random.default_rng(0)
   big = jnp.asarray(rng.normal(size=(30, 20)) * 100, jnp.float32)

@@ -84,6 +84,7 @@ def _by_kind(collectives):
   return out
 
 
+@pytest.mark.slow
 def test_the_wire_carries_packed_payloads(mesh):
   """From the compiled HLO: dense ZeRO-3 all-gathers and reduce-scatters float32; qwZ
   all-gathers uint32 words of int8 codes and scales; qgZ sends its int4 chunks in one
