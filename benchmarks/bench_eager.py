@@ -1,6 +1,6 @@
 """Eager DiLoCo's steps to the target by the weight of each worker's own pseudo-gradient.
 
-``commopt.eager_diloco`` takes each outer step at once on the estimate
+``commopt.parallel.eager_diloco`` takes each outer step at once on the estimate
 ``w·Δₘ + mean(Δ⁻) − w·Δₘ⁻`` of the mean pseudo-gradient (``w = own_weight``). This
 benchmark trains ``benchmarks/bench_network.py``'s MLP (64 -> H -> H -> 10 on the
 bundled digits, H = ``--hidden``) on ``--workers`` CPU devices of one process, with that
@@ -89,7 +89,6 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   import jax
   jax.config.update("jax_num_cpu_devices", args.workers)
-  import numpy as np
   import optax
 
   import commopt
@@ -118,11 +117,11 @@ def main(argv=None) -> dict:
     for k in range(args.steps):
       p, s, _ = dp.step(p, s, dp.local_batch(batch(k)))
       if (k + 1) % period == 0:
-        out.append((k + 1, float(score(commopt.global_params(s), held_out))))
+        out.append((k + 1, float(score(commopt.transforms.global_params(s), held_out))))
     return out
 
   def eager(period, w):
-    run = commopt.eager_diloco(loss_fn, mesh=mesh, own_weight=w, **options(period))
+    run = commopt.parallel.eager_diloco(loss_fn, mesh=mesh, own_weight=w, **options(period))
     p, s, out = run.place_params(params0), run.init(params0), []
     for k in range(args.steps):
       p, s, _ = run.step(p, s, run.local_batch(batch(k)))

@@ -11,7 +11,7 @@ same parameters on the same batches (each worker its own rows):
 - ``DiLoCo``: AdamW inside, DiLoCo's Nesterov outer step (0.7, 0.9), dense
   pseudo-gradients every ``--period`` steps;
 - ``DiLoCo int8``: the same with ``int_quant(bits=8)`` pseudo-gradients (two-phase);
-- ``SparseLoCo``: ``commopt.sparseloco`` (k = 64 of each 64 x 64 tile, 2-bit values,
+- ``SparseLoCo``: ``commopt.transforms.sparseloco`` (k = 64 of each 64 x 64 tile, 2-bit values,
   error feedback decaying at 0.95, outer ``sgd(1.0)``), same H;
 - ``MuLoCo``: DiLoCo with ``optax.contrib.muon`` inside (the matrices; AdamW's rule for
   the rest), dense, same H and outer step;
@@ -140,7 +140,7 @@ def make(method: str, args, setting, params):
       lr, consistent_rms=0.2, weight_decay=1e-4, adam_weight_decay=1e-4,
       muon_weight_dimension_numbers=muon_dimensions(params))
   if method.endswith("SparseLoCo"):
-    return commopt.sparseloco(inner, axis_name="data", period=h), True
+    return commopt.transforms.sparseloco(inner, axis_name="data", period=h), True
   if method == "DiLoCo int8":
     return commopt.diloco(inner, axis_name="data", period=h,
                           compressor=commopt.int_quant(bits=8), strategy="two_phase"), True

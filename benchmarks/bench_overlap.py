@@ -1,6 +1,6 @@
 """Whether the exchange of a pipelined (one-step-delayed) step hides behind compute.
 
-``commopt.pipelined(inner)`` runs ``inner`` (the exchange and the optimizer)
+``commopt.transforms.pipelined(inner)`` runs ``inner`` (the exchange and the optimizer)
 on the gradient kept from the previous step, so a step's collective need not
 depend on its own forward and backward pass. Whether it then runs *beside*
 them is up to the runtime. This benchmark measures it on XLA:CPU with gloo.
@@ -29,7 +29,7 @@ with error feedback):
   device and the forward/backward on its first (parameters and gradients
   copied between them each step);
 - ``split/thread``: ``split`` with the exchange dispatched from a thread of
-  its own: :func:`commopt.overlapped_data_parallel` itself;
+  its own: :func:`commopt.parallel.overlapped_data_parallel` itself;
 - ``compute``: the undelayed step on a mesh of this process's first device
   alone (no network), every process at once, as they share the cores;
 - ``comm``: the undelayed step on the global mesh with a loss whose
@@ -167,10 +167,11 @@ def _programs(cfg, label, meshes, loss_fn, params0) -> dict:
 
   make = {
       "undelayed": lambda: plain(commopt.data_parallel(loss_fn, inner(), mesh)),
-      "delayed": lambda: plain(commopt.data_parallel(loss_fn, commopt.pipelined(inner()), mesh)),
+      "delayed": lambda: plain(commopt.data_parallel(
+          loss_fn, commopt.transforms.pipelined(inner()), mesh)),
       "delayed/kept": lambda: plain(commopt.data_parallel(
-          loss_fn, commopt.pipelined(commopt.apply_if_finite(inner(), axis_name="data")), mesh,
-          skip_nonfinite=False)),
+          loss_fn, commopt.transforms.pipelined(commopt.apply_if_finite(inner(), axis_name="data")),
+          mesh, skip_nonfinite=False)),
       "split": lambda: _split(mesh, mesh, inner(), loss_fn, params0),
       "split/2dev": lambda: _split(mesh, meshes["comm"], inner(), loss_fn, params0),
       "split/thread": lambda: _overlapped(mesh, inner(), loss_fn, params0),
@@ -225,11 +226,11 @@ def _split(mesh, comm_mesh, inner, loss_fn, params0) -> _Program:
 
 def _overlapped(mesh, inner, loss_fn, params0) -> _Program:
   """``split`` with the exchange dispatched from a thread of its own: the
-  :func:`commopt.overlapped_data_parallel` driver itself (two programs on one device
+  :func:`commopt.parallel.overlapped_data_parallel` driver itself (two programs on one device
   dispatched from two threads run at once on XLA:CPU; from one thread they do not)."""
   import commopt
 
-  run = commopt.overlapped_data_parallel(loss_fn, inner, mesh)
+  run = commopt.parallel.overlapped_data_parallel(loss_fn, inner, mesh)
 
   def init():
     return run.place_params(params0), run.init(params0)

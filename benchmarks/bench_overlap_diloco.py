@@ -10,14 +10,14 @@ link hurts most), Nesterov outer step:
 
 - ``compute``: the inner steps alone (no exchange; the time the workers compute), each
   worker skipping its own non-finite steps as the drivers' inner steps do;
-- ``blocking``: ``commopt.overlapped_diloco(..., delay=0)``: every exchange waited for
+- ``blocking``: ``commopt.parallel.overlapped_diloco(..., delay=0)``: every exchange waited for
   at once (DiLoCo, two programs);
-- ``overlapped``: ``commopt.overlapped_diloco(..., delay=--delay, mixing=0.5)``: the
+- ``overlapped``: ``commopt.parallel.overlapped_diloco(..., delay=--delay, mixing=0.5)``: the
   exchange on a thread of its own, merged ``delay`` inner steps later;
 - ``streaming_diloco``: the same update as ``overlapped`` in one program per step
   (``data_parallel(streaming_diloco(fragments=1, delay, mixing), local_params=True)``),
   whose exchange blocks the step it runs in;
-- ``eager``: ``commopt.eager_diloco(...)``: each exchange overlaps the whole next inner
+- ``eager``: ``commopt.parallel.eager_diloco(...)``: each exchange overlaps the whole next inner
   phase and the outer step does not wait for it (eager updates).
 
 Utilisation is ``--steps`` times the ``compute`` variant's median step over a variant's
@@ -95,8 +95,8 @@ def worker(config_path: str, result_path: str) -> None:
     return {"x": x_all[idx], "y": y_all[idx]}
 
   def overlapped(delay, mixing):
-    run = commopt.overlapped_diloco(loss_fn, inner, mesh, period=cfg["period"], delay=delay,
-                                    mixing=mixing)
+    run = commopt.parallel.overlapped_diloco(loss_fn, inner, mesh, period=cfg["period"],
+                                             delay=delay, mixing=mixing)
     return run, run.inner_dp, run.step
 
   def streaming():
@@ -111,7 +111,7 @@ def worker(config_path: str, result_path: str) -> None:
     return dp, dp, dp.step
 
   def eager():
-    run = commopt.eager_diloco(loss_fn, inner, mesh, period=cfg["period"])
+    run = commopt.parallel.eager_diloco(loss_fn, inner, mesh, period=cfg["period"])
     return run, run.inner_dp, run.step
 
   makers = {"compute": compute, "blocking": lambda: overlapped(0, 0.0),

@@ -77,7 +77,7 @@ def main(argv=None):
 
   def memories(state):
     """(residual bytes, server bytes) of the compressed_mean state inside ``state``."""
-    is_cm = lambda x: isinstance(x, commopt.CompressedMeanState)
+    is_cm = lambda x: isinstance(x, commopt.transforms.CompressedMeanState)
     cm = [s for s in jax.tree.leaves(state, is_leaf=is_cm) if is_cm(s)]
     return shard_bytes([s.residual for s in cm]), shard_bytes([s.server_residual for s in cm])
 

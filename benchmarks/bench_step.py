@@ -123,7 +123,8 @@ def reducer(name, strategy):
   if name == "majority_vote":
     return commopt.majority_vote(axis_name="data") if strategy == "gather" else "its own protocol"
   if name == "dgc":
-    return commopt.dgc(axis_name="data", densities=0.01) if strategy == "gather" else "its own protocol"
+    return (commopt.transforms.dgc(axis_name="data", densities=0.01) if strategy == "gather"
+            else "its own protocol")
   c = commopt.compressors.make(name)
   if name == "identity":
     return commopt.compressed_mean(c, axis_name="data")

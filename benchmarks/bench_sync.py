@@ -96,9 +96,9 @@ def make(mode: str, args):
                                   delay=1, mixing=0.5, compressor=commopt.int_quant(bits=4),
                                   strategy="two_phase")
   elif mode == "EASGD H":
-    tx = commopt.easgd(inner, axis_name="data", period=h, alpha=0.9 / args.workers)
+    tx = commopt.transforms.easgd(inner, axis_name="data", period=h, alpha=0.9 / args.workers)
   else:
-    tx = commopt.stale(inner, axis_name="data", max_staleness=int(mode.split("=")[1]))
+    tx = commopt.transforms.stale(inner, axis_name="data", max_staleness=int(mode.split("=")[1]))
   return tx, True, tx
 
 

@@ -30,198 +30,53 @@ Layers, lowest first: _src < kernels < compressors < comm < transforms < aggrega
   communication plan on a network.
 """
 
-from commopt import aggregators, compressors, parallel, sim, testing, transforms, wire
-from commopt.aggregators import (
-    CenteredClipState,
-    RobustState,
-    centered_clip,
-    coordinate_median,
-    geometric_median,
-    krum,
-    majority_vote,
-    multi_krum,
-    robust_aggregate,
-    trimmed_mean,
-)
-from commopt._src.base import AxisNameError, Compressor, OptionTypeError, Reduced
+from commopt import (aggregators, comm, compressors, kernels, parallel, sim, testing, transforms,
+                     wire)
+from commopt._src.base import AxisNameError, Compressor, OptionTypeError
 from commopt._src.errors import WireSizeWarning
-from commopt.compressors import (
-    AdaCompState,
-    PowerSGDLeafState,
-    RandomKState,
-    adacomp,
-    adaptive_levels,
-    atomo,
-    cast,
-    chunk_top_k,
-    count_sketch,
-    CountSketchState,
-    gradient_dropping,
-    int_quant,
-    natural,
-    onebit,
-    power_sgd,
-    qsgd,
-    random_k,
-    scaled_sign,
-    sign,
-    sketch_sgd,
-    sketchml,
-    terngrad,
-    threshold,
-    top_k,
-    variance_balanced,
-)
-from commopt.parallel import (
-    DataParallel,
-    EagerDiLoCo,
-    eager_diloco,
-    OverlappedDataParallel,
-    OverlappedDiLoCo,
-    overlapped_data_parallel,
-    overlapped_diloco,
-    ZeroDataParallel,
-    data_parallel,
-    local_value_and_grad,
-    zero_data_parallel,
-)
-from commopt.transforms import (
-    DEFAULT_MIN_SIZE,
-    ApplyIfFiniteState,
-    CompressedMeanState,
-    MultiStepsState,
-    apply_if_finite,
-    multi_steps,
-    DGCState,
-    compressed_mean,
-    demo,
-    dgc,
-    diloco,
-    easgd,
-    EASGDState,
-    fetch_sgd,
-    FetchSGDState,
-    global_params,
-    HierarchicalLocalSGDState,
-    local_sgd,
-    onebit_adam,
-    OneBitAdamState,
-    onebit_lamb,
-    OneBitLambState,
-    zero_one_adam,
-    ZeroOneAdamState,
-    PeriodicState,
-    pipelined, PipelinedState,
-    stale,
-    StaleState,
-    streaming_diloco,
-    StreamingDiLoCoState,
-    scheduled_top_k,
-    sfb_mean,
-    sparseloco,
-)
+from commopt.aggregators import majority_vote
+from commopt.compressors import (cast, int_quant, power_sgd, qsgd, random_k, scaled_sign, sign,
+                                 top_k)
+from commopt.parallel import (DataParallel, ZeroDataParallel, data_parallel, local_value_and_grad,
+                              zero_data_parallel)
+from commopt.transforms import (apply_if_finite, compressed_mean, demo, diloco, local_sgd,
+                                multi_steps, onebit_adam, streaming_diloco)
 
 __version__ = "0.1.0"
 
+# The core a newcomer learns first, sorted. Everything else lives in the subpackage that
+# says what it is: every compressor in commopt.compressors, every transform (the other
+# synchronisation modes, compressed optimizers, wrappers) and every state class in
+# commopt.transforms, the robust rules in commopt.aggregators, the other training steps in
+# commopt.parallel. A top-level name takes an optax name only where it is a drop-in
+# replacement for optax's (apply_if_finite); commopt.compressors.identity is not one.
 __all__ = [
-    "adacomp",
-    "AdaCompState",
-    "adaptive_levels",
-    "apply_if_finite",
-    "ApplyIfFiniteState",
-    "atomo",
-    "AxisNameError",
-    "aggregators",
-    "cast",
-    "chunk_top_k",
-    "centered_clip",
-    "CenteredClipState",
-    "compressed_mean",
-    "CompressedMeanState",
-    "Compressor",
-    "compressors",
-    "count_sketch",
-    "CountSketchState",
-    "coordinate_median",
-    "data_parallel",
-    "EagerDiLoCo",
-    "eager_diloco",
-    "OverlappedDataParallel",
-    "OverlappedDiLoCo",
-    "overlapped_data_parallel",
-    "overlapped_diloco",
-    "DataParallel",
-    "DEFAULT_MIN_SIZE",
-    "demo",
-    "dgc",
-    "DGCState",
-    "diloco",
-    "global_params",
-    "HierarchicalLocalSGDState",
-    "easgd",
-    "EASGDState",
-    "fetch_sgd",
-    "FetchSGDState",
-    "geometric_median",
-    "gradient_dropping",
-    "int_quant",
-    "krum",
-    "local_sgd",
-    "local_value_and_grad",
-    "multi_steps",
-    "MultiStepsState",
-    "majority_vote",
-    "multi_krum",
-    "robust_aggregate",
-    "natural",
-    "nnx_data_parallel",
-    "NnxDataParallel",
-    "NnxTrainState",
-    "onebit",
-    "OptionTypeError",
-    "WireSizeWarning",
-    "parallel",
-    "PeriodicState",
-    "pipelined", "PipelinedState",
-    "power_sgd",
-    "PowerSGDLeafState",
-    "qsgd",
-    "random_k",
-    "RandomKState",
-    "Reduced",
-    "RobustState",
-    "scaled_sign",
-    "sfb_mean",
-    "sparseloco",
-    "SFBLinear",
-    "sfb_mask",
-    "scheduled_top_k",
-    "onebit_adam",
-    "OneBitAdamState",
-    "onebit_lamb",
-    "OneBitLambState",
-    "zero_one_adam",
-    "ZeroOneAdamState",
-    "sign",
-    "sim",
-    "sketch_sgd",
-    "sketchml",
-    "stale",
-    "StaleState",
-    "streaming_diloco",
-    "StreamingDiLoCoState",
-    "terngrad",
-    "testing",
-    "threshold",
-    "top_k",
-    "transforms",
-    "trimmed_mean",
-    "variance_balanced",
-    "zero_data_parallel",
-    "ZeroDataParallel",
-    "wire",
+    "aggregators", "apply_if_finite", "AxisNameError", "cast", "comm", "compressed_mean",
+    "Compressor", "compressors", "data_parallel", "DataParallel", "demo", "diloco",
+    "int_quant", "kernels", "local_sgd", "local_value_and_grad", "majority_vote", "multi_steps",
+    "nnx_data_parallel", "onebit_adam", "OptionTypeError", "parallel", "power_sgd", "qsgd",
+    "random_k", "scaled_sign", "sign", "sim", "streaming_diloco", "testing", "top_k",
+    "transforms", "wire", "WireSizeWarning", "zero_data_parallel", "ZeroDataParallel",
 ]
 
+_HOMES = {
+    "compressors": (
+        "AdaCompState CountSketchState PowerSGDLeafState RandomKState Reduced adacomp "
+        "adaptive_levels atomo chunk_top_k count_sketch gradient_dropping natural onebit "
+        "sketch_sgd sketchml terngrad threshold variance_balanced"),
+    "transforms": (
+        "ApplyIfFiniteState CompressedMeanState DEFAULT_MIN_SIZE DGCState EASGDState "
+        "FetchSGDState HierarchicalLocalSGDState MultiStepsState OneBitAdamState "
+        "OneBitLambState PeriodicState PipelinedState StaleState StreamingDiLoCoState "
+        "ZeroOneAdamState dgc easgd fetch_sgd global_params onebit_lamb pipelined "
+        "scheduled_top_k sfb_mean sparseloco stale zero_one_adam"),
+    "aggregators": (
+        "CenteredClipState RobustState centered_clip coordinate_median geometric_median krum "
+        "multi_krum robust_aggregate trimmed_mean"),
+    "parallel": (
+        "EagerDiLoCo NnxDataParallel NnxTrainState OverlappedDataParallel OverlappedDiLoCo "
+        "SFBLinear eager_diloco overlapped_data_parallel overlapped_diloco sfb_mask"),
+}
 
 MOVED = {
     "identity": ("commopt.compressors.identity",
@@ -229,13 +84,16 @@ MOVED = {
     "EmptyState": ("commopt.compressors.EmptyState", "a compressor's per-leaf empty state"),
     "GlobalCompressor": ("commopt.Compressor(..., encode_tree=..., decode_tree=...)",
                          "one Compressor class now declares tree-wide selection"),
+    **{name: (f"commopt.{home}.{name}", "the top level keeps the core; the rest lives in the "
+              "subpackage that says what it is")
+       for home, names in _HOMES.items() for name in names.split()},
 }
 """Public names that left the top level: ``{name: (new home, why)}`` (see CHANGELOG.md)."""
 
 
 def __getattr__(name):
-  # The nnx entry points import flax on first use (see commopt.parallel).
-  if name in parallel._NNX + parallel._SFB_NNX:
+  # The nnx entry point imports flax on first use (see commopt.parallel).
+  if name == "nnx_data_parallel":
     return getattr(parallel, name)
   if name in MOVED:
     home, why = MOVED[name]

@@ -45,8 +45,9 @@ class CNN(nnx.Module):
     self.conv1 = nnx.Conv(1, 32, (3, 3), rngs=rngs)
     self.conv2 = nnx.Conv(32, 64, (3, 3), rngs=rngs)
     self.bn = nnx.BatchNorm(64, rngs=rngs) if batch_norm else None
-    # sfb: the dense layers send sufficient factors where they cost less (commopt.SFBLinear).
-    linear = commopt.SFBLinear if sfb else nnx.Linear
+    # sfb: the dense layers send sufficient factors where they cost less
+    # (commopt.parallel.SFBLinear).
+    linear = commopt.parallel.SFBLinear if sfb else nnx.Linear
     self.fc1 = linear(8 * 8 * 64, 256, rngs=rngs)
     self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None
     self.fc2 = linear(256, 10, rngs=rngs)

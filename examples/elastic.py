@@ -6,7 +6,7 @@ Run it under the supervisor (one CPU device per process)::
         --rejoin-after 40 --stop-grace 60 examples/elastic.py --ckpt /tmp/elastic --kill-at 37
 
 Every process trains a small MLP regression (a fixed random teacher, offline data)
-with :func:`commopt.sparseloco` (AdamW inside, chunked top-k 2-bit pseudo-gradients with
+with :func:`commopt.transforms.sparseloco` (AdamW inside, chunked top-k 2-bit pseudo-gradients with
 error feedback every ``--period`` steps) under ``commopt.data_parallel(...,
 local_params=True)``, one worker per device. It saves a checkpoint at every outer step
 (a :class:`commopt.checkpoint.CheckpointManager` under ``--ckpt``) and, when it starts,
@@ -92,8 +92,8 @@ def main(argv=None) -> int:
   def loss(p, b):
     return jnp.mean((jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] - b["y"]) ** 2)
 
-  tx = commopt.sparseloco(optax.adamw(args.lr), axis_name="data", period=args.period, k=64,
-                          min_size=0)
+  tx = commopt.transforms.sparseloco(optax.adamw(args.lr), axis_name="data", period=args.period,
+                                     k=64, min_size=0)
   dp = commopt.data_parallel(loss, tx, mesh, local_params=True)
   manager = checkpoint.CheckpointManager(args.ckpt, max_to_keep=2)
   if manager.latest_step() is not None:

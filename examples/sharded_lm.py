@@ -391,7 +391,7 @@ def train(method: str, args, data, mesh, model, say=print) -> dict:
   final = state.params
   if local:
     final = jax.tree.map(lambda g, p: g.astype(p.dtype),
-                         commopt.global_params(state.opt_state), params)
+                         commopt.transforms.global_params(state.opt_state), params)
   with jax.set_mesh(mesh):
     test_loss = float(held_out(final, state.model_state))
   seconds = time.perf_counter() - began

@@ -45,7 +45,7 @@ the run ends) and writes the files.
 (``data_parallel(..., local_params=True)``), what the workers exchange goes
 through each ``--compressors`` entry (``identity``: dense) with error
 feedback, the bytes count only the steps that exchange, and test accuracy is
-the mode's global model (``commopt.global_params``: the anchor, centre or
+the mode's global model (``commopt.transforms.global_params``: the anchor, centre or
 server parameters).
 
 ``--checkpoint-dir DIR`` saves each compressor's run in ``DIR/<compressor>``
@@ -134,7 +134,7 @@ def parse_args(argv=None):
   p.add_argument("--no-error-feedback", action="store_true")
   p.add_argument("--sfb", action="store_true",
                  help="sufficient-factor broadcasting: the CNN's dense layers are "
-                      "commopt.SFBLinear, and a layer whose factors (its input and output "
+                      "commopt.parallel.SFBLinear, and a layer whose factors (its input and output "
                       "gradient, rows·(in + out) values per worker) cost less than its weight "
                       "gradient sends them instead (fc1); the others go through the compressor")
   p.add_argument("--sync", default="bsp", choices=SYNC_MODES,
@@ -374,11 +374,11 @@ def main(argv=None):
       tx = optax.chain(optax.trace(decay=args.momentum), vote, optax.scale(-args.sign_lr))
       return "signum(majority vote)", tx, vote, None
     if name in ("onebit_adam", "onebit_lamb"):
-      tx = getattr(commopt, name)(args.adam_lr, args.freeze_step, axis_name="data",
+      tx = getattr(commopt.transforms, name)(args.adam_lr, args.freeze_step, axis_name="data",
                                   eps=args.adam_eps)
       return f"{name}(freeze {args.freeze_step})", tx, tx, None
     if name == "zero_one_adam":
-      tx = commopt.zero_one_adam(args.adam_lr, axis_name="data", eps=args.adam_eps,
+      tx = commopt.transforms.zero_one_adam(args.adam_lr, axis_name="data", eps=args.adam_eps,
                                  var_freeze_step=args.freeze_step,
                                  var_update_scaler=args.var_update_scaler,
                                  local_step_scaler=args.local_step_scaler,
@@ -388,7 +388,7 @@ def main(argv=None):
     if name == "fetch_sgd":
       # FetchSGD: momentum and error in one 5 x 20,000 count sketch of the whole
       # model (shared by every worker); the top 10,000 of its estimates move.
-      tx = commopt.fetch_sgd(4 * args.lr, 10_000, 5, 20_000, momentum=args.momentum,
+      tx = commopt.transforms.fetch_sgd(4 * args.lr, 10_000, 5, 20_000, momentum=args.momentum,
                              axis_name="data")
       return "fetch_sgd(k 10000, 5x20000)", tx, tx, None
     if name == "dgc":
@@ -397,7 +397,7 @@ def main(argv=None):
       densities = densities if e else densities[-1:]
       # Four boundaries spread over the warm-up epochs (they must increase strictly).
       boundaries = tuple(max(i, steps_per_epoch * e * i // 4) for i in range(1, 5)) if e else ()
-      reducer = commopt.dgc(axis_name="data", densities=densities, boundaries=boundaries,
+      reducer = commopt.transforms.dgc(axis_name="data", densities=densities, boundaries=boundaries,
                             momentum=args.momentum, clip_norm=args.clip_norm)
       tx = optax.chain(reducer, optax.sgd(args.lr))
       # Bytes are reported for the final (steady-state) density.
@@ -406,10 +406,12 @@ def main(argv=None):
       return sync_optimizer(name)
     compressor, strategy = make_compressor(name)
     label = compressor.name if strategy == "auto" else f"{compressor.name} [{strategy}]"
-    reducer = commopt.compressed_mean(compressor, axis_name="data", error_feedback=ef, strategy=strategy)
+    reducer = commopt.compressed_mean(compressor, axis_name="data", error_feedback=ef,
+                                      strategy=strategy)
     if args.sfb:
       # The dense layers' factors first; every other leaf through the compressor.
-      reducer = commopt.sfb_mean(batch // args.workers, commopt.sfb_mask, axis_name="data", other=reducer)
+      reducer = commopt.transforms.sfb_mean(batch // args.workers, commopt.parallel.sfb_mask,
+                                            axis_name="data", other=reducer)
       label = f"sfb + {label}"
     tx = optax.chain(reducer, optax.sgd(args.lr, momentum=args.momentum))
     return label, tx, reducer, None
@@ -452,11 +454,11 @@ def main(argv=None):
                                     delay=args.delay, mixing=args.mixing, **common)
     elif args.sync == "easgd":
       alpha = 0.9 / args.workers if args.alpha is None else args.alpha
-      tx = commopt.easgd(inner, alpha=alpha, period=h, **common)
+      tx = commopt.transforms.easgd(inner, alpha=alpha, period=h, **common)
     else:
       if args.byte_budget is not None:
         common.update(compressor=None, byte_budget=args.byte_budget)
-      tx = commopt.stale(inner, max_staleness=args.staleness, **common)
+      tx = commopt.transforms.stale(inner, max_staleness=args.staleness, **common)
     what = {"stale": f"s={args.staleness}" + (f", {args.byte_budget} B/step"
                                               if args.byte_budget else "")}.get(args.sync,
                                                                                 f"H={h}")
@@ -490,8 +492,8 @@ def main(argv=None):
       if name == "zero_one_adam":      # the parameters at the last synchronisation
         return jax.tree.map(lambda p, u: (host(p)[0] - host(u)[0]).astype(p.dtype),
                             state.params, state.opt_state.inner_state.moved)
-      return jax.tree.map(lambda g, p: g.astype(p.dtype), commopt.global_params(state.opt_state),
-                          params)
+      return jax.tree.map(lambda g, p: g.astype(p.dtype),
+                          commopt.transforms.global_params(state.opt_state), params)
 
     def feed(idx):
       """The global batch of rows ``idx``; this process passes only its own rows of it."""
@@ -677,7 +679,8 @@ def main(argv=None):
   fig.savefig(out_dir / "train_loss_vs_bytes.png", dpi=120)
   print(f"\nwrote {out_dir / 'train_loss_vs_bytes.png'} and {out_dir / 'train_metrics.json'}")
   width = max(len("compressor"), *(len(h["compressor"]) for h in results.values()))
-  print(f"{'compressor':<{width}} {'test acc':>9} {'payload kB':>11} {'x smaller':>10} {'seconds':>8}")
+  print(f"{'compressor':<{width}} {'test acc':>9} {'payload kB':>11} {'x smaller':>10} "
+        f"{'seconds':>8}")
   for name, h in results.items():
     print(f"{h['compressor']:<{width}} {h['epoch_acc'][-1]:9.4f} {h['payload_bytes'] / 1e3:11.1f} "
           f"{h['dense_bytes'] / h['payload_bytes']:10.1f} {h['seconds']:8.1f}")

@@ -95,7 +95,7 @@ def test_probabilities_sum_to_the_budget_in_0_1_and_match_the_papers_algorithm()
 ])
 def test_unbiased_with_the_exact_variance(sampling, capacity, sigma, s):
   m = matrix(sigma)
-  c = commopt.atomo(s, sampling=sampling, capacity=capacity)
+  c = commopt.compressors.atomo(s, sampling=sampling, capacity=capacity)
   d = decodes(c, m)
   p = paper_probabilities(sigma, s)
   variance = exact_variance(sigma, p)
@@ -120,7 +120,7 @@ def test_systematic_sends_floor_or_ceil_of_the_budget_and_capped_triples_always(
   m = matrix(sigma)
   x = jnp.asarray(m, jnp.float32)
   for s, counts in ((3.0, {3}), (2.5, {2, 3})):
-    c = commopt.atomo(s)
+    c = commopt.compressors.atomo(s)
     keys = jax.random.split(jax.random.key(2), 500)
     v = np.asarray(jax.jit(jax.vmap(lambda k: c.encode(x, None, k)[0]["v"]))(keys))
     assert v.shape == (500, 8, 3)
@@ -137,7 +137,7 @@ def test_systematic_sends_floor_or_ceil_of_the_budget_and_capped_triples_always(
 def test_independent_overflow_is_rescaled_and_stays_unbiased():
   # capacity 1 gives C = 2 slots for s = 2 of 8 uncapped triples: K > 2 a third of the time.
   m = matrix(FLAT)
-  d = decodes(commopt.atomo(2.0, sampling="independent", capacity=1.0), m, seed=3)
+  d = decodes(commopt.compressors.atomo(2.0, sampling="independent", capacity=1.0), m, seed=3)
   err = np.sum((d - m) ** 2, axis=(1, 2))
   variance = err.mean()
   assert np.linalg.norm(d.mean(0) - m) <= C_SIGMA * np.sqrt(variance / N)
@@ -149,7 +149,7 @@ def test_independent_overflow_is_rescaled_and_stays_unbiased():
 def test_exact_when_the_budget_covers_the_rank():
   m = matrix(STEEP)
   for sampling in ("systematic", "independent"):
-    c = commopt.atomo(20, sampling=sampling)
+    c = commopt.compressors.atomo(20, sampling=sampling)
     x = jnp.asarray(m, jnp.float32)
     payload, _ = jax.jit(c.encode)(x, None, jax.random.key(0))
     assert payload["u"].shape == (12, 8)   # s and C are clipped to r = 8
@@ -160,11 +160,12 @@ def test_exact_when_the_budget_covers_the_rank():
 def test_payload_is_slots_times_n_plus_m_values(dtype):
   bits = np.dtype(dtype).itemsize * 8
   conv = (3, 3, 16, 32)   # "last": [144, 32]; "first": [3, 1536]
-  for c, n, m, slots in ((commopt.atomo(2), 144, 32, 2),
-                         (commopt.atomo(2.5), 144, 32, 3),
-                         (commopt.atomo(2.5, sampling="independent"), 144, 32, 5),
-                         (commopt.atomo(2, sampling="independent", capacity=1.5), 144, 32, 3),
-                         (commopt.atomo(4, view="first"), 3, 1536, 3)):
+  for c, n, m, slots in ((commopt.compressors.atomo(2), 144, 32, 2),
+                         (commopt.compressors.atomo(2.5), 144, 32, 3),
+                         (commopt.compressors.atomo(2.5, sampling="independent"), 144, 32, 5),
+                         (commopt.compressors.atomo(2, sampling="independent", capacity=1.5),
+                          144, 32, 3),
+                         (commopt.compressors.atomo(4, view="first"), 3, 1536, 3)):
     assert c.payload_bits(conv, dtype) == slots * (n + m) * bits
     x = jax.ShapeDtypeStruct(conv, dtype)
     payload, _ = jax.eval_shape(c.encode, x, None, jax.random.key(0))
@@ -175,15 +176,15 @@ def test_payload_is_slots_times_n_plus_m_values(dtype):
 
 
 def test_vectors_and_incompressible_matrices_go_dense():
-  c = commopt.atomo(2)
+  c = commopt.compressors.atomo(2)
   assert not c.accepts((512,), jnp.float32)
   assert not c.accepts((4, 4), jnp.float32)     # 16 < 2 · 2 · 8
   assert c.accepts((64, 48), jnp.float32)
-  assert commopt.atomo(2, min_compression_rate=0).accepts((4, 4), jnp.float32)
+  assert commopt.compressors.atomo(2, min_compression_rate=0).accepts((4, 4), jnp.float32)
 
 
 def test_compiled_compressed_mean_moves_the_payload_not_the_leaf(mesh):
-  c = commopt.atomo(2)
+  c = commopt.compressors.atomo(2)
   params = {"w": jnp.zeros((64, 48))}
   sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, axis_name="data", min_size=0),
                                          mesh, "data")
@@ -208,10 +209,10 @@ def test_compiled_compressed_mean_moves_the_payload_not_the_leaf(mesh):
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):
   with pytest.raises(ValueError, match=f"atomo: `{name}`"):
-    commopt.atomo(**kwargs)
+    commopt.compressors.atomo(**kwargs)
 
 
 def test_a_view_that_loses_elements_is_refused_by_name():
-  c = commopt.atomo(2, view=lambda shape: (shape[0], shape[1] - 1))
+  c = commopt.compressors.atomo(2, view=lambda shape: (shape[0], shape[1] - 1))
   with pytest.raises(ValueError, match="atomo: `view`"):
     c.payload_bits((8, 8), jnp.float32)

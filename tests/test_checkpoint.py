@@ -22,7 +22,8 @@ def host(tree):
 @pytest.mark.parametrize("name", ["scaled_sign", "top_k", "power_sgd"])
 def test_a_restored_run_continues_bit_identically(name, mesh, tmp_path):
   params = {"w": jnp.ones((64, 48)) * 0.1, "b": jnp.zeros(48)}
-  tx = optax.chain(commopt.compressed_mean(commopt.compressors.make(name), axis_name="data", min_size=0),
+  tx = optax.chain(commopt.compressed_mean(commopt.compressors.make(name), axis_name="data",
+                                           min_size=0),
                    optax.sgd(0.1, momentum=0.9))
   dp = commopt.data_parallel(lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2),
                              tx, mesh, donate=False)
@@ -68,12 +69,14 @@ def _run(devices, axes, reducer_fn):
 
 
 REDUCERS = {
-    "scaled_sign": lambda a: commopt.compressed_mean(commopt.scaled_sign(), axis_name=a, min_size=0),
-    "top_k/two_phase": lambda a: commopt.compressed_mean(commopt.top_k(0.1), axis_name=a, min_size=0,
-                                                         strategy="two_phase"),
-    "dgc": lambda a: commopt.dgc(axis_name=a, densities=0.1, min_size=0),
+    "scaled_sign": lambda a: commopt.compressed_mean(commopt.scaled_sign(), axis_name=a,
+                                                     min_size=0),
+    "top_k/two_phase": lambda a: commopt.compressed_mean(commopt.top_k(0.1), axis_name=a,
+                                                         min_size=0, strategy="two_phase"),
+    "dgc": lambda a: commopt.transforms.dgc(axis_name=a, densities=0.1, min_size=0),
     "hierarchical": lambda a: commopt.compressed_mean(
-        commopt.scaled_sign(), axis_name=a, min_size=0, strategy="hierarchical", inner_strategy="two_phase"),
+        commopt.scaled_sign(), axis_name=a, min_size=0, strategy="hierarchical",
+        inner_strategy="two_phase"),
 }
 
 
@@ -130,7 +133,8 @@ def test_restoring_onto_another_number_of_workers_keeps_what_error_feedback_owes
   flags = dp_new.per_worker(params)
   # The owed update: every per-worker float leaf's mean over workers, unchanged
   # (the sum scales by new/old); with 2-D data axes, per local rank.
-  before, after = _per_worker_means(s, flags, old[0]), _per_worker_means(got.opt_state, flags, new[0])
+  before, after = (_per_worker_means(s, flags, old[0]),
+                   _per_worker_means(got.opt_state, flags, new[0]))
   assert before and before.keys() == after.keys()
   for k in before:
     assert np.abs(before[k]).max() > 0, k          # something is owed

@@ -100,8 +100,8 @@ def test_a_value_the_same_on_every_worker_goes_through_once_cast_to_varying():
 
 @pytest.mark.parametrize("make", [
     lambda: commopt.majority_vote(axis_name="data"),
-    lambda: commopt.coordinate_median(axis_name="data"),
-    lambda: commopt.dgc(axis_name="data", densities=0.1),
+    lambda: commopt.aggregators.coordinate_median(axis_name="data"),
+    lambda: commopt.transforms.dgc(axis_name="data", densities=0.1),
     lambda: commopt.local_sgd(optax.sgd(0.1), axis_name="data", period=2),
 ], ids=["majority_vote", "coordinate_median", "dgc", "local_sgd"])
 def test_every_reduction_refuses_input_already_reduced(make):
@@ -339,6 +339,6 @@ def test_a_wrong_axis_in_a_transform_outside_commopts_reductions_is_named_too():
   # bare unbound-axis NameError becomes an AxisNameError naming the step's axis.
   from commopt.aggregators import attacks
   tx = optax.chain(attacks.attack("alie", (0,), axis_name="batch"),
-                   commopt.coordinate_median(axis_name="data"), optax.sgd(0.1))
+                   commopt.aggregators.coordinate_median(axis_name="data"), optax.sgd(0.1))
   with pytest.raises(commopt.AxisNameError, match=r"axis_name='data'.*unbound axis name: batch"):
     commopt.data_parallel(_loss, tx, _mesh())

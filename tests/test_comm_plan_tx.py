@@ -133,7 +133,7 @@ def test_several_reductions_in_one_chain_add_up():
 def test_a_reduction_inside_a_reduction_is_planned_by_the_outer_one():
   """dgc runs a compressed_mean; a synchronisation mode runs its reducer."""
   params = params_like()
-  for tx in (commopt.dgc(axis_name="data", densities=0.05, min_size=100),
+  for tx in (commopt.transforms.dgc(axis_name="data", densities=0.05, min_size=100),
              commopt.local_sgd(optax.sgd(0.1), axis_name="data", period=2,
                                compressor=commopt.scaled_sign())):
     assert wire.comm_plan(optax.chain(optax.clip(1.0), tx), params, N) == \

@@ -1,4 +1,5 @@
-"""commopt.pipelined: the one-step-delayed update whose exchange overlaps the next step's compute."""
+"""commopt.transforms.pipelined: the one-step-delayed update whose exchange overlaps the next
+step's compute."""
 
 import pathlib
 import re
@@ -422,8 +423,8 @@ def test_bad_arguments_are_named():
 
 
 def test_the_top_level_and_transforms_export_it():
-  assert commopt.pipelined is commopt.transforms.pipelined
-  assert commopt.PipelinedState is commopt.transforms.PipelinedState
+  assert commopt.transforms.pipelined is commopt.transforms.pipelined
+  assert commopt.transforms.PipelinedState is commopt.transforms.PipelinedState
 
 
 
@@ -505,7 +506,7 @@ def _pipelined_pair(mesh, compressor):
                               optax.sgd(0.1))
   dp = commopt.data_parallel(loss, pipelined(apply_if_finite(inner(), axis_name="data")), mesh,
                              skip_nonfinite=False)
-  run = commopt.overlapped_data_parallel(loss, inner(), mesh)
+  run = commopt.parallel.overlapped_data_parallel(loss, inner(), mesh)
   batches = [{"x": x[t * 16:][:128], "y": y[t * 16:][:128]} for t in range(7)]
   return dp, run, params, batches
 
@@ -539,4 +540,5 @@ def test_overlapped_data_parallel_is_pipelined_bit_for_bit(mesh, compressor):
 
 def test_overlapped_data_parallel_refuses_a_mesh_with_other_axes(mesh2d):
   with pytest.raises(ValueError, match=r"`mesh` must have one axis, the data axis 'local'"):
-    commopt.overlapped_data_parallel(lambda p, b: 0.0, optax.sgd(0.1), mesh2d, axis_name="local")
+    commopt.parallel.overlapped_data_parallel(lambda p, b: 0.0, optax.sgd(0.1), mesh2d,
+                                              axis_name="local")

@@ -31,7 +31,7 @@ def test_one_worker_is_diloco():
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
   want = commopt.data_parallel(_mlp_loss, commopt.diloco(inner, outer, axis_name="data",
                                                          period=period), mesh, local_params=True)
-  run = commopt.eager_diloco(_mlp_loss, inner, mesh, outer, period=period)
+  run = commopt.parallel.eager_diloco(_mlp_loss, inner, mesh, outer, period=period)
   runs = [(want, want.place_params(params), want.init(params)),
           (run, run.place_params(params), run.init(params))]
   trajectories = [[], []]
@@ -52,7 +52,7 @@ def test_finish_makes_the_workers_agree_under_a_linear_outer_step(mesh, own_weig
   is in: after finish, with outer sgd, every worker holds the same anchor (the sum of every
   exchange's mean), and training goes on from it."""
   params, x, y = _mlp()
-  run = commopt.eager_diloco(_mlp_loss, optax.adam(3e-3), mesh, optax.sgd(0.8), period=3,
+  run = commopt.parallel.eager_diloco(_mlp_loss, optax.adam(3e-3), mesh, optax.sgd(0.8), period=3,
                              own_weight=own_weight)
   p, s = run.place_params(params), run.init(params)
   batches = _batches(x, y, 12, 64)
@@ -83,12 +83,13 @@ def test_eager_trains_close_to_blocking_diloco(mesh, compressed, own_weight):
   momentum, and with the worker's own term standing for the whole mean."""
   params, x, y = _mlp()
   inner, period = optax.adam(3e-3), 4
-  kw = dict(compressor=commopt.chunk_top_k(16, chunk=32, bits=2), min_size=0) if compressed \
-      else {}
+  kw = dict(compressor=commopt.compressors.chunk_top_k(16, chunk=32, bits=2),
+            min_size=0) if compressed else {}
   want = commopt.data_parallel(_mlp_loss, commopt.diloco(inner, optax.sgd(1.0), axis_name="data",
                                                          period=period, **kw),
                                mesh, local_params=True)
-  run = commopt.eager_diloco(_mlp_loss, inner, mesh, period=period, own_weight=own_weight, **kw)
+  run = commopt.parallel.eager_diloco(_mlp_loss, inner, mesh, period=period, own_weight=own_weight,
+                                      **kw)
   p1, s1 = want.place_params(params), want.init(params)
   p2, s2 = run.place_params(params), run.init(params)
   l1s, l2s = [], []
@@ -108,7 +109,7 @@ def test_the_mean_anchor_takes_w_of_this_exchange_and_the_rest_of_the_last(mesh,
   by w·mean(Δ) + (1 − w)·mean(Δ⁻): w = 1 moves it by this exchange's whole mean at once, as
   blocking DiLoCo moves its anchor; w = 1/M by a share of it; w = 0 by the last one only."""
   params, x, y = _mlp()
-  run = commopt.eager_diloco(_mlp_loss, optax.sgd(0.05, momentum=0.9), mesh, period=2,
+  run = commopt.parallel.eager_diloco(_mlp_loss, optax.sgd(0.05, momentum=0.9), mesh, period=2,
                              own_weight=own_weight)
   w = 1 / mesh.size if own_weight is None else own_weight
   assert run.own_weight == w
@@ -133,16 +134,16 @@ def test_the_mean_anchor_takes_w_of_this_exchange_and_the_rest_of_the_last(mesh,
 
 def test_eager_diloco_checks_its_arguments(mesh):
   with pytest.raises(ValueError, match="eager_diloco: `period`"):
-    commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=0)
+    commopt.parallel.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=0)
   with pytest.raises(ValueError, match="eager_diloco"):
-    commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, axis_name=None)
+    commopt.parallel.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, axis_name=None)
   for bad in (1.5, -0.1, float("nan")):
     with pytest.raises(ValueError, match=r"eager_diloco: `own_weight` must be a number in "
                                          r"\[0.0, 1.0\], got"):
-      commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, own_weight=bad)
+      commopt.parallel.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, own_weight=bad)
   for bad in ("1", True):
     with pytest.raises(TypeError, match="eager_diloco: `own_weight`"):
-      commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, own_weight=bad)
+      commopt.parallel.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2, own_weight=bad)
 
 
 @pytest.mark.parametrize("driver", ["eager", "overlapped"])
@@ -151,8 +152,8 @@ def test_local_batch_is_data_parallels(mesh, driver):
   in one process local_batch is the batch placed over the data axis, and a step on it
   equals a step on the host batch."""
   params, x, y = _mlp()
-  make = {"eager": lambda: commopt.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2),
-          "overlapped": lambda: commopt.overlapped_diloco(_mlp_loss, optax.sgd(0.1), mesh,
+  make = {"eager": lambda: commopt.parallel.eager_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=2),
+          "overlapped": lambda: commopt.parallel.overlapped_diloco(_mlp_loss, optax.sgd(0.1), mesh,
                                                           period=2, delay=1)}[driver]
   batch = next(_batches(x, y, 1, 64))
   runs = [make(), make()]
@@ -174,9 +175,9 @@ def test_each_worker_skips_its_own_nonfinite_inner_step(mesh, driver):
   skip counted), the others step; the inner program runs no collective, so nothing runs
   beside an exchange in flight. With skip_nonfinite=False the NaN reaches the parameters."""
   params, x, y = _mlp()
-  make = {"eager": lambda **kw: commopt.eager_diloco(_mlp_loss, optax.sgd(0.1, momentum=0.9),
-                                                     mesh, period=4, **kw),
-          "overlapped": lambda **kw: commopt.overlapped_diloco(
+  make = {"eager": lambda **kw: commopt.parallel.eager_diloco(
+              _mlp_loss, optax.sgd(0.1, momentum=0.9), mesh, period=4, **kw),
+          "overlapped": lambda **kw: commopt.parallel.overlapped_diloco(
               _mlp_loss, optax.sgd(0.1, momentum=0.9), mesh, period=4, delay=1, **kw)}[driver]
   good, bad = list(_batches(x, y, 2, 64))
   rows = 64 // mesh.size

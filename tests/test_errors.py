@@ -31,7 +31,8 @@ def test_top_k_arguments(kwargs, match):
 
 def test_top_k_k_larger_than_leaf():
   tx = commopt.compressed_mean(commopt.top_k(k=100), min_size=0)
-  with pytest.raises(ValueError, match=r"`k` must be at most the leaf size, got k=100 .* \(size 50\)"):
+  with pytest.raises(ValueError, match=r"`k` must be at most the leaf size, got k=100 "
+                                       r".* \(size 50\)"):
     tx.update({"w": jnp.ones(50)}, tx.init({"w": jnp.ones(50)}))
 
 
@@ -104,7 +105,8 @@ def test_unknown_registry_name():
 
 def test_make_refuses_an_option_the_compressor_does_not_take():
   # A misspelt option used to fall back silently to the default ratio.
-  with pytest.raises(ValueError, match=r"'top_k' takes no option 'rato'; its options are \['ratio'"):
+  with pytest.raises(ValueError, match=r"'top_k' takes no option 'rato'; its options are "
+                                       r"\['ratio'"):
     commopt.compressors.make("top_k", rato=0.5)
   with pytest.raises(ValueError, match="takes no option 'rank'"):
     commopt.compressors.make("scaled_sign", rank=None)
@@ -171,7 +173,8 @@ def test_a_bfloat16_cast_keeps_a_residual_only_when_asked():
 
 
 def test_two_phase_server_memory_is_float32_for_bf16():
-  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase", min_size=0)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase",
+                               min_size=0)
   state = commopt.testing.vmap_workers(tx, 4, "data").init({"w": jnp.ones(64, jnp.bfloat16)})
   assert state.residual["w"].dtype == jnp.float32
   assert state.server_residual["w"].dtype == jnp.float32
@@ -248,11 +251,11 @@ FACTORY_OPTIONS = [
     (lambda **kw: commopt.compressed_mean(commopt.scaled_sign(), **kw),
      [("min_size", "8"), ("min_size", 8.0), ("min_size", True), ("seed", "0"), ("seed", 1.5),
       ("strategy", 1)]),
-    (lambda **kw: commopt.dgc(**kw),
+    (lambda **kw: commopt.transforms.dgc(**kw),
      [("nesterov", "no"), ("nesterov", 1), ("momentum", "0.9"), ("momentum", True),
       ("clip_norm", "1.0"), ("min_size", 8.0), ("seed", "0"), ("densities", "0.01"),
       ("method", 1)]),
-    (lambda **kw: commopt.scheduled_top_k(**{"densities": 0.1, **kw}),
+    (lambda **kw: commopt.transforms.scheduled_top_k(**{"densities": 0.1, **kw}),
      [("densities", "0.1"), ("densities", True), ("method", True)]),
     (lambda **kw: commopt.diloco(_inner(), **{"axis_name": "data", "period": 4, **kw}),
      [("period", 4.0), ("period", True), ("error_feedback", "no"), ("error_feedback", None),
@@ -261,27 +264,29 @@ FACTORY_OPTIONS = [
      [("period", "4"), ("error_feedback", 0), ("warmup_steps", 1.0), ("seed", True)]),
     (lambda **kw: commopt.streaming_diloco(_inner(), **{"axis_name": "data", "period": 4, **kw}),
      [("fragments", 2.0), ("delay", True), ("mixing", "0.5"), ("error_feedback", "yes")]),
-    (lambda **kw: commopt.easgd(_inner(), **{"axis_name": "data", "alpha": 0.5, **kw}),
+    (lambda **kw: commopt.transforms.easgd(_inner(), **{"axis_name": "data", "alpha": 0.5, **kw}),
      [("alpha", "0.5"), ("alpha", True), ("beta", "0.1"), ("period", 2.0),
       ("error_feedback", 1)]),
-    (lambda **kw: commopt.stale(_inner(), **{"axis_name": "data", "max_staleness": 2, **kw}),
+    (lambda **kw: commopt.transforms.stale(_inner(), **{"axis_name": "data", "max_staleness": 2,
+                                                        **kw}),
      [("max_staleness", 2.0), ("distribution", 1), ("mean_staleness", "1"),
       ("byte_budget", 1e6), ("error_feedback", "no"), ("seed", 0.0)]),
     (lambda **kw: commopt.onebit_adam(**{"learning_rate": 1e-3, "freeze_step": 10,
                                          "axis_name": "data", **kw}),
      [("freeze_step", 10.0), ("learning_rate", "1e-3"), ("b1", "0.9"), ("eps", True),
       ("weight_decay", "0"), ("min_size", 1.5), ("seed", "0"), ("strategy", 2)]),
-    (lambda **kw: commopt.onebit_lamb(**{"learning_rate": 1e-3, "freeze_step": 10,
+    (lambda **kw: commopt.transforms.onebit_lamb(**{"learning_rate": 1e-3, "freeze_step": 10,
                                          "axis_name": "data", **kw}),
      [("max_coeff", "10"), ("coeff_beta", True), ("factor_max", "4"), ("freeze_step", "10")]),
-    (lambda **kw: commopt.zero_one_adam(**{"learning_rate": 1e-3, "axis_name": "data", **kw}),
+    (lambda **kw: commopt.transforms.zero_one_adam(**{"learning_rate": 1e-3, "axis_name": "data",
+                                                      **kw}),
      [("var_freeze_step", 100.0), ("var_update_scaler", "16"), ("local_step_clipper", True),
       ("b2", "0.999")]),
-    (lambda **kw: commopt.fetch_sgd(**{"learning_rate": 0.1, "k": 10, "rows": 3, "cols": 64,
-                                       "axis_name": "data", **kw}),
+    (lambda **kw: commopt.transforms.fetch_sgd(**{"learning_rate": 0.1, "k": 10, "rows": 3,
+                                                  "cols": 64, "axis_name": "data", **kw}),
      [("k", 10.0), ("rows", "3"), ("cols", True), ("momentum", "0.9"), ("seed", True),
       ("zeroing", 1)]),
-    (lambda **kw: commopt.sfb_mean(**{"axis_name": "data", "batch_rows": 8,
+    (lambda **kw: commopt.transforms.sfb_mean(**{"axis_name": "data", "batch_rows": 8,
                                       "mask": {"w": True}, **kw}),
      [("batch_rows", 8.0), ("check_rows", "no")]),
     (lambda **kw: commopt.multi_steps(_inner(), **{"every_k_schedule": 2, **kw}),
@@ -289,18 +294,20 @@ FACTORY_OPTIONS = [
     (lambda **kw: commopt.apply_if_finite(_inner(), **kw),
      [("max_consecutive_errors", 2.0), ("max_consecutive_errors", "2")]),
     (lambda **kw: commopt.majority_vote(**kw), [("axis_name", 1)]),
-    (lambda **kw: commopt.krum(**{"axis_name": "data", "f": 1, **kw}),
+    (lambda **kw: commopt.aggregators.krum(**{"axis_name": "data", "f": 1, **kw}),
      [("f", 1.0), ("f", True), ("error_feedback", "no"), ("min_size", "0"), ("seed", 0.5)]),
-    (lambda **kw: commopt.multi_krum(**{"axis_name": "data", "f": 1, **kw}), [("m", 2.0)]),
-    (lambda **kw: commopt.trimmed_mean(**{"axis_name": "data", "beta": 0.1, **kw}),
+    (lambda **kw: commopt.aggregators.multi_krum(**{"axis_name": "data", "f": 1, **kw}),
+     [("m", 2.0)]),
+    (lambda **kw: commopt.aggregators.trimmed_mean(**{"axis_name": "data", "beta": 0.1, **kw}),
      [("beta", "0.1"), ("f", "1")]),
-    (lambda **kw: commopt.coordinate_median(**{"axis_name": "data", **kw}),
+    (lambda **kw: commopt.aggregators.coordinate_median(**{"axis_name": "data", **kw}),
      [("f", "1"), ("error_feedback", 0)]),
-    (lambda **kw: commopt.geometric_median(**{"axis_name": "data", **kw}),
+    (lambda **kw: commopt.aggregators.geometric_median(**{"axis_name": "data", **kw}),
      [("iters", 8.0), ("nu", "1e-6")]),
-    (lambda **kw: commopt.centered_clip(**{"axis_name": "data", "tau": 1.0, **kw}),
+    (lambda **kw: commopt.aggregators.centered_clip(**{"axis_name": "data", "tau": 1.0, **kw}),
      [("tau", True), ("iters", 1.5)]),
-    (lambda **kw: commopt.robust_aggregate(**{"rule": lambda x: x[0], "axis_name": "data", **kw}),
+    (lambda **kw: commopt.aggregators.robust_aggregate(
+        **{"rule": lambda x: x[0], "axis_name": "data", **kw}),
      [("coordinatewise", "no"), ("with_previous", 1), ("seed", "0")]),
     (lambda **kw: commopt.aggregators.attacks.attack(
         **{"kind": "gaussian", "axis_name": "data", "byzantine": (0,), **kw}),
@@ -325,8 +332,9 @@ def test_factories_refuse_options_of_the_wrong_type(make, option, value):
 
 @pytest.mark.parametrize("make, option", [
     (lambda: commopt.compressed_mean("sign"), "compressor"),
-    (lambda: commopt.krum(1, axis_name="data", compressor="int_quant"), "compressor"),
-    (lambda: commopt.coordinate_median(axis_name="data", payload_attack="bit_flip"), "payload_attack"),
+    (lambda: commopt.aggregators.krum(1, axis_name="data", compressor="int_quant"), "compressor"),
+    (lambda: commopt.aggregators.coordinate_median(axis_name="data", payload_attack="bit_flip"),
+     "payload_attack"),
     (lambda: commopt.diloco("sgd", axis_name="data", period=4), "inner"),
     (lambda: commopt.apply_if_finite(None), "inner"),
     (lambda: commopt.data_parallel(1, _inner(), jax.make_mesh((1,), ("data",))), "loss_fn"),

@@ -1,15 +1,15 @@
 """Every README and guide example that trains, trained for ten times the steps it shows.
 
-The guide's pages (``docs/guide/*.md``) include the README's sections, and a
-few add an example of their own (:data:`GUIDE`). The README's blocks run as
-written and in order, as in ``tests/test_readme.py`` (whose helpers this
-reuses), with every training loop ten times as long and each step's loss
-recorded: the loss must stay finite and end below where it started. A
-transform the README builds without training it (majority vote, the attacked
-robust rule, stale workers with a byte budget, 1-bit Adam) trains for
-``UNSHOWN_STEPS`` steps, as does a guide example whose loop shows no count.
-The README's DiLoCo transform also trains an MLP on fresh minibatches, where
-Nesterov's outer step over it diverged. Slow tier.
+The README's blocks (the tour, the checkpoint section) run as written and in
+order, as in ``tests/test_readme.py`` (whose helpers this reuses), with every
+training loop ten times as long and each step's loss recorded: the loss must
+stay finite and end below where it started. The guide's pages
+(``docs/guide/*.md``) have examples of their own (:data:`GUIDE`), some
+continuing the README's tour. A transform a page builds without training it
+(majority vote, the attacked robust rule, stale workers with a byte budget,
+1-bit Adam) trains for ``UNSHOWN_STEPS`` steps, as does a guide example whose
+loop shows no count. The sync page's DiLoCo transform also trains an MLP on
+fresh minibatches, where Nesterov's outer step over it diverged. Slow tier.
 """
 import ast
 import pathlib
@@ -23,7 +23,8 @@ import optax
 import pytest
 
 import commopt
-import commopt.launch  # noqa: F401  (the guide test patches it; a submodule, not imported by commopt)
+# commopt.launch: the guide test patches it; a submodule, not imported by commopt.
+import commopt.launch  # noqa: F401
 
 TESTS = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -35,21 +36,14 @@ FACTOR = 10
 """How many times the steps each example shows it trains for."""
 
 UNSHOWN_STEPS = 100
-"""Steps for a transform the README builds but does not train, and for a loop with no count."""
+"""Steps for a transform a page builds but does not train, and for a loop with no count."""
 
 STEP_CALLS = ("step", "my_step", "train")
-"""The calls that train: ``dp.step``, ``trainer.step``, the README's ``my_step`` and its scan."""
+"""The calls that train: ``dp.step``, ``trainer.step``, the guide's ``my_step`` and its scan."""
 
-# The examples that train, by a phrase of their block, and the steps each runs here.
+# The README's examples that train, by a phrase of their block, and the steps each runs here.
 TRAINED = {
-    "tour (PowerSGD)": ("commopt.power_sgd(rank=2), axis_name", 1),
-    "lax.scan loop": ("jax.lax.scan", 10),
-    "nnx model": ("nnx_data_parallel", 3),
-    "own shard_map step": ("local_value_and_grad", 1),
-    "DiLoCo": ("commopt.diloco(", 16),
-    "hierarchical local SGD": ("period={", 16),
-    "sufficient factors": ("sfb_mean", 1),
-    "multi-process step": ("launch.initialize", 1),
+    "tour (PowerSGD)": ("commopt.power_sgd(rank=2), axis_name", 20),
     "restored onto 4 workers": ("dp4.step", 1),
 }
 
@@ -57,9 +51,12 @@ TRAINED = {
 # phrase, or None for a page that sets itself up; the names it leaves to the reader, from
 # the README's namespace and a folder; the steps it trains for here).
 GUIDE = {
-    "multihost.md": ("launch.initialize", lambda ns, folder: dict(
+    "data_parallel.md": ("commopt.power_sgd(rank=2), axis_name", lambda ns, folder: {},
+                         FACTOR * (10 + 3 + 1)),
+    "sync.md": (None, lambda ns, folder: {}, FACTOR * (16 + 16 + 1)),
+    "multihost.md": (None, lambda ns, folder: dict(
         first_step=0, steps=UNSHOWN_STEPS, my_rows=lambda step: ns["batch"],
-        ckpt_dir=str(folder)), UNSHOWN_STEPS),
+        ckpt_dir=str(folder)), FACTOR * 1 + UNSHOWN_STEPS),
     "from_optax.md": (None, lambda ns, folder: {}, FACTOR * (50 + 50 + 50 + 30)),
     "sharded.md": (None, lambda ns, folder: {}, FACTOR * (30 + 32)),
     "overlap.md": (None, lambda ns, folder: {}, FACTOR * (40 + 40 + 40 + 40)),
@@ -67,12 +64,17 @@ GUIDE = {
     "lowcomm.md": (None, lambda ns, folder: {}, FACTOR * 3 * 100),
 }
 
-# Transforms the README builds without a loop: (phrase of the block, variable, local_params).
+BY_BLOCK = frozenset({"data_parallel.md", "sync.md"})
+"""Pages of independent examples (the README's, once): each block that trains is checked on
+its own trace, as the README's blocks are, rather than the page's as one run."""
+
+# Transforms a guide page builds without a loop: (page, phrase of the block, variable,
+# local_params).
 UNSHOWN = {
-    "majority vote": ("majority_vote", "vote", False),
-    "trimmed mean under ALIE": ("attacks.attack", "tx", False),
-    "stale workers with a byte budget": ("byte_budget", "budgeted", True),
-    "1-bit Adam": ("onebit_adam", "tx", False),
+    "majority vote": ("methods.md", "majority_vote", "vote", False),
+    "trimmed mean under ALIE": ("methods.md", "attacks.attack", "tx", False),
+    "stale workers with a byte budget": ("sync.md", "byte_budget", "budgeted", True),
+    "1-bit Adam": ("sync.md", "onebit_adam", "tx", False),
 }
 
 
@@ -144,19 +146,15 @@ def _recorder(trace: list):
 
 @pytest.fixture(scope="module")
 def run():
-  """Runs the README's blocks in order, lengthened: ``(losses per block, variables per block)``,
-  the variables being those that :data:`UNSHOWN` names, taken just after their block ran."""
+  """Runs the README's blocks in order, lengthened: the losses per block."""
   ns = namespace()
-  traces, kept = {}, {}
+  traces = {}
   for i, block in enumerate(python_blocks()):
     trace = []
     ns["_record"] = _recorder(trace)
     exec(compile(lengthened(block), f"{README} (block {i}, lengthened)", "exec"), ns)  # noqa: S102
     traces[i] = trace
-    for label, (phrase, name, _) in UNSHOWN.items():
-      if phrase in block:
-        kept[label] = ns[name]
-  return traces, kept
+  return traces
 
 
 def _block(phrase: str) -> int:
@@ -203,20 +201,29 @@ def test_lengthened_repeats_a_single_step_on_what_it_returned():
 
 @pytest.mark.parametrize("label", list(TRAINED))
 def test_example_trains_for_ten_times_its_steps(label, run):
-  traces, _ = run
+  traces = run
   phrase, shown = TRAINED[label]
   trace = traces[_block(phrase)]
   assert len(trace) == FACTOR * shown, (label, len(trace))
   assert _decreased(trace), (label, trace[:3], trace[-3:])
 
 
-@pytest.mark.parametrize("label", list(UNSHOWN))
-def test_transform_built_without_a_loop_trains(label, run):
-  _, kept = run
-  _, _, local_params = UNSHOWN[label]
+def _built(page: str, phrase: str, name: str):
+  """``name`` as the page's blocks leave it, run as written up to the one with ``phrase``."""
   ns = namespace()
-  dp = commopt.data_parallel(ns["loss_fn"], kept[label], jax.make_mesh((8,), ("data",)),
-                             local_params=local_params)
+  for block in _guide_blocks(TESTS.parent / "docs" / "guide" / page):
+    exec(compile(block, f"docs/guide/{page}", "exec"), ns)  # noqa: S102
+    if phrase in block:
+      return ns[name]
+  raise AssertionError(f"no block of docs/guide/{page} has {phrase!r}")
+
+
+@pytest.mark.parametrize("label", list(UNSHOWN))
+def test_transform_built_without_a_loop_trains(label):
+  page, phrase, name, local_params = UNSHOWN[label]
+  ns = namespace()
+  dp = commopt.data_parallel(ns["loss_fn"], _built(page, phrase, name),
+                             jax.make_mesh((8,), ("data",)), local_params=local_params)
   params, state = dp.place_params(ns["params"]), dp.init(ns["params"])
   trace = []
   for _ in range(UNSHOWN_STEPS):
@@ -236,25 +243,34 @@ def test_guide_example_trains(page, tmp_path, monkeypatch):
     exec(compile(python_blocks()[_block(phrase)], str(README), "exec"), ns)  # noqa: S102
   monkeypatch.setattr(commopt.launch, "initialize", lambda **kw: commopt.launch.Context(0, 1))
   monkeypatch.setattr(commopt.launch, "should_stop", lambda: False)
-  trace = []
-  ns.update(names(ns, tmp_path), _record=_recorder(trace))
+  ns.update(names(ns, tmp_path))
+  traces = []
   for block in _guide_blocks(TESTS.parent / "docs" / "guide" / page):
+    traces.append([])
+    ns["_record"] = _recorder(traces[-1])
     exec(compile(lengthened(block), f"docs/guide/{page}", "exec"), ns)  # noqa: S102
-  assert len(trace) == steps and _decreased(trace), trace
+  trace = [value for block_trace in traces for value in block_trace]
+  assert len(trace) == steps, (len(trace), steps)
+  if page in BY_BLOCK:
+    assert all(_decreased(t) for t in traces if t), [(t[:2], t[-2:]) for t in traces if t]
+  else:
+    assert _decreased(trace), trace
 
 
-def test_readme_diloco_trains_an_mlp_on_fresh_minibatches():
-  """The README's DiLoCo transform, as written, under data_parallel on the MLP of
+def test_the_sync_pages_diloco_trains_an_mlp_on_fresh_minibatches():
+  """The sync page's DiLoCo transform, as written, under data_parallel on the MLP of
   examples/digits_cnn.py with a fresh minibatch every step, for 600 steps. With Nesterov's
   outer step (0.7, 0.9) over it, its loss rose back to chance (about 2.3)."""
   sys.path.insert(0, str(TESTS.parent / "examples"))
   import digits_cnn
 
-  block = python_blocks()[_block("commopt.diloco(")]
+  block = next(b for b in _guide_blocks(TESTS.parent / "docs" / "guide" / "sync.md")
+               if "commopt.diloco(" in b)
   statements = [s for s in ast.parse(block).body if isinstance(s, ast.Assign)
                 and {getattr(t, "id", None) for t in s.targets} & {"inner", "tx"}]
   ns = {"jax": jax, "jnp": jnp, "optax": optax, "commopt": commopt}
-  exec(compile(ast.Module(body=statements, type_ignores=[]), str(README), "exec"), ns)  # noqa: S102
+  exec(compile(ast.Module(body=statements, type_ignores=[]), "docs/guide/sync.md",  # noqa: S102
+               "exec"), ns)
   x, y = digits_cnn.load_digits_flat()
   params, loss_fn = digits_cnn.mlp_fns(64)
   dp = commopt.data_parallel(loss_fn, ns["tx"], jax.make_mesh((8,), ("data",)), local_params=True)
@@ -266,5 +282,5 @@ def test_readme_diloco_trains_an_mlp_on_fresh_minibatches():
     local, state, losses = dp.step(local, state, {"x": x[rows], "y": y[rows]})
     trace.append(float(np.mean(losses)))
   assert _decreased(trace)
-  anchor = commopt.global_params(state)
+  anchor = commopt.transforms.global_params(state)
   assert float(loss_fn(anchor, {"x": x, "y": y})) < 0.05, trace[-10:]

@@ -15,7 +15,8 @@ from commopt._src import rng
 
 PALLAS = {"implementation": "pallas", "interpret": True}
 OFF_GPU = pytest.mark.skipif(jax.default_backend() == "gpu",
-                             reason="checks what happens without a GPU (tests/test_kernels_native.py runs on one)")
+                             reason="checks what happens without a GPU "
+                                    "(tests/test_kernels_native.py runs on one)")
 
 
 mixed = commopt.testing.checks.hard_floats
@@ -42,15 +43,20 @@ def test_auto_is_the_reference_on_cpu():
     (lambda: kernels.pack_bits(jnp.ones(4), 2), r"`codes` must be an integer or boolean"),
     (lambda: kernels.pack_bits(jnp.ones(4, jnp.int32), 2, block=48),
      r"`block` must be a power of two >= 32, got 48"),
-    (lambda: kernels.unpack_bits(jnp.ones(1, jnp.uint32), 2, 17), r"`size` must be an integer in \[0, 16\]"),
-    (lambda: kernels.sign_pack(jnp.ones(4), block_size=0), r"`block_size` must be None or a positive"),
+    (lambda: kernels.unpack_bits(jnp.ones(1, jnp.uint32), 2, 17),
+     r"`size` must be an integer in \[0, 16\]"),
+    (lambda: kernels.sign_pack(jnp.ones(4), block_size=0),
+     r"`block_size` must be None or a positive"),
     (lambda: kernels.sign_pack(jnp.ones(4, jnp.int32)), r"`x` must be a floating-point array"),
-    (lambda: kernels.select_top_k(jnp.ones(4), 5), r"`k` must be an integer in \[1, 4\] \(x.size\), got 5"),
+    (lambda: kernels.select_top_k(jnp.ones(4), 5),
+     r"`k` must be an integer in \[1, 4\] \(x.size\), got 5"),
     (lambda: kernels.select_top_k(jnp.ones(4), 0), r"got 0"),
     (lambda: kernels.select_top_k(jnp.ones(4), 1, radix_bits=9), r"`radix_bits` must be"),
-    (lambda: kernels.select_top_k(jnp.ones(4), 1, interpret=1), r"`interpret` must be True or False"),
+    (lambda: kernels.select_top_k(jnp.ones(4), 1, interpret=1),
+     r"`interpret` must be True or False"),
     (lambda: kernels.quantize_pack(jnp.ones(4), jnp.ones(4, jnp.uint32), 2, jnp.ones(1),
-                                   style="terngrad"), r"`levels` must be 1 for style='terngrad', got 2"),
+                                   style="terngrad"),
+     r"`levels` must be 1 for style='terngrad', got 2"),
     (lambda: kernels.quantize_pack(jnp.ones(4), jnp.ones(3, jnp.uint32), 1, jnp.ones(1)),
      r"`random_bits` must be uint32 with 4 elements"),
     (lambda: kernels.quantize_pack(jnp.ones(4), jnp.ones(4, jnp.uint32), 1, jnp.ones(1),
@@ -119,7 +125,8 @@ def test_sign_pack_matches_the_reference(n, block_size):
   scales, words = kernels.sign_pack(x, block_size, block=64, **PALLAS)
   np.testing.assert_array_equal(words, want_words)
   np.testing.assert_allclose(scales, want_scales, rtol=2e-6)
-  assert scales.shape == want_scales.shape == (-(-n // (block_size or n)) if block_size and block_size < n else 1,)
+  assert scales.shape == want_scales.shape == (-(-n // (block_size or n))
+                                               if block_size and block_size < n else 1,)
 
 
 def test_sign_pack_specials_and_bf16():
@@ -251,7 +258,7 @@ def test_quantize_pack_reproduces_qsgd_and_terngrad():
   payload, _ = commopt.qsgd(levels=7, bucket_size=128).encode(x, None, key)
   np.testing.assert_array_equal(
       kernels.quantize_pack(x, r, 7, payload["norms"], block_size=128), payload["codes"])
-  payload, _ = commopt.terngrad(clip=None).encode(x, None, key)
+  payload, _ = commopt.compressors.terngrad(clip=None).encode(x, None, key)
   np.testing.assert_array_equal(
       kernels.quantize_pack(x, r, 1, payload["scale"], style="terngrad"), payload["codes"])
 
@@ -300,7 +307,8 @@ def test_select_top_k_all_equal_and_bf16():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n, k", [(131_072, 1), (131_075, 131), (200_003, 2_000), (300_007, 30_000)])
+@pytest.mark.parametrize("n, k", [(131_072, 1), (131_075, 131), (200_003, 2_000),
+                                  (300_007, 30_000)])
 def test_select_top_k_sampled_bracket_and_fallback(n, k):
   """Large leaves: a sample bounds the k-th key, two passes count and write the candidates,
   the k largest are found among them (indices ascending). A leaf the sample misjudges (all

@@ -214,13 +214,22 @@ def test_the_collectives_check_would_catch_a_direct_call():
 
 
 def test_no_top_level_name_shadows_optax_with_another_meaning():
+  """A top-level name takes an optax name only as a drop-in replacement (the same call,
+  made to agree across workers), or as the subpackage of that name."""
   import optax
-  # Same meaning, made to agree across workers (an axis_name argument), and the
-  # subpackage of that name.
-  same_meaning = {"apply_if_finite", "ApplyIfFiniteState", "MultiStepsState", "transforms"}
+  same_meaning = {"apply_if_finite", "transforms"}
   clash = {n for n in commopt.__all__ if hasattr(optax, n)
            and getattr(optax, n) is not getattr(commopt, n)}
   assert clash == same_meaning, clash ^ same_meaning
+
+
+def test_the_top_level_is_a_sorted_core_of_at_most_50_names():
+  assert commopt.__all__ == sorted(commopt.__all__, key=str.lower)
+  assert len(commopt.__all__) <= 50
+  public = {n for n in dir(commopt) if not n.startswith("_")} - {"MOVED", "annotations"}
+  assert public - {"nnx_data_parallel"} <= set(commopt.__all__), public - set(commopt.__all__)
+  for name in commopt.__all__:
+    assert getattr(commopt, name) is not None, name
 
 
 MAX_MODULE_LINES = 900

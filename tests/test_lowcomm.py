@@ -36,7 +36,7 @@ def _top_k_np(tiles, k):
 def test_chunk_top_k_keeps_each_tiles_k_largest_entries_or_dct_coefficients(dct):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(128, 192)).astype(np.float32)
-  c = commopt.chunk_top_k(8, chunk=64, dct=dct)
+  c = commopt.compressors.chunk_top_k(8, chunk=64, dct=dct)
   payload, _ = c.encode(jnp.asarray(x), None, None)
   got = np.asarray(c.decode(payload, None, jnp.asarray(x)), np.float64)
   tiles = _tiles_np(x.astype(np.float64), 64, 64)
@@ -61,7 +61,7 @@ def test_chunk_top_k_tiles_odd_shapes_and_sends_whole_tiles_without_indices():
   rng = np.random.default_rng(1)
   for shape in [(130,), (3, 3, 8, 16), (5,), (67, 3)]:
     x = jnp.asarray(rng.normal(size=shape).astype(np.float32))
-    c = commopt.chunk_top_k(4096, chunk=64, dct=True)              # k ≥ every tile: lossless
+    c = commopt.compressors.chunk_top_k(4096, chunk=64, dct=True)  # k ≥ every tile: lossless
     payload, _ = c.encode(x, None, None)
     assert "indices" not in payload
     np.testing.assert_allclose(np.asarray(c.decode(payload, None, x)), np.asarray(x), atol=1e-5)
@@ -70,13 +70,13 @@ def test_chunk_top_k_tiles_odd_shapes_and_sends_whole_tiles_without_indices():
 def test_chunk_top_k_bits_send_a_sign_and_a_bin_mean_per_value():
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.normal(size=(64, 64)).astype(np.float32))
-  c = commopt.chunk_top_k(64, chunk=64, bits=2)
+  c = commopt.compressors.chunk_top_k(64, chunk=64, bits=2)
   payload, _ = c.encode(x, None, None)
   y = np.asarray(c.decode(payload, None, x))
   kept = np.flatnonzero(y)
   assert kept.size == 64
-  exact = np.asarray(commopt.chunk_top_k(64, chunk=64).decode(
-      commopt.chunk_top_k(64, chunk=64).encode(x, None, None)[0], None, x))
+  exact = np.asarray(commopt.compressors.chunk_top_k(64, chunk=64).decode(
+      commopt.compressors.chunk_top_k(64, chunk=64).encode(x, None, None)[0], None, x))
   np.testing.assert_array_equal(kept, np.flatnonzero(exact))       # the same coordinates
   assert np.all(np.sign(y.ravel()[kept]) == np.sign(exact.ravel()[kept]))
   mags = np.abs(exact.ravel()[kept])
@@ -101,8 +101,8 @@ def test_residual_decay_keeps_exactly_what_was_not_sent(decay):
     e = np.asarray(state.residual["w"])
     mean, state = jax.vmap(tx.update, axis_name="w")({"w": jnp.asarray(u)}, state)
     p = u + decay * e
-    sent = np.stack([np.asarray(reconstruct.decode(reconstruct.encode(jnp.asarray(q), None, None)[0],
-                                                   None, jnp.asarray(q))) for q in p])
+    sent = np.stack([np.asarray(reconstruct.decode(
+        reconstruct.encode(jnp.asarray(q), None, None)[0], None, jnp.asarray(q))) for q in p])
     np.testing.assert_allclose(np.asarray(state.residual["w"]), p - sent, atol=1e-5)
     np.testing.assert_allclose(np.asarray(mean["w"][0]), sent.mean(0), atol=1e-5)
 
@@ -220,7 +220,7 @@ def test_sparseloco_error_feedback_conserves_the_decayed_pseudo_gradient():
   lr, period, decay = 0.1, 2, 0.8
   rng = np.random.default_rng(5)
   params0 = {"w": rng.normal(size=(64, 64)).astype(np.float32)}
-  tx = commopt.sparseloco(optax.sgd(lr), axis_name="w", period=period, k=64, decay=decay,
+  tx = commopt.transforms.sparseloco(optax.sgd(lr), axis_name="w", period=period, k=64, decay=decay,
                           min_size=0)
   state = jax.vmap(tx.init, in_axes=None, axis_size=N, axis_name="w")(params0)
   update = jax.jit(jax.vmap(tx.update, axis_name="w"))
@@ -247,7 +247,8 @@ def test_sparseloco_sends_over_97_times_fewer_bytes_than_dense_diloco():
   params = {"w1": jnp.zeros((512, 1024)), "w2": jnp.zeros((1024, 512)), "b": jnp.zeros(512)}
   dense = wire.comm_plan(commopt.diloco(optax.adamw(1e-3), axis_name="data", period=30),
                          params, 4)
-  sparse = wire.comm_plan(commopt.sparseloco(optax.adamw(1e-3), axis_name="data", period=30),
+  sparse = wire.comm_plan(commopt.transforms.sparseloco(optax.adamw(1e-3), axis_name="data",
+                                                        period=30),
                           params, 4)
   ratio = dense.contributed_bytes / sparse.contributed_bytes
   assert ratio >= 97, ratio
@@ -321,12 +322,12 @@ def test_overlapped_diloco_is_streaming_diloco_run_as_two_programs(delay, mixing
   tests/test_sync.py checks)."""
   params, x, y = _mlp()
   inner, period = optax.adam(3e-3), 4
-  kw = dict(compressor=commopt.chunk_top_k(16, chunk=32, bits=2), min_size=0) if compressed \
-      else {}
+  kw = dict(compressor=commopt.compressors.chunk_top_k(16, chunk=32, bits=2),
+            min_size=0) if compressed else {}
   want = commopt.data_parallel(_mlp_loss, commopt.streaming_diloco(
       inner, axis_name="data", period=period, fragments=1, delay=delay, mixing=mixing, **kw),
       mesh, local_params=True)
-  run = commopt.overlapped_diloco(_mlp_loss, inner, mesh, period=period, delay=delay,
+  run = commopt.parallel.overlapped_diloco(_mlp_loss, inner, mesh, period=period, delay=delay,
                                   mixing=mixing, **kw)
   p1, s1 = want.place_params(params), want.init(params)
   p2, s2 = run.place_params(params), run.init(params)
@@ -348,12 +349,12 @@ def test_overlapped_diloco_is_streaming_diloco_run_as_two_programs(delay, mixing
 
 def test_overlapped_diloco_checks_its_arguments(mesh):
   with pytest.raises(ValueError, match=r"overlapped_diloco: `delay` must be below `period` \(4\)"):
-    commopt.overlapped_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=4, delay=4)
+    commopt.parallel.overlapped_diloco(_mlp_loss, optax.sgd(0.1), mesh, period=4, delay=4)
 
 
 @pytest.mark.slow
 def test_chunk_top_k_senders_averages_each_coefficient_over_the_workers_that_sent_it():
-  c = commopt.chunk_top_k(8, chunk=64, dct=True, combine="senders")
+  c = commopt.compressors.chunk_top_k(8, chunk=64, dct=True, combine="senders")
   tx = commopt.compressed_mean(c, axis_name="w", min_size=0, error_feedback=False)
   rng = np.random.default_rng(6)
   strong = np.zeros((64, 64))
@@ -370,8 +371,8 @@ def test_chunk_top_k_senders_averages_each_coefficient_over_the_workers_that_sen
   np.testing.assert_allclose(np.asarray(mean["w"][0]), want, atol=1e-5)
   # Coefficients more than one worker sent: the plain mean would be smaller there.
   assert (senders > 1).any() and (senders == 1).any()
-  plain = commopt.compressed_mean(commopt.chunk_top_k(8, chunk=64, dct=True), axis_name="w",
-                                  min_size=0, error_feedback=False)
+  plain = commopt.compressed_mean(commopt.compressors.chunk_top_k(8, chunk=64, dct=True),
+                                  axis_name="w", min_size=0, error_feedback=False)
   m2, _ = jax.vmap(plain.update, axis_name="w")({"w": jnp.asarray(u, jnp.float32)},
                                                 jax.vmap(plain.init, in_axes=None, axis_size=N,
                                                          axis_name="w")({"w": jnp.zeros((64, 64))}))

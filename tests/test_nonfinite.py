@@ -40,8 +40,8 @@ def test_qsgd_at_1e19_sends_finite_norms():
 
 @pytest.mark.parametrize("name,compressor", [
     ("qsgd", commopt.qsgd(levels=7, bucket_size=64)),
-    ("terngrad", commopt.terngrad(clip=2.5)),
-    ("adaptive_levels", commopt.adaptive_levels(levels=8, bins=32)),
+    ("terngrad", commopt.compressors.terngrad(clip=2.5)),
+    ("adaptive_levels", commopt.compressors.adaptive_levels(levels=8, bins=32)),
 ])
 def test_quantisers_scale_by_powers_of_two_exactly(name, compressor):
   # Scaling an input by 2^64 scales the reconstruction by 2^64, bit for bit:
@@ -90,7 +90,7 @@ def test_power_sgd_after_inputs_of_1e30(options):
 
 
 def test_atomo_at_1e30_is_finite():
-  c = commopt.atomo(budget=2)
+  c = commopt.compressors.atomo(budget=2)
   m = 1e30 * _rank_two_workers(1.0)["w"][0]
   y = _roundtrip(c, m)
   np.testing.assert_allclose(y, m, rtol=1e-4, atol=1e-4 * float(jnp.abs(m).max()))
@@ -200,7 +200,8 @@ def _loss(p, b):
 def test_data_parallel_skips_a_reduced_update_that_overflows(mesh):
   # The gradients are finite on every worker (about 1e18); the step size makes
   # the reduced update overflow. The step is skipped on every worker.
-  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(1e30))
+  tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
+                   optax.sgd(1e30))
   dp = commopt.data_parallel(_loss, tx, mesh)
   params = {"w": 0.1 * jax.random.normal(jax.random.key(5), (32, 64))}
   state = dp.init(params)
@@ -247,8 +248,9 @@ def test_safe_norm_is_the_plain_norm_and_finite_at_1e30():
   assert base.safe_norm([x]) == jnp.sqrt(jnp.sum(x * x))
   big = base.safe_norm([x * 1e30, x[:10] * 1e30])
   assert np.isfinite(big)
-  np.testing.assert_allclose(big / 1e30, np.sqrt(np.sum(np.square(np.asarray(x, np.float64)))
-                                                 + np.sum(np.square(np.asarray(x[:10], np.float64)))),
+  np.testing.assert_allclose(big / 1e30,
+                             np.sqrt(np.sum(np.square(np.asarray(x, np.float64)))
+                                     + np.sum(np.square(np.asarray(x[:10], np.float64)))),
                              rtol=1e-5)
   assert float(base.safe_norm([jnp.zeros(3)])) == 0.0
   assert np.isnan(base.safe_norm([jnp.array([1.0, np.nan])]))

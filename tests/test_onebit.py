@@ -267,7 +267,7 @@ def test_zero_one_adam_matches_the_transcription(n):
   start = rng.normal(size=d).astype(np.float32)
   want = zero_one_adam_np(grads, np.broadcast_to(start, (n, d)),
                           [schedule(t) for t in range(steps)], kinds, wd)
-  tx = commopt.zero_one_adam(schedule, axis_name="data", b1=B1, b2=B2, eps=EPS,
+  tx = commopt.transforms.zero_one_adam(schedule, axis_name="data", b1=B1, b2=B2, eps=EPS,
                              weight_decay=wd, min_size=0, **ZERO_ONE)
   mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
   params = {"w": start.reshape(shape)}
@@ -311,7 +311,7 @@ def test_zero_one_adam_exchanges_only_on_its_schedule():
   params, _ = _problem()
   cfg = dict(var_freeze_step=16, var_update_scaler=4, local_step_scaler=8, local_step_clipper=8)
   kinds = zero_one_schedule_np(64, **cfg)
-  tx = commopt.zero_one_adam(1e-3, axis_name="data", **cfg)
+  tx = commopt.transforms.zero_one_adam(1e-3, axis_name="data", **cfg)
   plans = [wire.comm_plan(tx, params, 8, step=t) for t in range(64)]
   dense = (256 * 64 + 64) * 4
   assert [plan.contributed_bytes == dense for plan in plans] == [k == "variance" for k in kinds]
@@ -330,11 +330,11 @@ def test_zero_one_adam_exchanges_only_on_its_schedule():
 def test_zero_one_adam_checks_its_arguments():
   with pytest.raises(ValueError, match=r"zero_one_adam: `local_step_clipper` must be a "
                                        r"positive integer, got 0"):
-    commopt.zero_one_adam(1e-3, axis_name="data", local_step_clipper=0)
+    commopt.transforms.zero_one_adam(1e-3, axis_name="data", local_step_clipper=0)
   with pytest.raises(ValueError, match=r"zero_one_adam: `var_freeze_step` must be an integer "
                                        r">= 0, got -1"):
-    commopt.zero_one_adam(1e-3, axis_name="data", var_freeze_step=-1)
-  tx = commopt.zero_one_adam(1e-3, axis_name="data", weight_decay=0.1)
+    commopt.transforms.zero_one_adam(1e-3, axis_name="data", var_freeze_step=-1)
+  tx = commopt.transforms.zero_one_adam(1e-3, axis_name="data", weight_decay=0.1)
   with pytest.raises(ValueError, match=r"zero_one_adam: `weight_decay` needs `params`"):
     tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}))
 
@@ -439,7 +439,7 @@ def test_onebit_lamb_matches_the_transcription(mesh):
   assert set().union(*(f[k] for f in fired[freeze:] for k in params)) == {
       "factor_max", "factor_min", "threshold"}
   assert sum(not f[k] for f in fired[freeze:] for k in params) >= 2
-  tx = commopt.onebit_lamb(lr, freeze, axis_name="data", b1=B1, b2=B2, eps=EPS,
+  tx = commopt.transforms.onebit_lamb(lr, freeze, axis_name="data", b1=B1, b2=B2, eps=EPS,
                            weight_decay=wd, min_size=0, **kw)
   dp = commopt.data_parallel(_linear_loss, tx, mesh)
   p, s = dp.place_params(params), dp.init(params)
@@ -468,13 +468,13 @@ def test_onebit_lamb_matches_the_transcription(mesh):
 def test_onebit_lamb_checks_its_arguments():
   with pytest.raises(ValueError, match=r"onebit_lamb: `max_coeff` must be a number >= "
                                        r"min_coeff \(0.5\), got 0.1"):
-    commopt.onebit_lamb(1e-3, 10, axis_name="data", min_coeff=0.5, max_coeff=0.1)
+    commopt.transforms.onebit_lamb(1e-3, 10, axis_name="data", min_coeff=0.5, max_coeff=0.1)
   with pytest.raises(ValueError, match=r"onebit_lamb: `factor_max` must be a number >= "
                                        r"factor_min \(0.5\), got 0.25"):
-    commopt.onebit_lamb(1e-3, 10, axis_name="data", factor_max=0.25)
+    commopt.transforms.onebit_lamb(1e-3, 10, axis_name="data", factor_max=0.25)
   with pytest.raises(ValueError, match=r"onebit_lamb: `coeff_beta` must be a number in \[0, 1\)"):
-    commopt.onebit_lamb(1e-3, 10, axis_name="data", coeff_beta=1.0)
-  tx = commopt.onebit_lamb(1e-3, 10, axis_name="data")
+    commopt.transforms.onebit_lamb(1e-3, 10, axis_name="data", coeff_beta=1.0)
+  tx = commopt.transforms.onebit_lamb(1e-3, 10, axis_name="data")
   with pytest.raises(ValueError, match=r"onebit_lamb: `update` needs `params`"):
     tx.update({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}))
 
@@ -513,10 +513,10 @@ MASK_FREEZE = {"onebit_adam": 3, "zero_one_adam": 4, "onebit_lamb": 3}
 
 def _masked_tx(name, **kw):
   if name == "zero_one_adam":
-    return commopt.zero_one_adam(1e-2, axis_name="data", eps=1e-4, min_size=0,
+    return commopt.transforms.zero_one_adam(1e-2, axis_name="data", eps=1e-4, min_size=0,
                                  var_freeze_step=MASK_FREEZE[name], var_update_scaler=1,
                                  local_step_scaler=2, local_step_clipper=4, **kw)
-  return getattr(commopt, name)(1e-2, MASK_FREEZE[name], axis_name="data", eps=1e-4,
+  return getattr(commopt.transforms, name)(1e-2, MASK_FREEZE[name], axis_name="data", eps=1e-4,
                                 min_size=0, **kw)
 
 
@@ -644,10 +644,11 @@ def test_exp_avg_mask_is_checked():
   a shape unlike the parameters' at init. Each message names the argument and the leaf."""
   with pytest.raises(ValueError, match=r"zero_one_adam: `exp_avg_mask` leaf \['w'\] must hold "
                                        r"only 0s and 1s .*, got 0\.5 among its values"):
-    commopt.zero_one_adam(1e-3, axis_name="data", exp_avg_mask={"w": np.full((4, 3), 0.5)})
+    commopt.transforms.zero_one_adam(1e-3, axis_name="data",
+                                     exp_avg_mask={"w": np.full((4, 3), 0.5)})
   with pytest.raises(ValueError, match=r"onebit_lamb: `exp_avg_mask` leaf \['w'\] must be an "
                                        r"array of 0s and 1s .*, got str"):
-    commopt.onebit_lamb(1e-3, 10, axis_name="data", exp_avg_mask={"w": "rows 0-3"})
+    commopt.transforms.onebit_lamb(1e-3, 10, axis_name="data", exp_avg_mask={"w": "rows 0-3"})
   params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
   for name in MASK_FREEZE:
     bad_structure = _masked_tx(name, exp_avg_mask={"w": np.ones((4, 3))})

@@ -64,12 +64,12 @@ def test_qsgd_unbiased(seed, levels):
 @settings(max_examples=4, deadline=None)
 def test_terngrad_without_clipping_unbiased(seed):
   x = rng_x(seed)
-  assert_unbiased(commopt.terngrad(clip=None), x, np.max(np.abs(np.asarray(x))))
+  assert_unbiased(commopt.compressors.terngrad(clip=None), x, np.max(np.abs(np.asarray(x))))
 
 
 def test_terngrad_clipping_is_biased_on_the_largest():
   x = rng_x(1).at[0].set(10.0)
-  y = samples(commopt.terngrad(clip=2.5), x, M)
+  y = samples(commopt.compressors.terngrad(clip=2.5), x, M)
   assert y.mean(0)[0] < 5.0        # clipped to 2.5σ: far below 10 on average
   assert np.all(np.abs(y) <= 2.5 * float(jnp.std(x)) + 1e-5)
 
@@ -79,7 +79,7 @@ def test_terngrad_clipping_is_biased_on_the_largest():
 def test_natural_unbiased_with_variance_at_most_an_eighth(seed, scale):
   x = rng_x(seed, scale=scale)
   width = 2.0 ** np.floor(np.log2(np.abs(np.asarray(x, np.float64))))
-  y = assert_unbiased(commopt.natural(), x, width)
+  y = assert_unbiased(commopt.compressors.natural(), x, width)
   # Only powers of two (with the input's sign) come out.
   mant, _ = np.frexp(np.abs(y))
   assert np.all((mant == 0.5) | (y == 0))
@@ -103,7 +103,7 @@ def test_int_quant_stochastic_unbiased_and_nearest_is_not(nbits):
 @pytest.mark.slow
 def test_adaptive_levels_unbiased():
   x = jnp.asarray(np.random.default_rng(4).standard_t(3, size=64), jnp.float32)
-  c = commopt.adaptive_levels(levels=8, bins=64)
+  c = commopt.compressors.adaptive_levels(levels=8, bins=64)
   pts = np.asarray(c.encode(x, None, jax.random.key(0))[0]["levels"])
   assert_unbiased(c, x, np.max(np.diff(pts)))
 
@@ -148,7 +148,7 @@ def test_scaled_sign_contraction_per_block(seed, block, d):
 @given(seed=st.integers(0, 2**31), d=st.sampled_from([1, 2, 33, 300]))
 def test_onebit_never_worse_than_scaled_sign(seed, d):
   x = rng_x(seed, d=d) + 0.3   # unbalanced signs: where the two means differ
-  e1 = float(jnp.sum((x - reconstruct(commopt.onebit(), x)) ** 2))
+  e1 = float(jnp.sum((x - reconstruct(commopt.compressors.onebit(), x)) ** 2))
   e2 = float(jnp.sum((x - reconstruct(commopt.scaled_sign(), x)) ** 2))
   assert e1 <= e2 * (1 + 1e-5) + 1e-6
 
@@ -158,7 +158,7 @@ def test_onebit_never_worse_than_scaled_sign(seed, d):
 def test_onebit_decodes_each_sign_to_its_groups_mean_exactly(seed, d, scale):
   """Each coordinate decodes to the mean of its sign group, bit for bit, alone and summed
   over gathered payloads (its decode weighs the two means by the sign bit)."""
-  c = commopt.onebit()
+  c = commopt.compressors.onebit()
   x = rng_x(seed, d=d) * scale
   payload, _ = c.encode(x, None, None)
   means = np.asarray(payload["means"])
@@ -172,7 +172,8 @@ def test_onebit_decodes_each_sign_to_its_groups_mean_exactly(seed, d, scale):
   np.testing.assert_array_equal(np.asarray(acc), expect + expect)
 
 
-@given(seed=st.integers(0, 2**31), nbits=st.sampled_from([4, 8]), block=st.sampled_from([4, 64, 256]))
+@given(seed=st.integers(0, 2**31), nbits=st.sampled_from([4, 8]),
+       block=st.sampled_from([4, 64, 256]))
 def test_int_quant_nearest_contraction(seed, nbits, block):
   x = rng_x(seed, d=256)
   q = 2 ** (nbits - 1) - 1
@@ -195,7 +196,7 @@ def uniform_grid_variance(x, pts):
 @settings(max_examples=10, deadline=None)
 def test_adaptive_levels_beat_uniform_levels(seed):
   x = np.random.default_rng(seed).standard_t(2, size=500).astype(np.float32)
-  c = commopt.adaptive_levels(levels=5, bins=128)   # the uniform grid is a candidate
+  c = commopt.compressors.adaptive_levels(levels=5, bins=128)   # the uniform grid is a candidate
   pts = np.asarray(c.encode(jnp.asarray(x), None, jax.random.key(0))[0]["levels"], np.float64)
   assert pts[0] == x.min() and pts[-1] == x.max() and np.all(np.diff(pts) > 0)
   uniform = np.linspace(x.min(), x.max(), 5)
@@ -206,7 +207,8 @@ def test_adaptive_levels_beat_uniform_levels(seed):
 @pytest.mark.slow
 def test_adaptive_levels_constant_input_is_exact():
   x = jnp.full((40,), 3.5)
-  np.testing.assert_array_equal(reconstruct(commopt.adaptive_levels(), x, jax.random.key(0)), x)
+  np.testing.assert_array_equal(
+      reconstruct(commopt.compressors.adaptive_levels(), x, jax.random.key(0)), x)
 
 
 # --- Bit packing ---------------------------------------------------------------
@@ -239,17 +241,17 @@ TABLE = [
     (commopt.sign(), 1, 0),
     (commopt.scaled_sign(), 1, 1),
     (commopt.scaled_sign(block_size=256), 1, D // 256),
-    (commopt.onebit(), 1, 2),
-    (commopt.terngrad(), 2, 1),
+    (commopt.compressors.onebit(), 1, 2),
+    (commopt.compressors.terngrad(), 2, 1),
     (commopt.qsgd(levels=1), 2, D // 512),
     (commopt.qsgd(levels=3), 3, D // 512),
     (commopt.qsgd(levels=7, bucket_size=None), 4, 1),
     (commopt.qsgd(levels=127), 8, D // 512),
-    (commopt.natural(), 9, 0),
+    (commopt.compressors.natural(), 9, 0),
     (commopt.int_quant(bits=8), 8, D // 256),
     (commopt.int_quant(bits=4, block_size=512), 4, D // 512),
-    (commopt.adaptive_levels(levels=16), 4, 16),
-    (commopt.adaptive_levels(levels=5), 3, 5),
+    (commopt.compressors.adaptive_levels(levels=16), 4, 16),
+    (commopt.compressors.adaptive_levels(levels=5), 3, 5),
 ]
 
 
@@ -296,7 +298,7 @@ def test_per_element_repeats_each_block_value(n, block_size):
                                 np.arange(n))
 
 
-@pytest.mark.parametrize("c", [commopt.terngrad(), commopt.qsgd(), commopt.int_quant(),
+@pytest.mark.parametrize("c", [commopt.compressors.terngrad(), commopt.qsgd(), commopt.int_quant(),
                                commopt.scaled_sign(block_size=256)], ids=lambda c: c.name)
 def test_per_block_broadcasts_build_no_index_scan(c):
   """Block values reach the coordinates by a broadcast: no repeat-style index cumsum,
@@ -318,7 +320,8 @@ def test_qsgd_elias_cost_measured_below_bound(levels, bucket):
   c = commopt.qsgd(levels=levels, bucket_size=bucket)
   x = rng_x(7, d=d)
   keys = jax.random.split(jax.random.key(1), 20)
-  measured = jax.vmap(lambda k: qsgd_coded_bits(c.encode(x, None, k)[0], (d,), levels, bucket))(keys)
+  measured = jax.vmap(lambda k: qsgd_coded_bits(c.encode(x, None, k)[0], (d,), levels,
+                                                bucket))(keys)
   bound = qsgd_elias_bits((d,), levels, bucket)
   assert float(jnp.mean(measured)) <= bound
   if levels == 1 and bucket is None:   # sparse levels: coding beats the fixed 2 bits
@@ -326,7 +329,8 @@ def test_qsgd_elias_cost_measured_below_bound(levels, bucket):
 
 
 def test_qsgd_coded_bits_counts_by_hand():
-  # Levels [0, 2, 0, 0, -1] (s=2): norm 32 + (omega(2)=3, sign, omega(2)=3) + (omega(3)=3, sign, omega(1)=1)
+  # Levels [0, 2, 0, 0, -1] (s=2): norm 32 + (omega(2)=3, sign, omega(2)=3)
+  # + (omega(3)=3, sign, omega(1)=1)
   c = commopt.qsgd(levels=2, bucket_size=None)
   codes = jnp.array([0, 2, 0, 0, -1]) + 2
   payload = {"norms": jnp.ones(1), "codes": bits.pack(codes, 3)}
@@ -429,7 +433,8 @@ def run_counterexample(compressor, error_feedback, steps=3000, lr=0.01):
   return np.asarray(x)
 
 
-@pytest.mark.parametrize("compressor", [commopt.sign(), commopt.scaled_sign()], ids=["sign", "scaled_sign"])
+@pytest.mark.parametrize("compressor", [commopt.sign(), commopt.scaled_sign()],
+                         ids=["sign", "scaled_sign"])
 def test_error_feedback_fixes_sign_on_counterexample(compressor):
   f = lambda x: 0.5 * float(np.sum((A @ x) ** 2))
   stuck = run_counterexample(compressor, error_feedback=False)
@@ -453,17 +458,20 @@ def test_error_feedback_fixes_sign_on_counterexample(compressor):
 @pytest.mark.parametrize("make,match", [
     (lambda: commopt.qsgd(levels=0), "`levels` must be an integer >= 1, got 0"),
     (lambda: commopt.qsgd(levels=2.5), "`levels`"),
-    (lambda: commopt.qsgd(bucket_size=0), "`bucket_size` must be None or a positive integer, got 0"),
-    (lambda: commopt.adaptive_levels(levels=1), "`levels` must be an integer >= 2, got 1"),
-    (lambda: commopt.adaptive_levels(bins=-3), "`bins`"),
+    (lambda: commopt.qsgd(bucket_size=0),
+     "`bucket_size` must be None or a positive integer, got 0"),
+    (lambda: commopt.compressors.adaptive_levels(levels=1),
+     "`levels` must be an integer >= 2, got 1"),
+    (lambda: commopt.compressors.adaptive_levels(bins=-3), "`bins`"),
     (lambda: commopt.int_quant(bits=6), "`bits` must be 4 or 8, got 6"),
     (lambda: commopt.int_quant(bits=True), "`bits` must be 4 or 8"),
-    (lambda: commopt.int_quant(block_size=-1), "`block_size` must be None or a positive integer, got -1"),
+    (lambda: commopt.int_quant(block_size=-1),
+     "`block_size` must be None or a positive integer, got -1"),
     (lambda: commopt.int_quant(rounding="floor"), "`rounding` must be one of"),
     (lambda: commopt.scaled_sign(block_size=0), "scaled_sign: `block_size`"),
-    (lambda: commopt.terngrad(clip=0), "`clip` must be a finite number > 0, got 0"),
-    (lambda: commopt.terngrad(clip=-1.5), "got -1.5"),
-    (lambda: commopt.terngrad(clip="big"), "`clip`"),
+    (lambda: commopt.compressors.terngrad(clip=0), "`clip` must be a finite number > 0, got 0"),
+    (lambda: commopt.compressors.terngrad(clip=-1.5), "got -1.5"),
+    (lambda: commopt.compressors.terngrad(clip="big"), "`clip`"),
     (lambda: commopt.majority_vote(axis_name=3), "`axis_name`"),
 ])
 def test_bad_arguments_raise_value_error(make, match):
@@ -471,8 +479,9 @@ def test_bad_arguments_raise_value_error(make, match):
     make()
 
 
-@pytest.mark.parametrize("c", [commopt.qsgd(), commopt.terngrad(), commopt.natural(),
-                               commopt.int_quant(), commopt.adaptive_levels()], ids=lambda c: c.name)
+@pytest.mark.parametrize("c", [commopt.qsgd(), commopt.compressors.terngrad(),
+                               commopt.compressors.natural(), commopt.int_quant(),
+                               commopt.compressors.adaptive_levels()], ids=lambda c: c.name)
 def test_stochastic_compressors_need_a_key(c):
   with pytest.raises(ValueError, match="needs a PRNG key"):
     c.encode(jnp.ones(8), None, None)

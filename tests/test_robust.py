@@ -59,9 +59,12 @@ def np_centered_clip(x, v, tau, iters):
 
 RULES = {
     "krum": (lambda: robust.krum(2, axis_name="workers"), lambda x: np_multi_krum(x, 2, 1)),
-    "multi_krum": (lambda: robust.multi_krum(2, 3, axis_name="workers"), lambda x: np_multi_krum(x, 2, 3)),
-    "coordinate_median": (lambda: robust.coordinate_median(axis_name="workers"), lambda x: np.median(x, 0)),
-    "trimmed_mean": (lambda: robust.trimmed_mean(0.25, axis_name="workers"), lambda x: np_trimmed(x, 0.25)),
+    "multi_krum": (lambda: robust.multi_krum(2, 3, axis_name="workers"),
+                   lambda x: np_multi_krum(x, 2, 3)),
+    "coordinate_median": (lambda: robust.coordinate_median(axis_name="workers"),
+                          lambda x: np.median(x, 0)),
+    "trimmed_mean": (lambda: robust.trimmed_mean(0.25, axis_name="workers"),
+                     lambda x: np_trimmed(x, 0.25)),
     "geometric_median": (lambda: robust.geometric_median(6, axis_name="workers"),
                          lambda x: np_weiszfeld(x, 6)),
     "centered_clip": (lambda: robust.centered_clip(1.5, 3, axis_name="workers"),
@@ -402,8 +405,8 @@ def test_error_feedback_trains_with_a_biased_compressor_under_data_parallel():
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
   final = {}
   for ef in (True, False):
-    tx = optax.chain(robust.coordinate_median(axis_name="data", compressor=commopt.top_k(k=1), min_size=0,
-                                              error_feedback=ef), optax.sgd(0.05))
+    tx = optax.chain(robust.coordinate_median(axis_name="data", compressor=commopt.top_k(k=1),
+                                              min_size=0, error_feedback=ef), optax.sgd(0.05))
     dp = commopt.data_parallel(loss, tx, mesh)
     params = {"w": jnp.zeros((4, 1))}
     state = dp.init(params)
@@ -420,8 +423,8 @@ def test_error_feedback_arguments():
     robust.krum(1, axis_name="w", error_feedback=True)
   with pytest.raises(ValueError, match="error_feedback` must be True or False"):
     robust.coordinate_median(axis_name="w", compressor=commopt.scaled_sign(), error_feedback=1)
-  tx = robust.trimmed_mean(0.25, axis_name="workers", compressor=commopt.scaled_sign(), error_feedback=True,
-                           min_size=0)
+  tx = robust.trimmed_mean(0.25, axis_name="workers", compressor=commopt.scaled_sign(),
+                           error_feedback=True, min_size=0)
   w = vmap_workers(tx, N)
   state = w.init({"w": jnp.zeros((64,))})
   with pytest.raises(ValueError, match="error memory does not match"):
@@ -456,7 +459,8 @@ def test_geometric_median_and_centered_clip_bound_outliers():
   x = np.zeros((N, 4), np.float32)
   x[:5] = np.random.default_rng(6).normal(size=(5, 4))
   x[5:] = 1e6
-  for tx in (robust.geometric_median(20, axis_name="workers"), robust.centered_clip(1.0, 3, axis_name="workers")):
+  for tx in (robust.geometric_median(20, axis_name="workers"),
+             robust.centered_clip(1.0, 3, axis_name="workers")):
     out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="workers")(jnp.asarray(x))
     assert np.linalg.norm(out[0]) < 5
 
@@ -643,7 +647,7 @@ def test_robust_rules_compress_the_same_leaves_as_compressed_mean():
   median is the exact one), at or above it the compressor's payloads are gathered."""
   rng = np.random.default_rng(12)
   u = {"small": jnp.asarray(rng.normal(size=(N, 16)), jnp.float32),
-       "big": jnp.asarray(rng.normal(size=(N, commopt.DEFAULT_MIN_SIZE)), jnp.float32)}
+       "big": jnp.asarray(rng.normal(size=(N, commopt.transforms.DEFAULT_MIN_SIZE)), jnp.float32)}
   w = vmap_workers(robust.coordinate_median(axis_name="workers", compressor=commopt.sign()), N)
   out, _ = w.update(u, w.init(jax.tree.map(lambda x: x[0], u)))
   np.testing.assert_allclose(out["small"][0], np.median(np.asarray(u["small"]), 0), rtol=1e-6)

@@ -90,7 +90,8 @@ def test_the_wire_carries_b_times_n_plus_m_for_the_chosen_layer_only(mesh, check
   assert [(c.shapes, c.contributed_bytes) for c in gathers] == [(((N, values),), values * 4)]
   shapes = {s for c in compiled for s in c.shapes}
   assert (64, 256) not in shapes and (256, 10) in shapes        # w2 all-reduced dense
-  plan = wire.comm_plan(sfb_mean(ROWS, MASK, axis_name="data", check_rows=check_rows), make_params(), N)
+  plan = wire.comm_plan(sfb_mean(ROWS, MASK, axis_name="data", check_rows=check_rows),
+                        make_params(), N)
   assert [(c.leaf, c.kind, c.contributed_bytes) for c in plan.collectives
           if c.kind == "all-gather"] == [("['w1']", "all-gather", values * 4)]
   # The step's non-finite skip adds only its flag, one more float32 in the dense bucket.
@@ -100,7 +101,8 @@ def test_the_wire_carries_b_times_n_plus_m_for_the_chosen_layer_only(mesh, check
 
 def test_a_mismatched_batch_rows_is_refused_when_traced(mesh):
   dp = commopt.data_parallel(loss_with(sfb_dense),
-                             optax.chain(sfb_mean(ROWS * 2, MASK, axis_name="data"), optax.sgd(0.1)), mesh)
+                             optax.chain(sfb_mean(ROWS * 2, MASK, axis_name="data"),
+                                         optax.sgd(0.1)), mesh)
   params = make_params()
   with pytest.raises(ValueError, match=f"`batch_rows` is {2 * ROWS}.*{ROWS} rows"):
     dp.step(dp.place_params(params), dp.init(params), batch(0))
@@ -139,8 +141,10 @@ def test_nnx_layer_trains_like_nnx_linear(mesh):
 
   results = {}
   for name, linear, reducer in (
-      ("sfb", commopt.SFBLinear, sfb_mean(ROWS, commopt.sfb_mask, axis_name="data")),
-      ("dense", nnx.Linear, commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"))):
+      ("sfb", commopt.parallel.SFBLinear,
+       sfb_mean(ROWS, commopt.parallel.sfb_mask, axis_name="data")),
+      ("dense", nnx.Linear,
+       commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"))):
     model = Net(linear, nnx.Rngs(0))
     trainer = commopt.nnx_data_parallel(model, loss_fn, optax.chain(reducer, optax.sgd(0.5)),
                                         mesh)

@@ -365,7 +365,8 @@ def test_other_sync_modes_keep_local_parameters_sharded(mode):
                                                compressor=commopt.scaled_sign(), min_size=0),
         "streaming_diloco": lambda: commopt.streaming_diloco(
             inner, axis_name="data", period=2, compressor=commopt.scaled_sign(), min_size=0),
-        "easgd": lambda: commopt.easgd(inner, axis_name="data", alpha=0.1, period=2)}[mode]()
+        "easgd": lambda: commopt.transforms.easgd(
+            inner, axis_name="data", alpha=0.1, period=2)}[mode]()
   params = placed(mesh, TP)
   dp = commopt.data_parallel(loss_fn, tx, mesh, local_params=True)
   assert dp.layout(params).shard_local
@@ -490,7 +491,7 @@ def test_power_sgd_with_a_callable_view_on_a_sharded_leaf_names_the_leaf():
 
 
 @pytest.mark.parametrize("compressor", [commopt.top_k(ratio=0.02), commopt.scaled_sign(),
-                                        commopt.threshold(tau=1.0, capacity=0.05)],
+                                        commopt.compressors.threshold(tau=1.0, capacity=0.05)],
                          ids=lambda c: c.name)
 def test_selections_and_per_leaf_scales_work_per_shard(compressor):
   """The documented per-shard semantics: on a leaf sharded by columns, each shard's block of

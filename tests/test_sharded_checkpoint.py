@@ -74,7 +74,7 @@ def _tx():
   Adam (moments sharded like the parameters)."""
   reducers = {
       "power": commopt.compressed_mean(commopt.power_sgd(), axis_name="data", min_size=0),
-      "two_phase": commopt.compressed_mean(commopt.threshold(0.05, capacity=1.0),
+      "two_phase": commopt.compressed_mean(commopt.compressors.threshold(0.05, capacity=1.0),
                                            axis_name="data", min_size=0, strategy="two_phase")}
   return optax.chain(optax.partition(reducers, {"w1": "power", "w2": "two_phase",
                                                 "b": "two_phase"}), optax.adam(1e-2))

@@ -35,7 +35,7 @@ def test_all_reduce_of_sketches_is_the_sketch_of_the_sum(mesh):
   rows, cols, n = 5, 256, 40_000
   rng = np.random.default_rng(0)
   xs = (rng.normal(size=(N, n)) * rng.lognormal(size=(N, 1)) * 3).astype(np.float32)
-  c = commopt.count_sketch(rows, cols)
+  c = commopt.compressors.count_sketch(rows, cols)
   key = jax.random.key(7)
 
   def body(x):
@@ -134,7 +134,7 @@ def test_sketch_sgd_two_rounds_send_the_exact_mean_of_the_heavy_hitters(mesh):
   rng = np.random.default_rng(5)
   xs = rng.normal(size=(N, n)).astype(np.float32)
   xs[:, rng.choice(n, k, replace=False)] += 40.0 * rng.normal(size=k).astype(np.float32)
-  c = commopt.sketch_sgd(k=k, cols=cols)
+  c = commopt.compressors.sketch_sgd(k=k, cols=cols)
   sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, axis_name="data", min_size=0,
                                                                 error_feedback=True),
                                          mesh, "data")
@@ -166,11 +166,11 @@ def test_count_sketch_decodes_as_documented():
       return c.decode(payload, state, x)
     return np.asarray(jax.jit(jax.vmap(one))(keys), np.float64)
 
-  unbiased = decoded(commopt.count_sketch(rows, cols, unbiased=True))
+  unbiased = decoded(commopt.compressors.count_sketch(rows, cols, unbiased=True))
   spread = unbiased.std(0) / np.sqrt(len(keys))
   assert np.all(np.abs(unbiased.mean(0) - np.asarray(x)) <= 5 * spread)
   m = rows * cols
-  err = ((decoded(commopt.count_sketch(rows, cols)) - np.asarray(x))**2).sum(1).mean()
+  err = ((decoded(commopt.compressors.count_sketch(rows, cols)) - np.asarray(x))**2).sum(1).mean()
   want = (1 - m / (m + n - 1)) * float(jnp.sum(x**2))
   assert abs(err / want - 1) < 0.05, err / want
 
@@ -190,7 +190,7 @@ def test_fetch_sgd_moves_one_sketch_per_step_and_state_is_shared(mesh):
   same bytes. The sketches are the same on every worker, and the update moves k weights."""
   params, loss_fn, x, y = _fetch_problem()
   rows, cols, k = 5, 600, 200
-  tx = commopt.fetch_sgd(0.3, k, rows, cols, axis_name="data")
+  tx = commopt.transforms.fetch_sgd(0.3, k, rows, cols, axis_name="data")
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   p, s = dp.place_params(params), dp.init(params)
   batch = {"x": x[:256], "y": y[:256]}
@@ -217,7 +217,7 @@ def test_fetch_sgd_trains_the_digits_mlp_on_eight_workers(mesh):
   steps of fetch_sgd with a 5 × 600 sketch (a third of the weights) and k = 200 take the
   full-data loss below a fifth of its start."""
   params, loss_fn, x, y = _fetch_problem()
-  tx = commopt.fetch_sgd(0.3, 200, 5, 600, axis_name="data")
+  tx = commopt.transforms.fetch_sgd(0.3, 200, 5, 600, axis_name="data")
   dp = commopt.data_parallel(loss_fn, tx, mesh)
   p, s = dp.place_params(params), dp.init(params)
   rng = np.random.default_rng(0)
@@ -239,15 +239,15 @@ def test_compressed_mean_all_reduces_tables_not_leaves(mesh):
       size=(N,) + a.shape), jnp.float32), params)
 
   def audit(c):
-    sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, axis_name="data", min_size=64),
-                                           mesh, "data")
+    sm = commopt.testing.shard_map_workers(
+        commopt.compressed_mean(c, axis_name="data", min_size=64), mesh, "data")
     return wire.hlo_collectives(sm.update, u, sm.init(params))
 
   leaf = 256 * 128
   dense = audit(commopt.compressors.identity())
   assert any(math.prod(s) == leaf for a in dense for s in a.shapes)
-  for c, tables in ((commopt.count_sketch(5, 512), [(5, 512)]),
-                    (commopt.sketch_sgd(k=64), [(5, 128), (64,)])):
+  for c, tables in ((commopt.compressors.count_sketch(5, 512), [(5, 512)]),
+                    (commopt.compressors.sketch_sgd(k=64), [(5, 128), (64,)])):
     got = audit(c)
     assert {a.kind for a in got} == {"all-reduce"}, got
     shapes = [s for a in got for s in a.shapes]
@@ -258,26 +258,26 @@ def test_compressed_mean_all_reduces_tables_not_leaves(mesh):
 
 def test_arguments_are_checked():
   with pytest.raises(ValueError, match=r"count_sketch: give exactly one of `cols` and `ratio`"):
-    commopt.count_sketch(5)
+    commopt.compressors.count_sketch(5)
   with pytest.raises(ValueError, match=r"count_sketch: `rows` must be a positive integer, got 0"):
-    commopt.count_sketch(0, 10)
+    commopt.compressors.count_sketch(0, 10)
   with pytest.raises(ValueError, match=r"count_sketch: `ratio` must be a fraction in \(0, 1\]"):
-    commopt.count_sketch(5, ratio=2.0)
+    commopt.compressors.count_sketch(5, ratio=2.0)
   with pytest.raises(ValueError, match=r"sketch_sgd: give exactly one of `ratio` and `k`"):
-    commopt.sketch_sgd()
+    commopt.compressors.sketch_sgd()
   with pytest.raises(ValueError, match=r"sketch_sgd: `second_round` must be True or False"):
-    commopt.sketch_sgd(k=4, second_round=1)
+    commopt.compressors.sketch_sgd(k=4, second_round=1)
   with pytest.raises(ValueError, match=r"fetch_sgd: `zeroing` must be one of \('subtract', "
                                        r"'buckets'\), got 'none'"):
-    commopt.fetch_sgd(0.1, 4, 5, 10, axis_name="data", zeroing="none")
+    commopt.transforms.fetch_sgd(0.1, 4, 5, 10, axis_name="data", zeroing="none")
   with pytest.raises(ValueError, match=r"fetch_sgd: `momentum` must be a number in \[0, 1\)"):
-    commopt.fetch_sgd(0.1, 4, 5, 10, 1.0, axis_name="data")
-  tx = commopt.fetch_sgd(0.1, 40, 5, 10, axis_name=None)
+    commopt.transforms.fetch_sgd(0.1, 4, 5, 10, 1.0, axis_name="data")
+  tx = commopt.transforms.fetch_sgd(0.1, 40, 5, 10, axis_name=None)
   with pytest.raises(ValueError, match=r"fetch_sgd: `k` must be at most the number of "
                                        r"coordinates sketched \(16\), got k=40"):
     tx.init({"w": jnp.zeros(16), "frozen": None})
   with pytest.raises(ValueError, match=r"fetch_sgd: a parameter leaf \['i'\] has dtype int32"):
-    commopt.fetch_sgd(0.1, 4, 5, 10, axis_name=None).init({"i": jnp.zeros(8, jnp.int32)})
+    commopt.transforms.fetch_sgd(0.1, 4, 5, 10, axis_name=None).init({"i": jnp.zeros(8, jnp.int32)})
 
 
 @pytest.mark.slow
@@ -288,7 +288,7 @@ def test_fetch_sgd_zeroing_modes_take_the_applied_coordinates_out():
   g = jnp.asarray(np.random.default_rng(4).normal(size=300).astype(np.float32))
   g = g.at[jnp.array([3, 50, 200])].set(jnp.array([30.0, -25.0, 20.0]))
   for zeroing in ("subtract", "buckets"):
-    tx = commopt.fetch_sgd(optax.constant_schedule(0.5), 3, 5, 64, axis_name=None,
+    tx = commopt.transforms.fetch_sgd(optax.constant_schedule(0.5), 3, 5, 64, axis_name=None,
                            zeroing=zeroing, seed=1)
     out, state = jax.jit(tx.update)({"w": g}, tx.init({"w": g}))
     assert jnp.flatnonzero(out["w"]).tolist() == [3, 50, 200]
@@ -316,7 +316,7 @@ def fetch_sgd_demo_cnn_accuracy() -> float:
   x_train, y_train, x_test, y_test = load_digits_split()
   params, logits_fn, loss_fn = model_fns(0)
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  dp = commopt.data_parallel(loss_fn, commopt.fetch_sgd(0.2, 10_000, 5, 20_000,
+  dp = commopt.data_parallel(loss_fn, commopt.transforms.fetch_sgd(0.2, 10_000, 5, 20_000,
                                                         axis_name="data"), mesh)
   p, s = dp.place_params(params), dp.init(params)
   rng = np.random.default_rng(0)

@@ -63,7 +63,7 @@ def encode_keys(keys, d):
     (3072, 154, 16, 2.0, 3), (2**25, 1000, 64, None, 2), (7, 7, 2, None, 2),
 ])
 def test_payload_bits_follow_the_papers_accounting(d, k, buckets, sketch_ratio, rows):
-  c = commopt.sketchml(k=k, buckets=buckets, sketch_ratio=sketch_ratio, rows=rows)
+  c = commopt.compressors.sketchml(k=k, buckets=buckets, sketch_ratio=sketch_ratio, rows=rows)
   cells = rows * math.ceil(sketch_ratio * k / rows) if sketch_ratio else None
   bits = c.payload_bits((d,), jnp.float32)
   assert bits == paper_bits(k, d, buckets, cells)
@@ -77,7 +77,7 @@ def test_payload_bits_follow_the_papers_accounting(d, k, buckets, sketch_ratio, 
 def test_bytes_per_coordinate_at_one_percent():
   """At k/d = 1% and 256 buckets: 1 + 100/256 bytes of key, 10 bits of fields, 1024/k of splits."""
   d, k = 10**6, 10**4
-  c = commopt.sketchml(k=k)
+  c = commopt.compressors.sketchml(k=k)
   per_coordinate = c.payload_bits((d,), jnp.float32) / 8 / k
   key_bytes = 1 + ((d - 1) // 256 + (d - 1) // 65536) / k
   assert per_coordinate == pytest.approx(key_bytes + 10 / 8 + 1024 / k, abs=1e-3)
@@ -96,7 +96,7 @@ def test_bytes_per_coordinate_at_one_percent():
                          ids=["per-key", "sketch"])
 def test_compiled_mean_moves_exactly_payload_bits(mesh, opts):
   shape, n = (96, 80), mesh.devices.size
-  c = commopt.sketchml(0.02, **opts)
+  c = commopt.compressors.sketchml(0.02, **opts)
   sm = commopt.testing.shard_map_workers(commopt.compressed_mean(c, axis_name="data", min_size=0),
                                          mesh, "data")
   params = {"w": jnp.zeros(shape)}
@@ -190,7 +190,7 @@ def inputs(seed, d):
 @pytest.mark.parametrize("d,k,buckets", [(2000, 700, 256), (1500, 300, 16), (800, 400, 2),
                                          (300, 5, 256)])
 def test_each_value_errs_by_at_most_its_buckets_width(d, k, buckets):
-  run = jax.jit(lambda x: roundtrip(commopt.sketchml(k=k, buckets=buckets), x))
+  run = jax.jit(lambda x: roundtrip(commopt.compressors.sketchml(k=k, buckets=buckets), x))
   for seed in range(5):
     x = inputs(seed, d)
     y = np.asarray(run(jnp.asarray(x)))
@@ -226,9 +226,9 @@ def test_quantile_buckets_hold_equal_counts(n_neg, per_sign):
 
 @pytest.mark.parametrize("cells,rows", [(0.25, 1), (1.0, 3), (4.0, 2)])
 def test_the_sketch_never_over_estimates(cells, rows):
-  per_key = jax.jit(lambda x: roundtrip(commopt.sketchml(k=300, buckets=64), x))
+  per_key = jax.jit(lambda x: roundtrip(commopt.compressors.sketchml(k=300, buckets=64), x))
   sketched = jax.jit(lambda x: roundtrip(
-      commopt.sketchml(k=300, buckets=64, sketch_ratio=cells, rows=rows, seed=rows), x))
+      commopt.compressors.sketchml(k=300, buckets=64, sketch_ratio=cells, rows=rows, seed=rows), x))
   for seed in range(4):
     x = inputs(seed, 1500)
     q, y = np.asarray(per_key(jnp.asarray(x))), np.asarray(sketched(jnp.asarray(x)))
@@ -263,8 +263,8 @@ def test_indices_per_key_beat_the_sketch_at_fewer_bits():
   x = jnp.asarray(rng.standard_normal(d), jnp.float32)
   kept = np.asarray(roundtrip(commopt.top_k(0.01), x))
   error = {}
-  for name, c in (("sketch", commopt.sketchml(0.01, sketch_ratio=0.5, rows=2)),
-                  ("per-key", commopt.sketchml(0.01, buckets=16))):
+  for name, c in (("sketch", commopt.compressors.sketchml(0.01, sketch_ratio=0.5, rows=2)),
+                  ("per-key", commopt.compressors.sketchml(0.01, buckets=16))):
     y = np.asarray(roundtrip(c, x))
     error[name] = (np.linalg.norm(kept - y) / np.linalg.norm(kept),
                    c.payload_bits((d,), jnp.float32))
@@ -278,7 +278,7 @@ def test_indices_per_key_beat_the_sketch_at_fewer_bits():
 @pytest.mark.parametrize("opts", [{}, {"sketch_ratio": 0.5}], ids=["per-key", "sketch"])
 def test_error_feedback_keeps_what_was_not_sent(opts):
   """Locally: the input plus the old residual is the output plus the new residual."""
-  tx = commopt.compressed_mean(commopt.sketchml(0.05, buckets=8, **opts), min_size=0)
+  tx = commopt.compressed_mean(commopt.compressors.sketchml(0.05, buckets=8, **opts), min_size=0)
   params = {"w": jnp.zeros((40, 30))}
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -297,10 +297,11 @@ def test_error_feedback_keeps_what_was_not_sent(opts):
 
 @pytest.mark.parametrize("kwargs,name", [
     ({"ratio": 0.1, "buckets": 3}, "buckets"), ({"ratio": 0.1, "buckets": 0}, "buckets"),
-    ({"ratio": 0.1, "buckets": 2**17}, "buckets"), ({"ratio": 0.1, "sketch_ratio": 0.0}, "sketch_ratio"),
+    ({"ratio": 0.1, "buckets": 2**17}, "buckets"),
+    ({"ratio": 0.1, "sketch_ratio": 0.0}, "sketch_ratio"),
     ({"ratio": 0.1, "sketch_ratio": 0.5, "rows": 0}, "rows"), ({"ratio": 0.1, "seed": -1}, "seed"),
     ({"ratio": 0.1, "k": 3}, "ratio"), ({"ratio": 1.5}, "ratio"), ({"k": 0}, "k"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):
   with pytest.raises(ValueError, match=f"`{name}`"):
-    commopt.sketchml(**kwargs)
+    commopt.compressors.sketchml(**kwargs)

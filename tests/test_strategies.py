@@ -97,8 +97,8 @@ def test_two_phase_linear_is_the_exact_mean(mesh, name, atol):
 def test_two_phase_conservation_of_both_memories(mesh, name):
   """Σ outputs + mean worker residual + the server memory = Σ mean inputs (with error
   feedback asked for: C/(1+ω) for the unbiased qsgd and int_quant)."""
-  tx = commopt.compressed_mean(commopt.compressors.make(name), axis_name="data", strategy="two_phase",
-                               min_size=0, error_feedback=True)
+  tx = commopt.compressed_mean(commopt.compressors.make(name), axis_name="data",
+                               strategy="two_phase", min_size=0, error_feedback=True)
   sum_out, sum_in, state = run_sums(commopt.testing.shard_map_workers(tx, mesh, "data"), 10, 5)
   worker = np.asarray(state.residual["v"]).mean(0)
   # Each worker keeps the server memory of its own chunk only.
@@ -111,7 +111,8 @@ def test_two_phase_conservation_of_both_memories(mesh, name):
 
 def test_two_phase_whole_memory_from_a_plain_init(mesh):
   """A state from tx.init outside any map keeps whole memories: zeros outside the own chunk."""
-  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase", min_size=0)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase",
+                               min_size=0)
   sm = commopt.testing.shard_map_workers(tx, mesh, "data")
   sum_out, sum_in, state = run_sums(sm, 10, 5, init=whole_init(tx))
   worker = np.asarray(state.residual["v"]).mean(0)
@@ -156,7 +157,8 @@ def test_whole_and_per_worker_memories_agree(mesh, mesh2d, strategy):
 
 def test_per_worker_memory_shapes_and_a_state_for_other_workers(mesh2d):
   n = 1001
-  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase", min_size=0)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="two_phase",
+                               min_size=0)
   state = commopt.testing.vmap_workers(tx, N, "data").init(params_like())
   assert state.server_residual["v"].shape == (N, -(-n // N))
   assert state.residual["v"].shape == (N, n)
@@ -246,7 +248,8 @@ def test_two_phase_audit_keeps_the_ratio_at_8_workers(mesh, name, options, at_le
   params = mlp_params()
   results = {}
   for strategy in ("gather", "two_phase"):
-    tx = optax.chain(commopt.compressed_mean(c, axis_name="data", strategy=strategy), optax.sgd(0.1))
+    tx = optax.chain(commopt.compressed_mean(c, axis_name="data", strategy=strategy),
+                     optax.sgd(0.1))
     dp = commopt.data_parallel(mlp_loss, tx, mesh)
     results[strategy] = wire.hlo_collectives(dp, params, dp.init(params), mlp_batch())
   audit = results["two_phase"]
@@ -273,8 +276,10 @@ def hierarchical(c, inner="auto", **kw):
 @pytest.mark.parametrize("inner", ["gather", "two_phase"])
 def test_hierarchical_identity_equals_flat(mesh, mesh2d, inner):
   flat = commopt.testing.shard_map_workers(
-      commopt.compressed_mean(commopt.compressors.identity(), axis_name="data", min_size=0), mesh, "data")
-  hier = commopt.testing.shard_map_workers(hierarchical(commopt.compressors.identity(), inner), mesh2d, AXES)
+      commopt.compressed_mean(commopt.compressors.identity(), axis_name="data", min_size=0), mesh,
+      "data")
+  hier = commopt.testing.shard_map_workers(hierarchical(commopt.compressors.identity(), inner),
+                                           mesh2d, AXES)
   u = updates(30)
   o_f, _ = flat.update(u, flat.init(params_like()))
   o_h, _ = hier.update(u, hier.init(params_like()))
@@ -334,7 +339,8 @@ def test_hierarchical_compressed_bytes_cross_only_the_slow_axis(mesh2d, inner):
 
 
 def test_hierarchical_dense_leaves_are_the_mean(mesh2d):
-  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name=AXES, strategy="hierarchical", min_size=100)
+  tx = commopt.compressed_mean(commopt.scaled_sign(), axis_name=AXES, strategy="hierarchical",
+                               min_size=100)
   sm = commopt.testing.shard_map_workers(tx, mesh2d, AXES)
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((48,))}
   u = jax.tree.map(lambda p: jnp.asarray(np.random.default_rng(2).normal(size=(N,) + p.shape),
@@ -360,7 +366,7 @@ def test_hierarchical_conservation(mesh2d, inner):
 
 
 def is_cm_state(x):
-  return isinstance(x, commopt.CompressedMeanState)
+  return isinstance(x, commopt.transforms.CompressedMeanState)
 
 
 @pytest.mark.slow
@@ -371,10 +377,12 @@ def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
   batch = {"x": x, "y": x @ jnp.asarray(rng.normal(size=(32, 4)), jnp.float32)}
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
   flat = commopt.data_parallel(
-      loss, optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"), optax.sgd(0.05)),
+      loss, optax.chain(commopt.compressed_mean(commopt.compressors.identity(), axis_name="data"),
+                        optax.sgd(0.05)),
       mesh)
   hier = commopt.data_parallel(
-      loss, optax.chain(hierarchical(commopt.compressors.identity()), optax.sgd(0.05)), mesh2d, AXES)
+      loss, optax.chain(hierarchical(commopt.compressors.identity()), optax.sgd(0.05)), mesh2d,
+      AXES)
   assert hier.num_workers == 8
   # Each trainer gets its own copy: the step donates what it is given.
   fresh = lambda: jax.tree.map(jnp.copy, params)
@@ -403,9 +411,11 @@ def test_data_parallel_on_a_2d_mesh(mesh, mesh2d):
 @pytest.mark.parametrize("make,match", [
     (lambda: commopt.compressed_mean(commopt.power_sgd(2), axis_name="data", strategy="two_phase"),
      "needs a stateless per-leaf compressor"),
-    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name="data", strategy="hierarchical"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name="data",
+                                     strategy="hierarchical"),
      r"`axis_name` = \(slow, fast\)"),
-    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name=("a", "a"), strategy="hierarchical"),
+    (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name=("a", "a"),
+                                     strategy="hierarchical"),
      "two distinct mesh axis names"),
     (lambda: commopt.compressed_mean(commopt.scaled_sign(), axis_name=AXES),
      "needs strategy='hierarchical'"),
@@ -463,7 +473,8 @@ def test_comm_plan_predicts_the_compiled_collectives(mesh, mesh2d, strategy, inn
   params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros((10,))}
   flat = strategy != "hierarchical"
   axes, m, workers = ("data", mesh, N) if flat else (AXES, mesh2d, (2, 4))
-  tx = commopt.compressed_mean(c, axis_name=axes, strategy=strategy, inner_strategy=inner, min_size=100)
+  tx = commopt.compressed_mean(c, axis_name=axes, strategy=strategy, inner_strategy=inner,
+                               min_size=100)
   sm = commopt.testing.shard_map_workers(tx, m, axes)
   u = {"w": updates(32)["w"], "b": jnp.ones((N, 10))}
   audit = wire.hlo_collectives(sm.update, u, sm.init(params), stage="lowered")
@@ -483,10 +494,11 @@ def test_every_reducing_transform_reports_a_plan_that_the_compiled_step_follows(
   m, workers = (mesh, N) if axes == "data" else (mesh2d, (2, 4))
   u = {"w": updates(33)["w"], "b": jnp.ones((N, 10))}
   txs = [commopt.majority_vote(axis_name=axes),
-         commopt.coordinate_median(axis_name=axes),
-         commopt.coordinate_median(axis_name=axes, compressor=commopt.int_quant(), min_size=100)]
+         commopt.aggregators.coordinate_median(axis_name=axes),
+         commopt.aggregators.coordinate_median(axis_name=axes, compressor=commopt.int_quant(),
+                                               min_size=100)]
   if axes == "data":
-    txs += [commopt.dgc(axis_name=axes, densities=0.05, min_size=100),
+    txs += [commopt.transforms.dgc(axis_name=axes, densities=0.05, min_size=100),
             commopt.compressed_mean(commopt.scaled_sign(), axis_name=axes, min_size=100)]
   for tx in txs:
     sm = commopt.testing.shard_map_workers(tx, m, axes)

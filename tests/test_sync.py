@@ -28,7 +28,8 @@ def _loss(p, b):
 
 def _bsp(mesh, params, batches, inner):
   dp = commopt.data_parallel(
-      _loss, optax.chain(commopt.compressed_mean(commopt.compressors.make("identity"), axis_name="data"),
+      _loss, optax.chain(commopt.compressed_mean(commopt.compressors.make("identity"),
+                                                 axis_name="data"),
                          inner), mesh)
   p, s = params, dp.init(params)
   out = []
@@ -113,7 +114,8 @@ def test_bytes_move_only_on_synchronisation_steps(compressor, mesh):
 
 
 def test_error_feedback_on_pseudo_gradients_conserves_mass():
-  """Σ over syncs of the averaged sent update + the mean residual = Σ of the mean pseudo-gradient."""
+  """Σ over syncs of the averaged sent update + the mean residual = Σ of the mean
+  pseudo-gradient."""
   n, lr, period = 4, 0.1, 2
   rng = np.random.default_rng(3)
   params0 = {"w": rng.normal(size=(32, 16)).astype(np.float32)}
@@ -150,14 +152,16 @@ def test_errors_are_clear(mesh):
     dp.step(params, dp.init(params), batches[0])
   dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
   with pytest.raises(ValueError, match=r"with local_params=True the parameters are per worker, "
-                                       r"stacked \[8, \.\.\.\]; parameter \['b'\] has shape \(48,\)"):
+                                       r"stacked \[8, \.\.\.\]; parameter \['b'\] has shape "
+                                       r"\(48,\)"):
     dp.step(params, dp.init(params), batches[0])
 
 
 def test_easgd_with_its_centre_fixed_is_sgd_plus_the_elastic_term(mesh):
   params, batches = _problem()
   lr, alpha, period = 0.1, 0.05, 2
-  tx = commopt.easgd(optax.sgd(lr), axis_name="data", alpha=alpha, period=period, beta=0.0)
+  tx = commopt.transforms.easgd(optax.sgd(lr), axis_name="data", alpha=alpha, period=period,
+                                beta=0.0)
   got, state = _local(mesh, tx, params, batches)
   # By hand, per worker: its own SGD on its own rows, pulled towards the fixed
   # centre (the start) on exchange steps.
@@ -179,7 +183,7 @@ def test_easgd_with_its_centre_fixed_is_sgd_plus_the_elastic_term(mesh):
 
 def test_easgd_moves_the_centre_to_the_workers(mesh):
   params, batches = _problem()
-  tx = commopt.easgd(optax.sgd(0.1), axis_name="data", alpha=0.1, period=1)
+  tx = commopt.transforms.easgd(optax.sgd(0.1), axis_name="data", alpha=0.1, period=1)
   got, state = _local(mesh, tx, params, batches)
   centre = np.asarray(state.inner_state.centre["w"])
   start = np.abs(params["w"] - got[-1]["w"].mean(0)).max()
@@ -190,8 +194,8 @@ def test_stale_with_no_staleness_is_synchronous_data_parallel(mesh):
   params, batches = _problem()
   inner = optax.sgd(0.1, momentum=0.9)
   want = _bsp(mesh, params, batches, inner)
-  got, state = _local(mesh, commopt.stale(inner, axis_name="data", max_staleness=0), params,
-                      batches)
+  got, state = _local(mesh, commopt.transforms.stale(inner, axis_name="data", max_staleness=0),
+                      params, batches)
   for step, (g, w) in enumerate(zip(got, want)):
     for k in w:
       np.testing.assert_allclose(g[k], np.broadcast_to(w[k], g[k].shape), rtol=1e-5, atol=1e-6,
@@ -203,7 +207,7 @@ def test_stale_with_no_staleness_is_synchronous_data_parallel(mesh):
                                      mean_staleness=2.0)])
 def test_stale_workers_read_parameters_at_most_s_steps_old(kw, mesh):
   params, batches = _problem()
-  tx = commopt.stale(optax.sgd(0.1), axis_name="data", **kw)
+  tx = commopt.transforms.stale(optax.sgd(0.1), axis_name="data", **kw)
   dp = commopt.data_parallel(_loss, tx, mesh, local_params=True)
   p, s = dp.place_params(params), dp.init(params)
   server = [params]                      # θ_0, θ_1, ...
@@ -227,11 +231,12 @@ def test_stale_workers_read_parameters_at_most_s_steps_old(kw, mesh):
 
 def test_stale_checks_its_arguments():
   with pytest.raises(ValueError, match=r"stale: `max_staleness` must be"):
-    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=-1)
+    commopt.transforms.stale(optax.sgd(0.1), axis_name="data", max_staleness=-1)
   with pytest.raises(ValueError, match=r"stale: `distribution` must be one of"):
-    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=2, distribution="poisson")
+    commopt.transforms.stale(optax.sgd(0.1), axis_name="data", max_staleness=2,
+                             distribution="poisson")
   with pytest.raises(ValueError, match=r"stale: `mean_staleness` is for distribution='geometric'"):
-    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=2, mean_staleness=1.0)
+    commopt.transforms.stale(optax.sgd(0.1), axis_name="data", max_staleness=2, mean_staleness=1.0)
 
 
 def test_streaming_diloco_with_one_fragment_and_no_delay_is_diloco(mesh):
@@ -339,7 +344,7 @@ def test_hierarchical_local_sgd_averages_each_level_on_its_period(warmup, mesh2d
   # The global model is the last all-worker average.
   last = max(t for t in range(len(batches)) if groups_at(t) is ALL)
   for k in params:
-    np.testing.assert_allclose(np.asarray(commopt.global_params(s)[k]), want[last][k][0],
+    np.testing.assert_allclose(np.asarray(commopt.transforms.global_params(s)[k]), want[last][k][0],
                                rtol=1e-5, atol=1e-6)
 
 
@@ -380,7 +385,8 @@ def test_hierarchical_local_sgd_moves_bytes_on_its_levels_only(compressor, mesh2
 
 def test_hierarchical_periods_are_checked():
   with pytest.raises(ValueError, match=r"local_sgd: a `period` per axis needs .* one entry per "
-                                       r"axis, got axis_name=\('node', 'local'\) and keys \['local'\]"):
+                                       r"axis, got axis_name=\('node', 'local'\) and keys "
+                                       r"\['local'\]"):
     commopt.local_sgd(optax.sgd(0.1), axis_name=("node", "local"), period={"local": 2})
   with pytest.raises(ValueError, match=r"the longer period must be a multiple of the shorter, .*; "
                                        r"got \{'node': 6, 'local': 4\}"):
@@ -396,7 +402,8 @@ def test_hierarchical_periods_are_checked():
                    compressor=commopt.power_sgd())
   with pytest.raises(ValueError, match=r"stale: `byte_budget` selects over the whole model on "
                                        r"one data axis"):
-    commopt.stale(optax.sgd(0.1), axis_name=("node", "local"), max_staleness=1, byte_budget=10**4)
+    commopt.transforms.stale(optax.sgd(0.1), axis_name=("node", "local"), max_staleness=1,
+                             byte_budget=10**4)
 
 
 def _server(p, s):
@@ -407,7 +414,8 @@ def _server(p, s):
 def test_stale_byte_budget_sends_at_most_the_budget_largest_first(mesh):
   params, batches = _problem()
   budget = 2000
-  tx = commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=2, byte_budget=budget)
+  tx = commopt.transforms.stale(optax.sgd(0.1), axis_name="data", max_staleness=2,
+                                byte_budget=budget)
   plan = wire.comm_plan(tx, params, 8)
   assert budget - 8 * 3 <= plan.contributed_bytes <= budget
   assert all(c.packed for c in plan.collectives)
@@ -429,7 +437,7 @@ def test_stale_byte_budget_conserves_what_it_holds_back():
   rng = np.random.default_rng(5)
   params0 = {"w": rng.normal(size=(32, 16)).astype(np.float32),
              "b": rng.normal(size=(16,)).astype(np.float32)}
-  tx = commopt.stale(optax.sgd(1.0), axis_name="w", max_staleness=0, byte_budget=400)
+  tx = commopt.transforms.stale(optax.sgd(1.0), axis_name="w", max_staleness=0, byte_budget=400)
   init = jax.vmap(tx.init, in_axes=None, axis_size=n, axis_name="w")
   update = jax.jit(jax.vmap(tx.update, axis_name="w"))
   state = init(params0)
@@ -450,9 +458,9 @@ def test_stale_byte_budget_conserves_what_it_holds_back():
 def test_stale_with_a_budget_for_everything_is_stale_without_one(mesh):
   params, batches = _problem()
   inner = optax.sgd(0.1, momentum=0.9)
-  want, _ = _local(mesh, commopt.stale(inner, axis_name="data", max_staleness=3), params,
+  want, _ = _local(mesh, commopt.transforms.stale(inner, axis_name="data", max_staleness=3), params,
                    batches, _server)
-  got, _ = _local(mesh, commopt.stale(inner, axis_name="data", max_staleness=3,
+  got, _ = _local(mesh, commopt.transforms.stale(inner, axis_name="data", max_staleness=3,
                                       byte_budget=10**6), params, batches, _server)
   for step, (g, w) in enumerate(zip(got, want)):
     for k in w:
@@ -461,11 +469,11 @@ def test_stale_with_a_budget_for_everything_is_stale_without_one(mesh):
 
 def test_stale_byte_budget_errors():
   with pytest.raises(ValueError, match=r"stale: give `byte_budget` or `compressor`, not both"):
-    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=1000,
+    commopt.transforms.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=1000,
                   compressor=commopt.top_k(0.1))
   with pytest.raises(ValueError, match=r"stale: `byte_budget` must be a positive integer"):
-    commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=0)
-  tx = commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=16)
+    commopt.transforms.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=0)
+  tx = commopt.transforms.stale(optax.sgd(0.1), axis_name="data", max_staleness=1, byte_budget=16)
   with pytest.raises(ValueError, match=r"stale: `byte_budget` \(16 bytes\) must exceed 8 bytes .* "
                                        r"the model has 2 leaves, so at least 24 bytes"):
     tx.init({"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)})
@@ -474,19 +482,19 @@ def test_stale_byte_budget_errors():
 @pytest.mark.parametrize("make,field", [
     (lambda: commopt.diloco(optax.sgd(0.1), axis_name="data", period=2), "anchor"),
     (lambda: commopt.streaming_diloco(optax.sgd(0.1), axis_name="data", period=2), "anchor"),
-    (lambda: commopt.easgd(optax.sgd(0.1), axis_name="data", alpha=0.1), "centre"),
-    (lambda: commopt.stale(optax.sgd(0.1), axis_name="data", max_staleness=2), "params"),
+    (lambda: commopt.transforms.easgd(optax.sgd(0.1), axis_name="data", alpha=0.1), "centre"),
+    (lambda: commopt.transforms.stale(optax.sgd(0.1), axis_name="data", max_staleness=2), "params"),
 ], ids=["diloco", "streaming_diloco", "easgd", "stale"])
 def test_global_params_is_the_modes_global_model(make, field, mesh):
   params, batches = _problem()
   tx = make()
   _, s = _local(mesh, tx, params, batches[:3])
-  got = commopt.global_params(s)                      # found inside data_parallel's state
+  got = commopt.transforms.global_params(s)           # found inside data_parallel's state
   for k in params:
     np.testing.assert_array_equal(np.asarray(got[k]),
                                   np.asarray(getattr(s.inner_state, field)[k]))
   with pytest.raises(ValueError, match=r"global_params: `opt_state` holds no synchronisation"):
-    commopt.global_params(optax.sgd(0.1).init(params))
+    commopt.transforms.global_params(optax.sgd(0.1).init(params))
 
 
 @pytest.mark.slow
@@ -542,7 +550,7 @@ def test_readme_diloco_converges_on_fresh_minibatches():
 
   (local, state), losses = jax.jit(lambda c, d: jax.lax.scan(step, c, d))((local, state), data)
   losses = np.asarray(losses)
-  anchor = jax.tree.map(lambda a: a[0], commopt.global_params(state))
+  anchor = jax.tree.map(lambda a: a[0], commopt.transforms.global_params(state))
   assert np.isfinite(losses).all() and losses.max() <= losses[0] * 1.5, losses.max()
   assert losses[-20:].mean() < 0.05 * losses[:20].mean(), (losses[:20].mean(), losses[-20:])
   assert float(loss(anchor, {"x": x, "y": y})) < 0.05      # on all 1797 digits; 2.4 at the start
@@ -580,7 +588,7 @@ NODES = ("node", "local")
     (lambda inner: commopt.local_sgd(inner, axis_name="data", period=3), "data", "anchor", True),
     (lambda inner: commopt.local_sgd(inner, axis_name=NODES, period={"node": 3, "local": 3}),
      NODES, "anchors", True),
-    (lambda inner: commopt.easgd(inner, axis_name="data", period=3, alpha=0.1), "data",
+    (lambda inner: commopt.transforms.easgd(inner, axis_name="data", period=3, alpha=0.1), "data",
      "centre", False),
 ], ids=["diloco", "streaming_diloco", "local_sgd", "hierarchical_local_sgd", "easgd"])
 def test_a_nonfinite_worker_skips_alone_between_exchanges_and_with_all_on_one(
@@ -693,7 +701,7 @@ def test_the_modes_take_the_agreed_verdict_into_their_exchange(mode, mesh, monke
     return go, rest
   monkeypatch.setattr(module, "_take_verdict", spy)
   params, batches = _problem()
-  make = getattr(commopt, mode)
+  make = getattr(commopt.transforms, mode)
   extra = {"alpha": 0.1} if mode == "easgd" else {}
   for period in (4, 1):          # diloco at period 1 holds its outer step by the verdict
     taken.clear()
@@ -713,7 +721,8 @@ def test_a_verdict_agreed_over_fewer_axes_than_the_mode_exchanges_over_is_refuse
   go, rest = _take_verdict({"nonfinite": finite.NonFinite(("data",), agreed=agreed), "x": 1},
                            "data")
   assert go is agreed and rest == {"x": 1}
-  with pytest.raises(ValueError, match=r"agree over \('node',\).*exchanges over \('node', 'local'\)"):
+  with pytest.raises(ValueError, match=r"agree over \('node',\).*exchanges over "
+                                       r"\('node', 'local'\)"):
     _take_verdict({"nonfinite": finite.NonFinite(("node",), agreed=agreed)}, ("node", "local"))
   assert _take_verdict({"nonfinite": finite.NonFinite(("data",), flag=jnp.zeros(()))},
                        "data")[0] is None

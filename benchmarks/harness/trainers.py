@@ -153,7 +153,7 @@ class EagerTrainer:
   def __init__(self, label: str, loss_fn, lr: float, mesh):
     import commopt
     combined, own_weight = EAGER[label]
-    self.run = commopt.eager_diloco(loss_fn, mesh=mesh, own_weight=own_weight,
+    self.run = commopt.parallel.eager_diloco(loss_fn, mesh=mesh, own_weight=own_weight,
                                     **combined_options(combined, lr))
     self.place_params, self.local_batch = self.run.place_params, self.run.local_batch
     self.init, self.step = self.run.init, self.run.step
@@ -252,7 +252,7 @@ class Job:
       dp = EagerTrainer(label, loss_fn, cfg["lr"], global_mesh)
     elif overlapped:
       tx, period, local_params = make_tx(OVERLAPPED[label], cfg["lr"])
-      dp = commopt.overlapped_data_parallel(loss_fn, tx, global_mesh)
+      dp = commopt.parallel.overlapped_data_parallel(loss_fn, tx, global_mesh)
       whole = lambda p: p
     else:
       tx, period, local_params = make_tx(label, cfg["lr"])
@@ -284,7 +284,8 @@ class Job:
         if eager:
           anchors.append([step + 1, dp.snapshot(state)])
         else:
-          global_losses.append([step + 1, global_loss(commopt.global_params(state), scored)])
+          global_losses.append([step + 1,
+                                global_loss(commopt.transforms.global_params(state), scored)])
     if eager:
       params, state = dp.finish(params, state)
       for k, mine in anchors:     # the mean of every worker's anchor, over the processes
@@ -293,7 +294,7 @@ class Job:
         global_losses.append([k, global_loss(model, scored)])
     losses = [float(np.mean(v)) for v in multihost_utils.process_allgather(losses, tiled=True)]
     model = dp.run.global_params(state) if eager else (
-        commopt.global_params(state) if local_params else whole(params))
+        commopt.transforms.global_params(state) if local_params else whole(params))
     eval_loss = global_loss(model)
     # Compute alone: the same step on this process's device, every process at once (whole
     # periods of a periodic method, each with its one exchange, encoding and decoding).

@@ -4,13 +4,13 @@ One small module per family, each registering its factories beside them
 (:func:`register`): ``_basic`` (identity, casts), ``_sign`` (sign, scaled
 sign, 1-bit), ``_levels`` (TernGrad, QSGD, natural, int8/int4, adaptive
 levels), ``_coding`` (QSGD's Elias coding cost), ``_sparse`` (sparse payload
-primitives), ``_topk``, ``_chunked`` (chunked top-k, DeMo's DCT), ``_random`` (random-k, variance-balanced),
-``_threshold`` (threshold, gradient dropping, AdaComp), ``_lowrank``
-(PowerSGD), ``_atomo`` (ATOMO), ``_sketch`` (count sketch, SketchSGD) and
-``_sketchml`` (SketchML).
+primitives), ``_topk``, ``_chunked`` (chunked top-k, DeMo's DCT), ``_random``
+(random-k, variance-balanced), ``_threshold`` (threshold, gradient dropping,
+AdaComp), ``_lowrank`` (PowerSGD), ``_atomo`` (ATOMO), ``_sketch`` (count
+sketch, SketchSGD) and ``_sketchml`` (SketchML).
 """
 
-from commopt._src.base import CAPABILITIES, EmptyState
+from commopt._src.base import CAPABILITIES, Compressor, EmptyState, Reduced
 from commopt.compressors._atomo import atomo
 from commopt.compressors._basic import cast, identity
 from commopt.compressors._chunked import chunk_top_k
@@ -34,12 +34,13 @@ from commopt.compressors._threshold import AdaCompState, adacomp, gradient_dropp
 from commopt.compressors._topk import top_k
 
 __all__ = [
-    "AdaCompState", "CAPABILITIES", "DEFAULTS", "EmptyState", "PowerSGDLeafState", "REGISTRY",
-    "RandomKState", "VARIANTS", "adacomp", "adaptive_levels", "atomo", "cast", "gradient_dropping",
-    "chunk_top_k", "identity", "int_quant", "make", "natural", "onebit", "options", "power_sgd", "qsgd",
-    "qsgd_coded_bits", "qsgd_elias_bits", "random_k", "register", "scaled_sign", "sign",
-    "CountSketchState", "count_sketch", "sketch_sgd", "sketchml",
-    "terngrad", "threshold", "top_k", "unregister", "variance_balanced",
+    "adacomp", "AdaCompState", "adaptive_levels", "atomo", "CAPABILITIES", "cast",
+    "chunk_top_k", "Compressor", "count_sketch", "CountSketchState", "DEFAULTS",
+    "EmptyState", "gradient_dropping", "identity", "int_quant", "make", "natural", "onebit",
+    "options", "power_sgd", "PowerSGDLeafState", "qsgd", "qsgd_coded_bits",
+    "qsgd_elias_bits", "random_k", "RandomKState", "Reduced", "register", "REGISTRY",
+    "scaled_sign", "sign", "sketch_sgd", "sketchml", "terngrad", "threshold", "top_k",
+    "unregister", "variance_balanced", "VARIANTS",
 ]
 
 

@@ -239,7 +239,7 @@ def atomo(budget: float, *, sampling: str = "systematic", capacity: float = 2.0,
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt
-    >>> c = commopt.atomo(budget=2)
+    >>> c = commopt.compressors.atomo(budget=2)
     >>> m = jnp.outer(jnp.arange(1.0, 5.0), jnp.ones(3))   # rank 1: p = (1, 0, 0)
     >>> payload, _ = c.encode(m, c.init(m), jax.random.key(0))
     >>> {k: v.shape for k, v in payload.items()}            # C = 2 slots

@@ -220,7 +220,7 @@ def chunk_top_k(k: int = 32, *, chunk: int = 64, dct: bool = False, bits: Option
 
   Examples:
     >>> import jax.numpy as jnp, commopt
-    >>> c = commopt.chunk_top_k(1, chunk=2)
+    >>> c = commopt.compressors.chunk_top_k(1, chunk=2)
     >>> x = jnp.array([0.1, -3.0, 2.0, 0.5])            # tiles [0.1, -3.0] and [2.0, 0.5]
     >>> c.decode(c.encode(x, None, None)[0], None, x).tolist()
     [0.0, -3.0, 2.0, 0.0]

@@ -53,7 +53,7 @@ def terngrad(clip: Optional[float] = 2.5) -> base.Compressor:
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt
-    >>> c = commopt.terngrad(clip=None)
+    >>> c = commopt.compressors.terngrad(clip=None)
     >>> x = jnp.array([0.5, -1.0, 0.0, 0.25])
     >>> y = c.decode(c.encode(x, None, jax.random.key(0))[0], None, x)
     >>> bool(jnp.all((y == 0) | (jnp.abs(y) == 1.0)))
@@ -163,7 +163,7 @@ def natural() -> base.Compressor:
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt
-    >>> c = commopt.natural()
+    >>> c = commopt.compressors.natural()
     >>> x = jnp.array([1.0, -0.75, 3.0, 0.0])
     >>> y = c.decode(c.encode(x, None, jax.random.key(1))[0], None, x)
     >>> y[0].item(), y[3].item(), y[1].item() in (-0.5, -1.0), y[2].item() in (2.0, 4.0)
@@ -307,7 +307,7 @@ def adaptive_levels(levels: int = 16, bins: int = 128) -> base.Compressor:
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt
-    >>> c = commopt.adaptive_levels(levels=4)
+    >>> c = commopt.compressors.adaptive_levels(levels=4)
     >>> x = jnp.concatenate([jnp.zeros(60), jnp.array([1.0, 2.0, 3.0, 10.0])])
     >>> payload, _ = c.encode(x, None, jax.random.key(0))
     >>> payload["levels"][0].item(), payload["levels"][-1].item()

@@ -141,7 +141,7 @@ def onebit() -> base.Compressor:
 
   Examples:
     >>> import jax.numpy as jnp, commopt
-    >>> c = commopt.onebit()
+    >>> c = commopt.compressors.onebit()
     >>> x = jnp.array([1.0, -3.0, 2.0, -1.0])
     >>> c.decode(c.encode(x, None, None)[0], None, x).tolist()
     [1.5, -2.0, 1.5, -2.0]

@@ -194,7 +194,7 @@ def count_sketch(rows: int = 5, cols: Optional[int] = None, *, ratio: Optional[f
   the row estimates, which is linear in the table (a psum of tables decodes to
   the sum of the decoded tables, as ``linear`` promises and error feedback
   needs). Charikar et al.'s median of rows is not linear; it is what picks
-  heavy hitters in :func:`sketch_sgd` and :func:`~commopt.fetch_sgd`. With
+  heavy hitters in :func:`sketch_sgd` and :func:`~commopt.transforms.fetch_sgd`. With
   ``m = rows·cols`` and fresh hashes the mean is unbiased with
   ``E‖x̂ − x‖² = ω‖x‖²``, ``ω = (n−1)/m``: more noise than signal once the
   table is smaller than the leaf, which error feedback would accumulate.
@@ -219,7 +219,7 @@ def count_sketch(rows: int = 5, cols: Optional[int] = None, *, ratio: Optional[f
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt
-    >>> c = commopt.count_sketch(rows=3, cols=4, unbiased=True)
+    >>> c = commopt.compressors.count_sketch(rows=3, cols=4, unbiased=True)
     >>> x = jnp.zeros(64).at[5].set(10.0)        # one coordinate: every row finds it
     >>> payload, state = c.encode(x, c.init(x), jax.random.key(0))
     >>> payload["table"].shape, float(c.decode(payload, state, x)[5])
@@ -323,7 +323,7 @@ def sketch_sgd(ratio: Optional[float] = None, *, k: Optional[int] = None, rows: 
 
   Examples:
     >>> import jax.numpy as jnp, commopt
-    >>> tx = commopt.compressed_mean(commopt.sketch_sgd(k=2, cols=16), min_size=0)
+    >>> tx = commopt.compressed_mean(commopt.compressors.sketch_sgd(k=2, cols=16), min_size=0)
     >>> x = jnp.zeros(200).at[7].set(5.0).at[90].set(-3.0)
     >>> out, _ = tx.update({"w": x}, tx.init({"w": x}))
     >>> jnp.flatnonzero(out["w"]).tolist(), out["w"][90].tolist()

@@ -389,7 +389,7 @@ def sketchml(ratio: Optional[float] = None, *, k: Optional[int] = None, buckets:
 
   Examples:
     >>> import jax.numpy as jnp, commopt
-    >>> c = commopt.sketchml(k=3)
+    >>> c = commopt.compressors.sketchml(k=3)
     >>> x = jnp.array([0.1, -3.0, 2.0, 0.0, 0.5, -0.2])
     >>> payload, _ = c.encode(x, c.init(x), None)
     >>> c.decode(payload, None, x).tolist()

@@ -468,7 +468,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
   with True. With ``local_params=True``, no
   model state and a synchronisation mode (:func:`~commopt.diloco`,
   :func:`~commopt.local_sgd`, :func:`~commopt.streaming_diloco`,
-  :func:`~commopt.easgd`), the workers agree only on the steps that exchange
+  :func:`~commopt.transforms.easgd`), the workers agree only on the steps that exchange
   (or merge); in between each worker skips its own non-finite step (its
   parameters and per-worker inner state kept, the schedule advancing), so no
   collective crosses the data axes between exchanges, and the counters are

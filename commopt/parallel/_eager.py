@@ -247,7 +247,7 @@ def eager_diloco(loss_fn: Callable, inner: optax.GradientTransformation, mesh,
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> x = np.random.default_rng(0).normal(size=(32, 2)).astype(np.float32)
     >>> batch = {"x": x, "y": x @ np.array([[2.0], [-1.0]], np.float32)}
-    >>> run = commopt.eager_diloco(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
+    >>> run = commopt.parallel.eager_diloco(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
     ...                            optax.sgd(0.5), mesh, period=5)
     >>> local = run.place_params({"w": jnp.zeros((2, 1))})
     >>> state = run.init({"w": jnp.zeros((2, 1))})

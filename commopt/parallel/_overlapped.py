@@ -220,7 +220,7 @@ def overlapped_diloco(loss_fn: Callable, inner: optax.GradientTransformation, me
     >>> import jax, jax.numpy as jnp, numpy as np, optax, commopt
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-    >>> run = commopt.overlapped_diloco(loss, optax.adam(1e-2), mesh, period=4, delay=2)
+    >>> run = commopt.parallel.overlapped_diloco(loss, optax.adam(1e-2), mesh, period=4, delay=2)
     >>> params = {"w": jnp.zeros((16, 2))}
     >>> p, s = run.place_params(params), run.init(params)
     >>> x = np.ones((32, 16), np.float32)
@@ -241,7 +241,8 @@ class OverlappedDataParallelState:
   Attributes:
     opt: ``tx``'s state, as ``data_parallel`` keeps it.
     kept: every worker's gradient of the last step (stacked ``[num_workers, ...]``), which
-      the next step exchanges; None before the first step and after :meth:`~OverlappedDataParallel.finish`.
+      the next step exchanges; None before the first step and after
+      :meth:`~OverlappedDataParallel.finish`.
     count: steps so far.
   """
   opt: Any
@@ -368,7 +369,7 @@ def overlapped_data_parallel(loss_fn: Callable, tx: optax.GradientTransformation
     >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
     >>> tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"),
     ...                  optax.sgd(0.1))
-    >>> run = commopt.overlapped_data_parallel(loss, tx, mesh)
+    >>> run = commopt.parallel.overlapped_data_parallel(loss, tx, mesh)
     >>> params = {"w": jnp.zeros((16, 2))}
     >>> p, s = run.place_params(params), run.init(params)
     >>> x = np.ones((32, 16), np.float32)

@@ -35,11 +35,11 @@ class SFBLinear(nnx.Module):
   Examples:
     >>> import jax.numpy as jnp, commopt
     >>> from flax import nnx
-    >>> layer = commopt.SFBLinear(8, 4, rngs=nnx.Rngs(0))
+    >>> layer = commopt.parallel.SFBLinear(8, 4, rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((2, 8))).shape
     (2, 4)
     >>> _, params = nnx.split(layer, nnx.Param)
-    >>> mask = commopt.sfb_mask(params)
+    >>> mask = commopt.parallel.sfb_mask(params)
     >>> mask["kernel"].get_value(), mask["bias"].get_value()
     (True, False)
 

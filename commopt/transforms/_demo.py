@@ -25,7 +25,7 @@ def demo(learning_rate: optax.ScalarOrSchedule, *, axis_name, k: int = 32, chunk
     θ ← θ − η·(sign(mean_i IDCT(sᵢ)) + λ·θ)     λ = ``weight_decay``
 
   Built from commopt's parts: the momentum is the error-feedback residual
-  of a :func:`~commopt.compressed_mean` of :func:`~commopt.chunk_top_k`
+  of a :func:`~commopt.compressed_mean` of :func:`~commopt.compressors.chunk_top_k`
   with ``dct=True`` and ``residual_decay=decay``, whose payloads (bfloat16
   values and packed 12-bit indices: 28 bits per coefficient, 146× fewer
   bits than a float32 tile) are all-gathered. The state is an

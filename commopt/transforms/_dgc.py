@@ -38,7 +38,7 @@ class DGCState(NamedTuple):
   Attributes:
     count: number of updates so far (int32).
     velocity: the per-worker momentum ``u``, shaped like the updates.
-    inner: the :class:`~commopt.CompressedMeanState` of the sparse exchange;
+    inner: the :class:`~commopt.transforms.CompressedMeanState` of the sparse exchange;
       its residual is DGC's accumulated velocity ``v``.
   """
   count: jax.Array

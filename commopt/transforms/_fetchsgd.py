@@ -97,7 +97,7 @@ def fetch_sgd(learning_rate: Union[float, optax.Schedule], k: int, rows: int, co
 
   Examples:
     >>> import jax, jax.numpy as jnp, commopt
-    >>> tx = commopt.fetch_sgd(0.1, k=4, rows=5, cols=32, axis_name="data")
+    >>> tx = commopt.transforms.fetch_sgd(0.1, k=4, rows=5, cols=32, axis_name="data")
     >>> dp = commopt.data_parallel(lambda p, b: jnp.mean((b @ p["w"] - 1.0) ** 2), tx,
     ...                            jax.make_mesh((1,), ("data",)))
     >>> params = {"w": jnp.zeros(64)}

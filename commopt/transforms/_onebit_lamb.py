@@ -141,7 +141,7 @@ def onebit_lamb(learning_rate: Union[float, optax.Schedule], freeze_step: int, *
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, commopt
-    >>> tx = commopt.onebit_lamb(1e-3, freeze_step=100, axis_name="data")
+    >>> tx = commopt.transforms.onebit_lamb(1e-3, freeze_step=100, axis_name="data")
     >>> dp = commopt.data_parallel(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx,
     ...                            jax.make_mesh((1,), ("data",)))
     >>> params = {"w": jnp.ones((4, 2))}

@@ -12,7 +12,7 @@ factors themselves (``x`` then ``dy``, flat, then zeros, then the row count
 as a check) instead of ``xᵀ dy``. :func:`sfb_mean` is the reduction: for
 those leaves it all-gathers the factors (``B·(n + m)`` values per worker)
 and forms ``(1/N) Σ_w X_wᵀ DY_w``; every other leaf goes through ``other``
-(a dense mean by default). The nnx layer :class:`commopt.SFBLinear` uses
+(a dense mean by default). The nnx layer :class:`commopt.parallel.SFBLinear` uses
 the op.
 """
 
@@ -36,7 +36,8 @@ _TRACED_ROWS: dict = {}
 
 
 def sfb_pays(rows: int, n: int, m: int) -> bool:
-  """Whether the factors of ``rows`` rows cost less than an ``[n, m]`` gradient: ``rows·(n+m) < n·m``.
+  """Whether the factors of ``rows`` rows cost less than an ``[n, m]`` gradient:
+  ``rows·(n+m) < n·m``.
 
   Examples:
     >>> from commopt.transforms import sfb_pays
@@ -143,7 +144,7 @@ def sfb_mean(batch_rows: int, mask: Union[Any, Callable[[Any], Any]], *, axis_na
       batch size, times the sequence length for ``[B, T, n]`` inputs.
     mask: a pytree of bools like the parameters (True for kernels used by
       :func:`sfb_dense`), or a function of the parameters that returns one
-      (:func:`commopt.sfb_mask` gives it for an nnx model).
+      (:func:`commopt.parallel.sfb_mask` gives it for an nnx model).
     other: the reduction of every other leaf; default the dense mean
       ``compressed_mean(identity(), axis_name=axis_name)``. Any compressed mean works.
     check_rows: send the row count with the factors and check it (above):

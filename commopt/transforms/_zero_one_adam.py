@@ -184,7 +184,7 @@ def zero_one_adam(learning_rate: Union[float, optax.Schedule], *, axis_name,
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, commopt
-    >>> tx = commopt.zero_one_adam(1e-3, axis_name="data", var_freeze_step=2,
+    >>> tx = commopt.transforms.zero_one_adam(1e-3, axis_name="data", var_freeze_step=2,
     ...                            local_step_scaler=1, local_step_clipper=4)
     >>> params = {"w": jnp.ones((64, 32))}
     >>> dp = commopt.data_parallel(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx,

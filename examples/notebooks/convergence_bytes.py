@@ -87,7 +87,7 @@ def sync(kind):
 
 
 def dgc():
-  reducer = commopt.dgc(axis_name="data", momentum=MOMENTUM)
+  reducer = commopt.transforms.dgc(axis_name="data", momentum=MOMENTUM)
   return optax.chain(reducer, optax.sgd(LR)), reducer
 
 
@@ -121,7 +121,7 @@ if SMALL:
 # The same batches for every method: step `t` draws its rows from a generator
 # seeded with `t`. Test accuracy is measured on the held-out fifth of the
 # digits, with the global model for the methods that keep per-worker
-# parameters (`commopt.global_params`).
+# parameters (`commopt.transforms.global_params`).
 
 # %%
 x_train, y_train, x_test, y_test = load_digits_split()
@@ -149,7 +149,7 @@ for label, (family, build) in METHODS.items():
     p, s, loss = dp.step(p, s, batch(step))
     losses.append(float(np.mean(loss)))
     sent.append(wire.comm_plan(reducer, params, WORKERS, step=step).sent_bytes)
-  final = commopt.global_params(s) if label in LOCAL else p
+  final = commopt.transforms.global_params(s) if label in LOCAL else p
   results[label] = dict(family=family, losses=np.array(losses), bytes=np.cumsum(sent),
                         accuracy=test_accuracy(final))
   print(f"{label:16s} loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}  "

@@ -41,7 +41,8 @@ class PeriodicState(NamedTuple):
   outer_state: Any
 
 
-def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTransformation] = None,
+def diloco(inner: optax.GradientTransformation,
+           outer: Optional[optax.GradientTransformation] = None,
            *, axis_name, period: int, compressor: Optional[base.Compressor] = None,
            error_feedback: bool | str = "auto", strategy: str = "auto", warmup_steps: int = 0,
            min_size: int = DEFAULT_MIN_SIZE, seed: int = 0,
@@ -115,7 +116,7 @@ def diloco(inner: optax.GradientTransformation, outer: Optional[optax.GradientTr
     seed: the compressor's base key.
     residual_decay: β of the error-feedback residual, ``e ← β·e + Δ`` before
       each exchange (:func:`~commopt.compressed_mean`'s option); SparseLoCo
-      uses 0.95 (see :func:`~commopt.sparseloco`).
+      uses 0.95 (see :func:`~commopt.transforms.sparseloco`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs

@@ -48,7 +48,7 @@ def sparseloco(inner: optax.GradientTransformation,
     k: entries kept per tile (the paper's density 1–3%: 41 to 123 of 4096).
     chunk: the tile's side (64: tiles of 4096 entries).
     bits: bits per kept value (sign and magnitude bin, see
-      :func:`~commopt.chunk_top_k`), or None for float values.
+      :func:`~commopt.compressors.chunk_top_k`), or None for float values.
     decay: β of the error feedback, in [0, 1].
     strategy: :func:`~commopt.compressed_mean`'s reduction.
     warmup_steps: as in :func:`diloco`.
@@ -56,11 +56,11 @@ def sparseloco(inner: optax.GradientTransformation,
     seed: the exchange's base key.
 
   Returns:
-    :func:`diloco`'s transform (state :class:`~commopt.PeriodicState`).
+    :func:`diloco`'s transform (state :class:`~commopt.transforms.PeriodicState`).
 
   Examples:
     >>> import optax, commopt
-    >>> tx = commopt.sparseloco(optax.adamw(1e-3), axis_name="data", period=30)
+    >>> tx = commopt.transforms.sparseloco(optax.adamw(1e-3), axis_name="data", period=30)
 
   References:
     Sarfi et al., Communication Efficient LLM Pre-training with SparseLoCo,
