@@ -408,6 +408,7 @@ def test_restoring_into_another_dtype_verifies_then_casts(saved, tmp_path):
 KILLED_SAVE = pathlib.Path(__file__).with_name("killed_save_worker.py")
 
 
+@pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_nothing_that_restores(tmp_path):
   script = KILLED_SAVE
   out = tmp_path / "run"
@@ -548,6 +549,7 @@ def test_an_async_save_restores_bit_identically_and_the_run_continues(small, tmp
   assert_same_bits(host((p2, s2)), host((p1, s1)))
 
 
+@pytest.mark.slow
 def test_the_manager_restores_onto_another_number_of_workers(small, tmp_path):
   dp4, params, batches = small.dp4, small.params, small.batches
   p, s = small.trained[1]

@@ -155,6 +155,7 @@ def test_buckets_run_one_after_the_other(ordered, skip):
   assert not _side_by_side(entry)
 
 
+@pytest.mark.slow
 def test_without_processes_the_program_is_unchanged():
   params, loss_fn, batch = _mlp()
   mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])

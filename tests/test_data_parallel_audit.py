@@ -105,6 +105,7 @@ def test_compression_ratios():
   assert ((1024 + 512) * 2,) in shapes and ((512 + 10) * 2,) in shapes
 
 
+@pytest.mark.slow
 def test_training_reduces_loss_and_keeps_replicas_equal(mesh):
   tx = optax.chain(commopt.compressed_mean(commopt.scaled_sign(), axis_name="data"), optax.sgd(0.05))
   dp = commopt.data_parallel(loss_fn, tx, mesh)

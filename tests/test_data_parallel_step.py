@@ -246,6 +246,7 @@ def tp_mesh_and_params():
                 for k, v in make_params().items()}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_layout_is_kept_and_equals_replicated():
   mesh, p = tp_mesh_and_params()
   params = make_params()

@@ -240,6 +240,7 @@ def test_the_kept_gradient_is_per_worker_state(mesh):
   assert not np.allclose(kept[0], kept[1])                # each worker's own gradient
 
 
+@pytest.mark.slow
 def test_no_exchange_of_a_pipelined_step_waits_for_the_backward_pass(mesh):
   # Read from the compiled program: undelayed, every collective waits for the batch; with
   # pipelined and no skip on this step's gradient, none does, with or without the agreed
@@ -433,6 +434,7 @@ def test_the_top_level_and_transforms_export_it():
 PAGE = ROOT / "docs" / "guide" / "overlap.md"
 
 
+@pytest.mark.slow
 def test_the_overlapping_communication_page_runs_in_order(capsys):
   blocks = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), flags=re.S | re.M)
   assert blocks

@@ -250,6 +250,7 @@ def test_quantize_pack_terngrad_matches_the_reference(n, block_size):
   assert int(kernels.unpack_bits(got, 2, n)[3]) == 0   # NaN: level 0
 
 
+@pytest.mark.slow
 def test_quantize_pack_reproduces_qsgd_and_terngrad():
   """The reference fed the compressors' random words (the counter hash) is their encoding."""
   x = mixed(1000, 11, specials=False)

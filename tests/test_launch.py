@@ -108,6 +108,7 @@ def test_the_processes_die_with_a_killed_launcher(out):
     proc.kill()
 
 
+@pytest.mark.slow
 def test_the_processes_die_with_a_killed_launcher_that_is_not_their_parent(out):
   """An interpreter wrapper stands between them (no parent-death signal): the pipe ends them."""
   script = out / "sleeps.py"
@@ -138,6 +139,7 @@ def _parent(pid: int) -> int:
     return int(f.read().split(")")[-1].split()[1])
 
 
+@pytest.mark.slow
 def test_sigterm_ends_the_processes_at_once(out):
   """jax.distributed's preemption handler would have them ignore SIGTERM; they end at once."""
   script = out / "sleeps.py"
@@ -260,6 +262,7 @@ def test_a_process_that_does_not_stop_is_killed_after_stop_grace(out, twice):
     proc.kill()
 
 
+@pytest.mark.slow
 def test_a_run_past_its_timeout_is_ended(out):
   script = out / "sleeps.py"
   script.write_text(SLEEPS)

@@ -67,6 +67,7 @@ def test_chunk_top_k_tiles_odd_shapes_and_sends_whole_tiles_without_indices():
     np.testing.assert_allclose(np.asarray(c.decode(payload, None, x)), np.asarray(x), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunk_top_k_bits_send_a_sign_and_a_bin_mean_per_value():
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.normal(size=(64, 64)).astype(np.float32))
@@ -215,6 +216,7 @@ def test_demo_runs_shard_local_on_a_tensor_parallel_mesh():
   assert momentum.addressable_shards[0].data.shape[-1] == 128 // 4
 
 
+@pytest.mark.slow
 def test_sparseloco_error_feedback_conserves_the_decayed_pseudo_gradient():
   """Per worker and sync: e′ = β·e + Δ − s, and the anchor moves by −mean s (outer sgd(1))."""
   lr, period, decay = 0.1, 2, 0.8
@@ -254,6 +256,7 @@ def test_sparseloco_sends_over_97_times_fewer_bytes_than_dense_diloco():
   assert ratio >= 97, ratio
 
 
+@pytest.mark.slow
 def test_muon_inside_diloco_with_h_1_is_muon_data_parallel(mesh):
   """With every worker on the same rows, H = 1 and outer sgd(1), DiLoCo's anchor is Muon's
   data-parallel step (with different rows the two differ: Muon's orthogonalisation is not

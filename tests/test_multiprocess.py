@@ -35,6 +35,7 @@ def two_processes(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", worker.CASES)
 def test_two_processes_match_one(case, two_processes):
   got = dict(np.load(two_processes / f"{case}.npz"))
@@ -174,6 +175,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_ending_the_launcher_ends_its_processes(tmp_path):
   import os
   import signal

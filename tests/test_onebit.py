@@ -108,6 +108,7 @@ def _loss(p, b):
   return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 
 
+@pytest.mark.slow
 def test_onebit_adam_sends_one_bit_after_the_freeze_and_trains(mesh):
   params, batch = _problem()
   freeze = 10                                 # the variance needs some steps to settle

@@ -81,6 +81,7 @@ def test_q_is_the_same_on_every_worker_and_warm_started():
   np.testing.assert_allclose(q1, np.broadcast_to(q1[0], q1.shape), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_zero_step_keeps_the_warm_start():
   m = jnp.outer(jnp.arange(1.0, 9.0), jnp.arange(1.0, 7.0))
   tx = commopt.compressed_mean(commopt.power_sgd(rank=1), error_feedback=False, min_size=0)
@@ -271,6 +272,7 @@ def test_orthogonalization_epsilon_keeps_a_zero_column_finite():
   np.testing.assert_allclose(out["w"], m, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_batched_equals_per_leaf_and_every_factor_crosses_in_one_all_reduce(mesh):
   # Three leaves view as [32, 24] (one as [4, 8, 24]), one as [16, 40]; a dense bias.
   params = {"a": jnp.zeros((32, 24)), "b": jnp.zeros((32, 24)), "c": jnp.zeros((4, 8, 24)),

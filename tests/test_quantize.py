@@ -51,6 +51,7 @@ def assert_unbiased(c, x, width):
   return y
 
 
+@pytest.mark.slow
 @given(seed=st.integers(0, 2**31), levels=st.sampled_from([1, 2, 5, 15]))
 @settings(max_examples=6, deadline=None)
 def test_qsgd_unbiased(seed, levels):
@@ -153,6 +154,7 @@ def test_onebit_never_worse_than_scaled_sign(seed, d):
   assert e1 <= e2 * (1 + 1e-5) + 1e-6
 
 
+@pytest.mark.slow
 @given(seed=st.integers(0, 2**31), d=st.sampled_from([1, 33, 300]),
        scale=st.sampled_from([1e-30, 1.0, 1e30]))
 def test_onebit_decodes_each_sign_to_its_groups_mean_exactly(seed, d, scale):
@@ -172,6 +174,7 @@ def test_onebit_decodes_each_sign_to_its_groups_mean_exactly(seed, d, scale):
   np.testing.assert_array_equal(np.asarray(acc), expect + expect)
 
 
+@pytest.mark.slow
 @given(seed=st.integers(0, 2**31), nbits=st.sampled_from([4, 8]),
        block=st.sampled_from([4, 64, 256]))
 def test_int_quant_nearest_contraction(seed, nbits, block):
@@ -328,6 +331,7 @@ def test_qsgd_elias_cost_measured_below_bound(levels, bucket):
     assert bound < c.payload_bits((d,), jnp.float32)
 
 
+@pytest.mark.slow
 def test_qsgd_coded_bits_counts_by_hand():
   # Levels [0, 2, 0, 0, -1] (s=2): norm 32 + (omega(2)=3, sign, omega(2)=3)
   # + (omega(3)=3, sign, omega(1)=1)

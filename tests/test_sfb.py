@@ -135,6 +135,7 @@ class Net(nnx.Module):
     return self.l2(nnx.relu(self.l1(x)))
 
 
+@pytest.mark.slow
 def test_nnx_layer_trains_like_nnx_linear(mesh):
   def loss_fn(model, b):
     return optax.softmax_cross_entropy_with_integer_labels(model(b["x"]), b["y"]).mean()

@@ -212,6 +212,7 @@ def test_fetch_sgd_moves_one_sketch_per_step_and_state_is_shared(mesh):
     assert sk.shape == (rows, cols) and bool(jnp.any(sk != 0))
 
 
+@pytest.mark.slow
 def test_fetch_sgd_trains_the_digits_mlp_on_eight_workers(mesh):
   """The MLP 64-64-64-10 (8970 weights) on the digits, 8 workers of 32 examples: 40 jitted
   steps of fetch_sgd with a 5 × 600 sketch (a third of the weights) and k = 200 take the

@@ -277,6 +277,7 @@ def test_variance_balanced_is_unbiased():
 
 
 @given(seed=st.integers(0, 2**31), k=st.integers(1, 60), heavy=st.booleans())
+@pytest.mark.slow
 def test_keep_probabilities_meet_the_density(seed, k, heavy):
   rng = np.random.default_rng(seed)
   x = rng.standard_cauchy(200) if heavy else rng.normal(size=200)

@@ -45,6 +45,7 @@ def leaves(n, seed=0):
   return {name: jnp.asarray(v, jnp.float32) for name, v in out.items()}
 
 
+@pytest.mark.slow
 def test_the_sampled_band_selects_as_the_reference():
   """One leaf past SAMPLE_FROM in the default tier: the sampled band's path (its
   compaction of the band's words included) against the reference."""
@@ -85,6 +86,7 @@ def test_the_sampled_band_brackets_gradients_and_falls_back_on_ties():
     same_selection(x[name], 10486)
 
 
+@pytest.mark.slow
 def test_the_api_runs_the_histograms_on_the_cpu_for_large_k():
   x = leaves(50_000, 3)["specials"]
   for k in (histogram.MIN_K - 1, histogram.MIN_K, 20_000):

@@ -138,6 +138,7 @@ def test_parameters_and_state_take_one_worker_share_of_memory(mesh):
   assert ours < theirs / 6, (ours, theirs)
 
 
+@pytest.mark.slow
 def test_quantized_weights_and_gradients_converge_with_dense(mesh):
   """qwZ (int8) and qgZ (int4) with nearest rounding, no error memory: the loss after
   60 steps is within 1.3x of dense ZeRO-3's, and far below the start."""
@@ -463,6 +464,7 @@ def test_hpz_with_quantized_weights_and_gradients_converges(mesh2d):
   assert tails["hpz"][1] < 1.2 * tails["flat"][1], tails
 
 
+@pytest.mark.slow
 def test_the_pure_step_runs_inside_a_users_jit_and_scan(mesh):
   """step_fn under the user's own jax.jit and lax.scan over steps gives the jitted steps'
   parameters."""
