@@ -468,84 +468,31 @@ def power_sgd(rank: int = 1, *, view: View = "last",
               batched: bool = False) -> base.Compressor:
   """PowerSGD: rank-``r`` compression by one warm-started power iteration.
 
-  A leaf is viewed as a matrix ``M`` [n, m]. With the default ``view="last"``
-  it is ``[prod(shape[:-1]), shape[-1]]``, which keeps Flax's output features
-  (the last axis of dense ``[in, out]`` and conv ``HWIO`` kernels) on one side;
-  ``view="first"`` gives ``[shape[0], prod(shape[1:])]`` (PyTorch's layout
-  rule, for ``[out, in, ...]`` weights), and a callable ``shape -> (n, m)``
-  any other split. One step, over the workers' ``M_w``::
+  A leaf is viewed as a matrix ``M`` [n, m]. Each step computes, over the
+  workers' ``M_w``, ``P = mean_w(M_w Q)``, ``P̂ = orth(P)`` and
+  ``Q' = mean_w(M_wᵀ P̂)``, and every worker receives ``P̂ Q'ᵀ``; ``Q'`` is kept
+  and warm-starts the next step. Through :func:`~commopt.compressed_mean` two
+  all-reduces cross the wire per step (every leaf's ``P`` in one, every ``Q`` in
+  the other). Leaves with at most one dimension, or whose compression rate
+  ``nm / ((n + m) r)`` is below ``min_compression_rate``, are sent dense. The
+  options mirror PyTorch's PowerSGD hook (``view="first"`` is its layout).
 
-    P = mean_w(M_w Q);  P̂ = orth(P);  Q' = mean_w(M_wᵀ P̂);  out = P̂ Q'ᵀ
-
-  ``Q'`` is kept as state and warm-starts the next step, so the factors track
-  the dominant subspace. Through :func:`~commopt.compressed_mean` two
-  all-reduces cross the wire per step whatever the number of leaves, as
-  PyTorch's hook buckets them: every compressed leaf's ``P`` ([n, r]) laid
-  end to end in one, every ``Q`` ([m, r]) in the other (one per dtype; a
-  callable ``view`` without ``batched=True``: two per leaf). The factors
-  are computed in float64 for float64 leaves and in float32 for every
-  narrower float; they cross the wire in the leaf's dtype.
-
-  Error feedback (``residual``): with ``"aggregate"`` a worker
-  keeps its input less the aggregate ``P̂ Q'ᵀ`` that every worker receives.
-  That is the published algorithm: Algorithm 1 of Vogels et al. compresses
-  and aggregates in one step, whose compressed representation is the
-  all-reduced pair ``(P̂, Q')``, so Algorithm 2's ``e_w ← Δ_w −
-  DECOMPRESS(C(Δ_w))`` subtracts the aggregate, and the authors' code and
-  PyTorch's hook both keep ``input − P̂ Q'ᵀ``. With ``"local"`` a worker keeps
-  its input less its own reconstruction ``P̂ (M_wᵀ P̂)ᵀ``. Since ``P̂`` is shared
-  and ``Q'`` is the mean of the workers' ``M_wᵀ P̂``, the mean of the own
-  reconstructions is the aggregate: both choices leave the same sum of
-  residuals over the workers, hence the same outputs at every step; they
-  split that debt differently among the workers. ``"local"`` is the
-  default because its split stays bounded: with ``"aggregate"`` each
-  worker's residual also collects its input's difference from the mean,
-  every step, so under independent gradients it grows like a random walk
-  (from 15 to 32 times the gradient's norm between 250 and 1,000 steps on
-  4 workers, against a steady 2.8 with ``"local"``) and its float32
-  rounding with it, while the sum stays put.
-
-  ``start_iter`` steps of dense warm-up: the first ``start_iter`` reductions
-  all-reduce the leaf itself (the exact mean, nothing left to error
-  feedback), later ones run the protocol above. The count lives in the
-  per-leaf state, the same on every worker, so the switch is a ``lax.cond``
-  that works under ``jit`` and ``lax.scan``. A compiled program holds both
-  branches; :func:`commopt.wire.comm_plan` with ``step=`` plans the one that
-  runs (the leaf's bytes before ``start_iter``, the factors' after), as
-  :func:`commopt.wire.record_collectives` records it.
-
-  ``batched=True`` stacks the compressed leaves with the same matrix shape,
-  rank and dtype (through :func:`~commopt.compressed_mean`), so a group is
-  orthogonalised by one batched QR whatever the number of its leaves. The
-  results equal the per-leaf protocol's up to float rounding.
-
-  Leaves with at most one dimension, or whose compression rate
-  ``nm / ((n + m) r)`` is below ``min_compression_rate``, are sent dense.
-
-  The options mirror those of PyTorch's PowerSGD hook
-  (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``):
-  ``matrix_approximation_rank`` is ``rank``, ``start_powerSGD_iter`` is
-  ``start_iter`` (PyTorch's default is 1000, here 0),
-  ``min_compression_rate``, ``orthogonalization_epsilon``,
-  ``batch_tensors_with_same_shape`` is ``batched``, ``random_seed`` is
-  ``seed``, ``use_error_feedback`` is ``compressed_mean``'s
-  ``error_feedback``; the warm start is always on. PyTorch views tensors as
-  ``view="first"`` does.
+  See the guide's "Compressors and aggregators" page (PowerSGD) for the view,
+  the warm-up, the residual choice and PyTorch's option names.
 
   Args:
     rank: the rank ``r`` of the approximation (positive; clipped to
       ``min(n, m)`` per leaf).
-    view: ``"last"``, ``"first"`` or a callable, as above.
+    view: ``"last"`` (default: ``[prod(shape[:-1]), shape[-1]]``, Flax's kernels),
+      ``"first"`` (``[shape[0], prod(shape[1:])]``) or a callable ``shape -> (n, m)``.
     min_compression_rate: leaves compressing less than this go dense.
     seed: seed of the initial ``Q``; it is the same on every worker.
     start_iter: reductions (optimizer steps) sent dense before compressing;
       an integer >= 0.
-    orthogonalization_epsilon: 0 (default) orthogonalises ``P`` by
-      Householder QR, which stays finite when ``P`` is rank-deficient; a
-      positive value uses Gram-Schmidt as PyTorch's hook does, adding it to
-      each column's norm before dividing (a zero column stays zero).
-    residual: ``"local"`` (default) or ``"aggregate"``: what error feedback
-      subtracts, as above.
+    orthogonalization_epsilon: 0 (default) orthogonalises ``P`` by Householder
+      QR; a positive value uses Gram-Schmidt with it added to each column's norm.
+    residual: ``"local"`` (default: input less this worker's reconstruction) or
+      ``"aggregate"`` (less the aggregate ``P̂ Q'ᵀ``, the paper's): what error feedback keeps.
     batched: run the protocol once per group of same-shaped matrices.
 
   Returns:

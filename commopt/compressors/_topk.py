@@ -38,58 +38,30 @@ def top_k(ratio: float | None = None, *, k: int | None = None, approx: bool = Fa
 
   Exactly one of ``ratio`` and ``k`` is given. With ``ratio`` each leaf keeps
   ``⌈ratio · size⌉`` coordinates. The payload is the values (in the input
-  dtype, or ``value_dtype``) and their int32 flat indices:
-  ``k · (value bits + 32)`` bits. Top-k is a contraction:
+  dtype, or ``value_dtype``) and their int32 flat indices, sent in ascending
+  order: ``k · (value bits + 32)`` bits. Top-k is a contraction:
   ``‖x − C(x)‖² ≤ (1 − k/d)‖x‖²``; use it with error feedback.
 
-  Selection: ``method="exact"`` uses :func:`commopt.kernels.select_top_k`
-  (a radix-select Pallas kernel on GPUs, histograms and bit-packed words on
-  the CPU from ``k = 2048``, ``jax.lax.top_k`` elsewhere; the same
-  coordinates: ties go to the lower index, NaN ranks above ``inf``);
-  ``approx=True`` lets it use ``jax.lax.approx_max_k``, which on TPU trades
-  recall for speed and on other backends is exact. The indices are sent in
-  ascending order, whatever the backend. ``method="sample"`` estimates the
-  threshold as DGC does, from the top of a random sample of ``sample_ratio``
-  of the leaf, and sends the coordinates above it in index order into the
-  ``k`` slots: an underestimate leaves slots empty, an overestimate leaves
-  the excess in the error residual.
-
-  On a leaf sharded over model axes (the shard-local step of
-  :func:`~commopt.data_parallel`), each device compresses its own shard.
-  ``shard_threshold="shard"`` (default) keeps ``⌈ratio · shard size⌉``
-  coordinates per shard: the same ratio, each shard's own largest.
-  ``shard_threshold="leaf"`` (with ``ratio``) keeps the whole leaf's: the
-  threshold is the ``⌈ratio · leaf size⌉``-th largest magnitude of the
-  leaf, found from every shard's candidates gathered over the model axes
-  (at most that many magnitudes per shard, on the fast links), and each
-  shard sends its coordinates above it, in index order, in
-  ``⌈capacity · ratio · shard size⌉`` slots; a shard holding more than that
-  leaves the rest in the error residual (coordinates tied at the threshold
-  may take more slots than the leaf's budget). On a leaf that is whole on
-  every device both options are the plain top-k; ``"leaf"`` is a protocol of
-  its own (``reduce``), which ``two_phase`` and ``hierarchical`` refuse.
-
-  ``scope="global"`` selects over every compressed leaf of the model at once
-  (with ``ratio``): the budget is the sum of the leaves' ``⌈ratio · size⌉``,
-  one payload carries indices into the concatenated leaves, and a leaf with
-  larger entries gets more of the budget. Mixed leaf dtypes are selected in
-  their promoted dtype; ``commopt.wire.payload_bytes`` is exact when the
-  compressed leaves share a dtype or ``value_dtype`` is set.
+  See the guide's "Compressors and aggregators" page (Top-k) for the selection
+  methods, ``scope="global"`` and sharded leaves.
 
   Args:
     ratio: fraction of each leaf to send, in (0, 1].
     k: number of coordinates to send per leaf, in [1, leaf size].
-    approx: select with ``jax.lax.approx_max_k`` (``method="exact"`` only).
-    method: ``"exact"`` or ``"sample"``.
-    scope: ``"leaf"`` (per leaf) or ``"global"`` (over the whole model).
+    approx: select with ``jax.lax.approx_max_k``, exact except on TPU
+      (``method="exact"`` only).
+    method: ``"exact"`` (:func:`commopt.kernels.select_top_k`) or ``"sample"``
+      (a threshold estimated from a sample, as DGC).
+    scope: ``"leaf"`` (per leaf) or ``"global"`` (one budget over the whole
+      model, with ``ratio``).
     value_dtype: wire dtype of the values: ``None`` (the input dtype),
       ``"float16"``, ``"bfloat16"`` or ``"float32"``. The rounding stays in
       the error residual.
     sample_ratio: fraction of the leaf sampled by ``method="sample"`` (at
       least 1024 coordinates), in (0, 1].
     recall_target: ``approx_max_k``'s recall target, in (0, 1].
-    shard_threshold: ``"shard"`` or ``"leaf"``: on a sharded leaf, each shard's
-      own top ``ratio``, or the whole leaf's threshold (see above).
+    shard_threshold: ``"shard"`` (default: each shard of a model-sharded leaf
+      keeps its own top ``ratio``) or ``"leaf"`` (the whole leaf's threshold).
     capacity: with ``shard_threshold="leaf"``, a shard's slots as a multiple of
       ``ratio · shard size`` (>= 1; more slots, more bytes).
 

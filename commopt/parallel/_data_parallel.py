@@ -432,90 +432,40 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation,
                   shard_local: bool | str = "auto") -> DataParallel:
   """A data-parallel training step over ``mesh``'s ``axis_name``.
 
-  Parameters are replicated over the data axes (a sharding over the mesh's
-  other axes, e.g. ``P(None, 'model')``, is kept: tensor parallelism plus
-  compressed data parallelism); the batch is split on its leading axis; each
-  worker differentiates ``loss_fn`` on its shard with its gradients kept local
-  (:func:`~commopt.parallel.local_value_and_grad`), and ``tx`` (which must
-  contain a reduction such as :func:`~commopt.compressed_mean` over
-  ``axis_name``) does the only communication. Per-worker optimizer state is
-  stacked on a leading axis sharded over ``axis_name``; the rest stays
-  replicated (:meth:`DataParallel.state_specs`).
+  Parameters are replicated over the data axes (a sharding over the mesh's other
+  axes is kept) and the batch is split on its leading axis. Each worker
+  differentiates ``loss_fn`` on its shard with its gradients kept local
+  (:func:`~commopt.parallel.local_value_and_grad`), and ``tx``, which must reduce
+  over ``axis_name`` (e.g. :func:`~commopt.compressed_mean`), does the only
+  communication. Per-worker optimizer state is stacked on a leading axis sharded
+  over ``axis_name`` (:meth:`DataParallel.state_specs`). By default a step with a
+  non-finite gradient on any worker is skipped on every worker together.
 
-  Faults: with ``skip_nonfinite=True`` the optimizer runs inside
-  :func:`commopt.transforms.apply_if_finite`: a non-finite value in any
-  worker's gradient makes all workers agree to skip the step (its flag rides
-  in the exchange's dense all-reduce, else one int32 all-reduce of its own);
-  so does a non-finite reduced update (finite gradients that overflow in the
-  exchange or the optimizer), which every worker sees the
-  same and judges alike with no collective. Parameters, optimizer state
-  (error residuals included) and model state stay as they were, and
-  ``opt_state.total_notfinite`` counts the skips. The compressed exchange
-  still runs on a skipped step (its result is discarded), so no worker ever
-  waits in a collective another one skipped. ``skip_nonfinite="zero"``
-  treats a skipped step as a step with a zero gradient: the exchange
-  (a ``tx`` that starts with :func:`~commopt.compressed_mean`) judges every
-  worker's gradients and its own mean, and on a skip returns a zero mean and
-  keeps its error-feedback residuals; the optimizer after it runs on that
-  zero (adam's moments decay and its count advances) with no select over its
-  state, and the parameters and model state stay as they were. The cheapest
-  skip (the guide's Performance page); it does not check the optimizer's
-  output, so an overflow inside the optimizer from a finite mean is not
-  caught; and the optimizer's update is dropped while its state moves, so an
-  optimizer whose state assumes its update was applied (lookahead,
-  schedule-free) should keep the default. A ``tx`` that does not start with
-  ``compressed_mean`` (or has a transform with state before it) is skipped as
-  with True. With ``local_params=True``, no
-  model state and a synchronisation mode (:func:`~commopt.diloco`,
-  :func:`~commopt.local_sgd`, :func:`~commopt.streaming_diloco`,
-  :func:`~commopt.transforms.easgd`), the workers agree only on the steps that exchange
-  (or merge); in between each worker skips its own non-finite step (its
-  parameters and per-worker inner state kept, the schedule advancing), so no
-  collective crosses the data axes between exchanges, and the counters are
-  each worker's own (``apply_if_finite``'s ``agree_when``). With model state
-  (``has_state``, and so :func:`~commopt.nnx_data_parallel`) or
-  ``skip_nonfinite="zero"`` the workers agree on every step.
-
-  Model state (``has_state=True``), e.g. batch-norm statistics: ``loss_fn``
-  returns the new state beside the loss. With ``model_state_sync='mean'``
-  (the default, the usual JAX recipe) floating-point leaves that differ
-  between workers are averaged over the data axes each step with one dense
-  all-reduce (model state is small); ``'none'`` refuses model state that
-  differs between workers instead of communicating.
+  See the guide's "Data parallel training" and "Sharded models" pages.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> loss`` on one worker's shard;
-      ``-> (loss, aux)`` with ``has_aux``; ``loss_fn(params, model_state,
-      batch) -> (loss, new_model_state)`` (or ``(loss, (new_model_state,
-      aux))``) with ``has_state``. If the step is given a ``key``, ``loss_fn``
-      also receives ``key=`` (this worker's key).
-    tx: an optax transformation.
+    loss_fn: ``loss_fn(params, batch) -> loss`` on one worker's shard; ``-> (loss,
+      aux)`` with ``has_aux``; with ``has_state``, ``loss_fn(params, model_state,
+      batch) -> (loss, new_model_state)`` (or ``(loss, (new_model_state, aux))``).
+      Given a step ``key``, it also receives ``key=`` (this worker's key).
+    tx: an optax transformation that reduces over ``axis_name``.
     mesh: a ``jax.sharding.Mesh`` with the axes named by ``axis_name``.
-    axis_name: the data axis, or a tuple of axes that together hold the
-      workers, e.g. ``("node", "local")`` with
-      ``compressed_mean(c, axis_name=("node", "local"), strategy="hierarchical")``.
+    axis_name: the data axis, or a tuple of axes that together hold the workers,
+      e.g. ``("node", "local")`` with ``strategy="hierarchical"``.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux comes back per worker.
-    has_state: ``loss_fn`` takes and returns model state.
-    model_state_sync: ``"mean"`` or ``"none"``.
-    skip_nonfinite: skip steps with a non-finite gradient on any worker or a
-      non-finite reduced update: True (every state kept), False or ``"zero"``
-      (the optimizer takes a zero gradient; see above).
+    has_state: ``loss_fn`` takes and returns model state (e.g. batch statistics).
+    model_state_sync: ``"mean"`` (default: floating-point model state that differs
+      between workers is averaged, one dense all-reduce) or ``"none"`` (refused).
+    skip_nonfinite: ``True`` (default: skip a step with a non-finite gradient or
+      reduced update, every state kept), ``False``, or ``"zero"`` (cheaper: the
+      optimizer takes a zero gradient).
     donate: donate params, optimizer state and model state to the jitted step.
-    local_params: keep one copy of the parameters per worker, stacked
-      ``[num_workers, ...]`` and sharded over the data axes, for transforms
-      whose updates differ between workers between synchronisations
-      (:func:`~commopt.local_sgd`, :func:`~commopt.diloco`). ``init`` takes the
-      parameters as usual; :meth:`~DataParallel.place_params` stacks them for
-      the first step, which returns them stacked.
-    shard_local: on a mesh with axes besides the data axes (tensor parallel,
-      FSDP inside a replica), where ``tx`` runs: ``"auto"`` (default) on each
-      device's shards of the parameters (each device compresses and sends only
-      its shard; state sharded like the parameters; replicated parameters on
-      an explicit mesh too, each shard the whole leaf), falling back with a
-      warning to whole leaves all-gathered over the model axes where ``tx``
-      computes over a whole leaf (``optax.clip_by_global_norm``); True: shards
-      or a ValueError naming what computes over whole leaves; False: whole
-      leaves, quietly. See the guide's "Sharded models" page.
+    local_params: keep one copy of the parameters per worker, stacked over the
+      data axes, for :func:`~commopt.local_sgd`, :func:`~commopt.diloco`, ...;
+      :meth:`~DataParallel.place_params` stacks them for the first step.
+    shard_local: on a mesh with model axes, where ``tx`` runs: ``"auto"``
+      (default) on each device's shards, or on whole leaves with a warning where
+      ``tx`` needs them; ``True``: shards or a ValueError; ``False``: whole leaves.
 
   Returns:
     A :class:`DataParallel`: ``init(params) -> opt_state``,

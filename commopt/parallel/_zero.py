@@ -558,80 +558,37 @@ def zero_data_parallel(loss_fn, tx, mesh, *, axis_name="data",
                        donate: bool = True) -> ZeroDataParallel:
   """Fully sharded data parallelism (ZeRO-3) with commopt's own gathers and scatters.
 
-  Parameters and optimizer state are sharded over ``axis_name``: each device keeps
-  ``1/N`` of every leaf (flat, zero-padded). A step gathers every leaf whole for the
-  loss, and the gather's backward pass returns each owner the mean gradient of its
-  part; the optimizer updates the parts. With ``weights`` the gather moves each owner's
-  part encoded (ZeRO++'s qwZ: ``commopt.int_quant(bits=8, rounding="nearest")``), with
-  ``grads`` the gradient goes as encoded chunks in one all-to-all and is summed in
-  float32 by its owner (qgZ: ``int_quant(bits=4, ...)``). The master weights stay full
-  precision on their owner. By default no error memory is kept (a worker-side residual
-  costs a full gradient per device, which sharding exists to avoid): use deterministic
-  or unbiased block quantizers, or ask for the memory with ``error_feedback``.
+  Parameters and optimizer state are sharded over ``axis_name`` (``1/N`` of every leaf
+  per device). A step gathers each leaf whole for the loss, whose backward pass returns
+  each owner the mean gradient of its part, and the optimizer updates the parts.
+  ``weights`` encodes the gather (ZeRO++'s qwZ), ``grads`` the reduce-scatter (qgZ).
 
-  With ``gather="manual"`` the loss gathers what it needs when it needs it:
-  ``loss_fn(params, batch, gather)`` receives the :class:`ShardedLeaf` tree (this
-  worker's rows) and ``gather(subtree, key=None)`` makes a subtree whole
-  (``gather.remat`` is :meth:`ZeroDataParallel.remat`). Shard a stack
-  of layers layer by layer (``shard(params, stacked={"layers": True})``), ``lax.scan``
-  over its rows, gather one layer inside the body, and wrap the body in
-  ``jax.checkpoint`` (:meth:`ZeroDataParallel.remat`): then only one layer's weights are
-  whole at a time, and the backward pass gathers each layer again (ZeRO-3's second
-  all-gather). With ``hpz`` on ``axis_name=(slow, fast)`` (nodes, devices in a node) the
-  forward gather goes across nodes into a secondary partition inside the node (each
-  device keeps ``1/L`` of the layer) and then inside the node; ``remat`` saves the
-  secondary partition, so the backward gathers cross no node (ZeRO++'s hpZ).
+  See the guide's "ZeRO-3 with quantized collectives" page.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar``, on one worker's part of the batch
-      (``loss_fn(params, batch, gather)`` with ``gather="manual"``).
-    tx: any optax transform; it runs on the sharded rows under ``jit``, whole-tree
-      quantities (global norms) computed across the devices by the compiler.
+    loss_fn: ``loss_fn(params, batch) -> scalar`` on one worker's part of the batch;
+      ``loss_fn(params, batch, gather)`` with ``gather="manual"``.
+    tx: any optax transform; it runs on the sharded rows under ``jit``.
     mesh: the device mesh.
-    axis_name: the data axis parameters are sharded over and the batch split over, or a
-      tuple of axes (e.g. ``("node", "local")``): sharded over all their devices, row
-      ``j`` on the device whose index over the tuple is ``j``.
+    axis_name: the data axis to shard over (or a tuple, e.g. ``("node", "local")``).
     weights: None (dense all-gather) or a stateless compressor for the weight gather.
     grads: None (dense reduce-scatter) or a stateless compressor for the gradients.
-    gather: ``"step"`` (every leaf gathered before ``loss_fn``) or ``"manual"``.
-    skip_nonfinite: skip the update (parameters, optimizer state and model state kept)
-      when any gradient or the new model state is not finite, on every device together (``optax.apply_if_finite``
-      around ``tx``, on the sharded rows; its state counts the skips).
-    has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(losses, aux)``
-      in place of the losses, every aux leaf stacked over the workers.
-    has_state: ``loss_fn(params, model_state, batch)`` (``..., batch, gather)`` with
-      ``gather="manual"``) returns ``(loss, new_model_state)`` (``(loss,
-      (new_model_state, aux))`` with ``has_aux``): mutable model state such as batch
-      statistics, replicated, which ``step(..., model_state=)`` takes and returns as
-      ``(params, opt_state, model_state, losses)``.
-    model_state_sync: ``"mean"`` averages each floating-point leaf of the new model state
-      that differs between workers (one dense all-reduce each; model state is small);
-      ``"none"`` refuses model state that differs between workers.
-    hierarchical: with ``grads`` and ``axis_name=(slow, fast)`` (nodes, devices in a
-      node), the gradient is reduce-scattered in two encoded stages, inside each node and
-      then across nodes (ZeRO++'s hierarchical qgZ): each coordinate is encoded twice, and
-      across nodes each device sends ``L`` times fewer chunks.
-    hpz: with ``gather="manual"`` and ``axis_name=(slow, fast)``, a secondary partition of
-      each gathered layer inside the node (ZeRO++'s hpZ): ``1/L`` of the stacked layers'
-      weights more per device, kept from the forward pass for the backward, whose gathers
-      then stay inside the node. The forward pass gathers across ``slow`` (encoded by
-      ``weights``) and then inside ``fast`` (dense); the gradient goes inside the node and
-      then across (both encoded by ``grads``, as ``hierarchical=True``). Beside model
-      axes each model rank's block has its own part of the partition.
-    error_feedback: False (default), True or ``"auto"``, as in ``compressed_mean``: each
-      worker keeps what its encoded gradient chunks have not carried yet, per parameter,
-      and adds it to the next step's gradient (an unbiased ``grads`` runs as ``C/(1+ω)``).
-      It costs one whole gradient per device (in ``residual_dtype``); the state is then a
-      ``ZeroFeedbackState(opt_state, residuals)``. Flat gradients only (not with
-      ``hierarchical`` or ``hpz``); with ``gather="manual"`` gather each parameter once.
+    gather: ``"step"`` (every leaf before ``loss_fn``) or ``"manual"`` (the loss gathers).
+    skip_nonfinite: skip a non-finite step on every device together (every state kept).
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(losses, aux)``.
+    has_state: ``loss_fn(params, model_state, batch)`` returns ``(loss, new_model_state)``.
+    model_state_sync: ``"mean"`` (average model state that differs between workers) or
+      ``"none"`` (refuse it).
+    hierarchical: with ``grads`` on ``(slow, fast)``, reduce-scatter in nodes, then across.
+    hpz: with ``gather="manual"`` and ``axis_name=(slow, fast)``, a secondary partition
+      of each layer inside the node, so backward gathers stay there (ZeRO++'s hpZ).
+    error_feedback: False (default: none; use deterministic or unbiased quantizers),
+      True or ``"auto"`` (as ``compressed_mean``): a worker-side memory per device.
     residual_dtype: the memories' dtype (float32 when None; ``jnp.bfloat16`` halves them).
     donate: donate the parameters and optimizer state to the step.
 
   Returns:
     A :class:`ZeroDataParallel`: ``shard``, ``init``, ``step``, ``step_fn``, ``unshard``.
-
-  Raises:
-    ValueError: an argument is not what is described above (named with its value).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, commopt

@@ -366,103 +366,37 @@ def compressed_mean(
 ) -> optax.GradientTransformationExtraArgs:
   """The mean over ``axis_name`` of every worker's compressed updates.
 
-  Each worker compresses its input (plus its error-feedback residual), the
-  packed payloads cross the axis, and every worker receives the mean of the
-  reconstructions. With error feedback the part that was not sent is kept
-  and added to the next step's input::
+  Each worker compresses its input plus its error-feedback residual
+  (``p = u + e``, ``e' = p - decode(encode(p))``), the packed payloads cross the
+  axis, and every worker receives the mean of the reconstructions. The same code
+  runs on one device (``axis_name=None``), under ``jax.vmap(..., axis_name=...)``
+  and inside ``jax.shard_map``. Before an optimizer in an ``optax.chain`` it
+  compresses gradients; after one it compresses updates (EF-SGD). It does not
+  filter non-finite input: :func:`commopt.data_parallel` and
+  :func:`commopt.transforms.apply_if_finite` skip such steps.
 
-    p = u + e;  payload = encode(p);  e' = p - decode(payload)
-
-  The same code runs on one device (``axis_name=None``), under
-  ``jax.vmap(..., axis_name=...)`` and inside ``jax.shard_map``. The transform
-  may stand anywhere in an ``optax.chain``: before an optimizer it compresses
-  gradients; after one it compresses updates (EF-SGD, with the step size
-  inside the compressed quantity).
-
-  Reduction: linear compressors (``compressor.linear``) all-reduce their
-  payloads (``strategy="psum"``); the others all-gather them, decode each and
-  average (``"gather"``). ``"auto"`` picks by linearity. Compressors with
-  their own multi-round protocol (PowerSGD) run it instead.
-
-  ``"two_phase"`` keeps the saving at scale (as 1-bit Adam does): each worker
-  encodes N chunks of its input, an all-to-all sends chunk ``j`` to worker
-  ``j``, which averages it, re-encodes it with a second error memory
-  (``server_residual``, of its own chunk only: ``⌈n/N⌉`` values for a leaf of
-  ``n``) and an all-gather returns the encoded means. Each worker sends about
-  two payloads whatever N, where ``"gather"`` sends N−1.
-
-  ``"hierarchical"`` takes ``axis_name=(slow, fast)`` on a 2-D mesh (e.g.
-  ``("node", "local")``): a dense reduce-scatter inside ``fast``, the
-  compressed reduction (``inner_strategy``) of each local rank's shard across
-  ``slow``, and a dense all-gather inside ``fast``. Compressed bytes cross
-  only the slow axis; the error memory is kept only for the shard that is
-  compressed (``⌈n/L⌉`` values on each of the ``L`` local ranks). Both
-  strategies need a stateless per-leaf compressor. Their per-worker memories
-  are sized where ``init`` runs with the axis bound (see
-  :class:`CompressedMeanState`); a plain ``init`` outside any mapped axis
-  keeps them whole, and ``update`` takes either.
-  Compressors with tree-wide selection (``top_k(scope="global")``, any
-  compressor with ``encode_tree``) exchange one payload for all compressed
-  leaves, keyed by the worker key.
-
-  Randomness: the step key is ``fold_in(key, count)`` and the worker key
-  ``fold_in(step_key, axis_index)`` (index 0 when ``axis_name`` is None);
-  compressors with shared randomness use the step key alone (see :func:`worker_key`).
-  Leaf ``i`` uses ``fold_in(worker_key, i)``.
-
-  Non-finite input is not checked for here. A NaN or inf in one worker's input
-  enters its payload (a dense leaf's mean directly); with most compressors
-  (identity, cast, natural, scaled_sign, qsgd, top_k, power_sgd, ...) it
-  reaches every worker's mean, in that coordinate or in the whole block or
-  leaf whose scale it spoils, while others (sign, int_quant, terngrad,
-  threshold, ...) encode it as a finite value. Either way it stays in that
-  worker's residual (``p - decode(payload)`` keeps it; in every worker's with
-  power_sgd, whose factors are shared; with ``"two_phase"`` also in the server
-  memory), so it comes back at every later step. :func:`commopt.data_parallel`
-  skips such steps on every worker together, by agreement
-  (``skip_nonfinite=True``, the default), and
-  ``commopt.transforms.apply_if_finite(tx, axis_name=axis_name)`` does the same in your
-  own step: the update is dropped and the residuals are left as they were.
+  See the guide's "Choosing a compressor" page (strategies, error feedback), its
+  "Data parallel training" page (non-finite steps) and the Design page (keys, buckets).
 
   Args:
     compressor: a :class:`~commopt.Compressor`.
     axis_name: the named axis to reduce over, or ``None`` for one local worker;
       ``(slow, fast)`` for ``strategy="hierarchical"``.
-    error_feedback: ``"auto"`` (the default), ``True`` or ``False``: whether
-      to keep the residual ``e`` in the state and add it back. ``"auto"``
-      keeps it for compressors that are contractions (top-k, scaled sign,
-      PowerSGD, ...: their residual stays bounded) and for undeclared biased
-      ones, and keeps none for lossless, unbiased (QSGD, TernGrad, natural,
-      ATOMO, ...: the mean over workers averages their noise, and their
-      residual would grow), randomly-kept (random-k: every coordinate would
-      wait about ``1/δ`` steps) and sign-only compressors. ``True`` keeps a
-      residual wherever that is sound: for an unbiased compressor with
-      variance factor ω it is the residual of ``C/(1+ω)``, a contraction;
-      for ``sign`` it raises. ``False`` keeps none. See
-      :attr:`~commopt.Compressor.error_kind` and the guide's "Error feedback"
-      section.
-    residual_dtype: dtype of the error memories. The default, ``None``, is
-      float32 for float leaves narrower than 32 bits (bf16, f16), whose own
-      dtype would round a small update away next to a large residual, and
-      the leaf's dtype otherwise; pass e.g. ``jnp.bfloat16`` to keep 16 bits.
+    error_feedback: ``"auto"`` (default: a residual only where the compressor's
+      :attr:`~commopt.Compressor.error_kind` keeps it bounded), ``True`` or ``False``.
+    residual_dtype: dtype of the error memories; ``None`` (default) is float32
+      for 16-bit float leaves and the leaf's dtype otherwise.
     min_size: leaves with fewer elements are sent dense (an ordinary pmean).
-    strategy: ``"auto"``, ``"psum"`` (linear compressors only), ``"gather"``,
-      ``"two_phase"`` or ``"hierarchical"``.
+    strategy: ``"auto"`` (by linearity: ``"psum"`` or ``"gather"``), ``"psum"``
+      (linear compressors only), ``"gather"``, ``"two_phase"`` or ``"hierarchical"``.
     inner_strategy: for ``"hierarchical"``, the reduction across the slow
       axis: ``"auto"``, ``"psum"``, ``"gather"`` or ``"two_phase"``.
     seed: seed of the base key.
-    bucket_bytes: how the leaves sent dense (below ``min_size``, or all of
-      them with the identity compressor) are all-reduced: an int concatenates
-      them, per dtype, into flat buffers of at most that many bytes, one
-      all-reduce each (as PyTorch DDP's buckets; a larger leaf alone); ``None``
-      sends them as one all-reduce of the tuple of leaves, which XLA runs as
-      one collective in one process; ``"auto"`` (the default) builds 25 MB
-      buffers (PyTorch DDP's) only where a tuple would cost one collective per
-      leaf, on XLA:CPU across processes (:mod:`commopt.comm._exchange`).
-    residual_decay: β in ``p = u + β·e``, in [0, 1]: 1 (the default) keeps
-      every unsent part until it is sent; below 1 the residual is a decaying
-      accumulator, as DeMo's momentum (0.999) and SparseLoCo's error
-      feedback (0.95) are. Needs a kept residual.
+    bucket_bytes: how dense leaves are all-reduced: an int, in flat buffers of at
+      most that many bytes; ``None``, as one tuple; ``"auto"`` (default), 25 MB
+      buffers on XLA:CPU across processes, else one tuple.
+    residual_decay: β in ``p = u + β·e``, in [0, 1]: 1 (default) keeps every
+      unsent part until sent; below 1 a decaying accumulator (needs a residual).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state

@@ -247,34 +247,15 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
                     strict: Optional[bool] = None) -> optax.GradientTransformationExtraArgs:
   """Skips, on every worker together, an update in which any worker saw a NaN or Inf.
 
-  Each worker checks its own input updates (:func:`~commopt._src.finite.nonfinite_flag`),
-  and the workers agree whether some worker's were not finite. The flag is handed
-  to ``inner`` as the extra argument ``nonfinite`` (:mod:`commopt._src.finite`): a
-  :func:`~commopt.compressed_mean` over ``axis_name`` carries it as one more
-  element of a dense all-reduce it runs anyway and answers with the workers'
-  verdict in its state; where none does (every leaf compressed, or leaves
-  sharded over model axes), one int32 all-reduce agrees on it. The output is
-  checked too, since finite inputs can still overflow inside the exchange or
-  the optimizer: the reduced update is the same on every worker, so every
-  worker reaches the same verdict on it with no further collective. On a skip
-  the returned updates are zeros (negative zeros, so ``params + updates``
-  leaves every parameter unchanged bit for bit).
+  Each worker checks its own input updates and the workers agree whether any was
+  not finite (the flag rides in a dense all-reduce of a
+  :func:`~commopt.compressed_mean` over ``axis_name``, else one int32 all-reduce);
+  the reduced output is checked too, with no further collective. ``inner`` always
+  runs, so every worker runs the same collectives; on a skip its state (residuals
+  included) is kept and the returned updates are zeros. Unlike
+  ``optax.apply_if_finite``, it works across workers under ``jax.shard_map``.
 
-  ``inner`` always runs, so every worker runs the same collectives, and on a
-  skip, whichever check caused it, its state (error-feedback residuals
-  included) is returned as it was, by a select per state leaf. Only output
-  leaves typed replicated (varying over no mesh axis) are read; an update that
-  stays per worker (as under :func:`~commopt.local_sgd`) is left to the input
-  check, so no worker's own values decide a skip. Under ``jax.vmap`` or with
-  ``check_vma=False`` no such types exist and every output leaf is read, so
-  ``inner`` must reduce over ``axis_name`` after anything per worker (as
-  :func:`~commopt.data_parallel` requires).
-
-  ``optax.apply_if_finite`` does not work across workers: under
-  ``jax.shard_map`` its ``lax.cond`` gets branches of different varying types
-  (reduced updates against per-worker zeros) and is rejected; with
-  ``check_vma=False`` a worker with a NaN skips the reduction that the others
-  wait in, and the step deadlocks.
+  See the "Non-finite steps" part of the guide's "Data parallel training" page.
 
   Args:
     inner: the transform to guard, e.g. ``optax.chain(compressed_mean(c,
@@ -284,28 +265,12 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
     max_consecutive_errors: ``None`` to skip every non-finite update; an
       integer ``m >= 0`` to apply the update anyway once more than ``m``
       consecutive updates were not finite, as optax does.
-    agree_when: for an ``inner`` that exchanges only on some steps (the
-      synchronisation modes, whose workers keep their own parameters in
-      between): a function of ``inner``'s state, the same on every worker,
-      true on every step on which ``inner`` communicates over ``axis_name``
-      or merges what it received. The workers agree only on those; on the
-      others a worker whose input is not finite keeps its own per-worker
-      state (and parameters: its update is zero) while the state the workers
-      share advances, and no collective over ``axis_name`` runs. The
-      counters are then each worker's own. The agreed verdict reaches
-      ``inner`` as ``nonfinite.agreed``: a synchronisation mode vetoes its
-      exchange with it and holds the state the workers share itself. Needs
-      varying types (``shard_map`` with ``check_vma=True``; without them the
-      workers agree on every step); not with ``max_consecutive_errors``.
-    on_skip: ``"keep"`` (the default: see above) or ``"zero"``: the
-      :func:`~commopt.compressed_mean` that ``inner`` starts with (as in
-      ``chain(compressed_mean(...), optimizer)``) judges the workers' inputs and
-      its mean, returns a zero mean on a skip and keeps its own state (residuals);
-      the optimizer after it takes that zero gradient (its state moves as on one,
-      with no select over it) and the parameters stay. An overflow inside the
-      optimizer from a finite mean is not caught. Any other ``inner`` (or one with
-      a transform with state before the exchange) is kept whole, as with
-      ``"keep"``. Needs neither ``max_consecutive_errors`` nor ``agree_when``.
+    agree_when: for an ``inner`` that exchanges only on some steps (synchronisation
+      modes): a function of its state, the same on every worker, true on the steps it
+      exchanges or merges; the workers agree only then (not with ``max_consecutive_errors``).
+    on_skip: ``"keep"`` (default: every state kept) or ``"zero"`` (a leading
+      ``compressed_mean`` returns a zero mean the optimizer steps on); not with
+      ``max_consecutive_errors`` or ``agree_when``.
     strict: removed; ``True`` is accepted, ``False`` raises an error naming the
       replacement (``on_skip="zero"``, or ``optax.apply_if_finite`` on one worker).
 

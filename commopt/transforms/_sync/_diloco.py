@@ -58,46 +58,15 @@ def diloco(inner: optax.GradientTransformation,
       θ ← θ + outer(Δ);  θᵢ ← θ                  the same on every worker
 
   Before ``warmup_steps`` every step synchronises (post-local SGD's warm-up).
+  Over momentum SGD inside, pass ``outer=optax.sgd(1.0)``: the default Nesterov
+  outer step compounds with the inner momentum and can diverge.
 
-  The default outer optimizer depends on what is exchanged. Dense (no
-  compressor, a lossless one, or no residual kept): DiLoCo's Nesterov SGD,
-  learning rate 0.7, momentum 0.9, which moves the anchor by up to
-  ``0.7/(1 − 0.9) = 7`` times a pseudo-gradient that keeps its direction.
-  With an error-feedback residual (e.g. ``top_k`` under the default
-  ``error_feedback="auto"``): ``optax.sgd(1.0)``, as SparseLoCo (Sarfi et
-  al., 2025, arXiv:2508.15706). The residual holds what was not sent, about
-  ``1/ratio`` synchronisations' worth for ``top_k(ratio)``, and releases it
-  late and in bursts: it already accumulates past pseudo-gradients as an
-  outer momentum would, and a Nesterov step on top amplifies the late bursts.
-
-  Which pairings are stable:
-
-  - ``outer=optax.sgd(1.0)`` (local SGD) with any inner optimizer, dense or
-    compressed: the anchor moves by the workers' mean move, and on a
-    quadratic the whole is stable for exactly the curvatures the inner
-    optimizer is stable for; a residual is applied once, unamplified.
-  - Nesterov 0.7/0.9 over AdamW, as in DiLoCo: Adam moves each coordinate
-    by about its learning rate per step, so a period's move stays small.
-    Over a compressor with error feedback (passed explicitly) it trained
-    too, and faster than ``sgd(1.0)`` in the guide's measurements.
-  - Not Nesterov 0.7/0.9 over momentum SGD: the inner momentum, carried
-    across synchronisations, compounds with the outer one. On a quadratic,
-    over ``sgd(0.05, momentum=0.9)`` with ``period=8`` the inner optimizer
-    is stable for curvatures below 76 and the whole only below 59; over
-    ``sgd(0.01, momentum=0.95)`` curvatures from 0.1 to 5 already diverge.
-    On an MLP with fresh minibatches the first diverged, dense and
-    compressed alike. Pass ``optax.sgd(1.0)`` there, or a smaller outer
-    momentum (``optax.sgd(0.7, momentum=0.5, nesterov=True)``).
-
-  The guide's "Synchronising less often" page has the measurements.
+  See the guide's "Synchronising less often" page (which outer optimizer, and
+  the measurements).
 
   Args:
-    inner: the workers' optimizer (e.g. ``optax.adamw(...)``), stepped on each
-      worker's own gradients; its state is per worker. With ``period > 1`` a
-      synchronising step (every step of the warm-up) runs its ``update`` twice
-      on the same inputs, so that between synchronisations its update fuses
-      into the parameters': it must be a function of its inputs (optax's are),
-      and its collectives, if any (a global norm over model axes), run twice.
+    inner: the workers' optimizer (e.g. ``optax.adamw(...)``), per worker; a
+      function of its inputs (optax's are): a synchronising step runs it twice.
     outer: the optimizer of the anchor, fed the mean pseudo-gradient; None
       for ``optax.sgd(1.0)`` where the exchange keeps an error-feedback
       residual, else ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
@@ -108,19 +77,25 @@ def diloco(inner: optax.GradientTransformation,
       outer gradients); None sends them dense.
     error_feedback: keep what the compressor did not send (per worker):
       ``"auto"`` (the default), ``True`` or ``False``, as in
-      :func:`~commopt.compressed_mean` (a residual for contractive
-      compressors such as top-k, none for unbiased ones such as QSGD).
+      :func:`~commopt.compressed_mean`.
     strategy: :func:`~commopt.compressed_mean`'s reduction.
     warmup_steps: steps at the start that synchronise every step.
     min_size: leaves with fewer elements are exchanged dense.
     seed: the compressor's base key.
     residual_decay: β of the error-feedback residual, ``e ← β·e + Δ`` before
-      each exchange (:func:`~commopt.compressed_mean`'s option); SparseLoCo
-      uses 0.95 (see :func:`~commopt.transforms.sparseloco`).
+      each exchange; SparseLoCo uses 0.95 (see :func:`~commopt.transforms.sparseloco`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs
     ``params`` (each worker's own); state :class:`PeriodicState`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, commopt
+    >>> tx = commopt.diloco(optax.adamw(1e-3), axis_name="data", period=8,
+    ...                     compressor=commopt.top_k(0.01))
+    >>> state = tx.init({"w": jnp.ones(3)})
+    >>> commopt.transforms.global_params(state)["w"].tolist()
+    [1.0, 1.0, 1.0]
 
   References:
     Douillard et al., DiLoCo: Distributed Low-Communication Training of
