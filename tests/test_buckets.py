@@ -64,6 +64,7 @@ def _mean_in_shard_map(mesh, bucket_bytes, grads):
   return host_copy(run(jax.device_put(grads, jax.sharding.NamedSharding(mesh, P("data")))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_bytes", [pytest.param(4, marks=pytest.mark.slow), 1024, 10**9])
 def test_flat_buckets_equal_the_tuple_all_reduce_bit_for_bit(mesh, bucket_bytes):
   # The same pre-scaled sum and division on every element, however the leaves are

@@ -113,6 +113,7 @@ def _server_vectors(state):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,old,new", [
     ("scaled_sign", (8,), (4,)), pytest.param("scaled_sign", (4,), (8,), marks=pytest.mark.slow),
     ("scaled_sign", (8,), (3,)), ("top_k/two_phase", (8,), (4,)),

@@ -347,6 +347,7 @@ def test_first_true_is_the_first_true_indices(mask, extra, take):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [32] + [pytest.param(n, marks=pytest.mark.slow)
                                         for n in (31, 33, 63, 64, 65)])
 def test_first_true_at_word_edges_and_under_vmap(n):

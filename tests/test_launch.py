@@ -95,6 +95,7 @@ def _cli(script: pathlib.Path, out: pathlib.Path, *args: str) -> subprocess.Pope
       cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_the_processes_die_with_a_killed_launcher(out):
   script = out / "sleeps.py"
   script.write_text(SLEEPS)

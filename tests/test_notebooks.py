@@ -21,6 +21,7 @@ def test_there_are_notebooks():
       p.stem for p in NOTEBOOKS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [
     p if p.stem in QUICK else pytest.param(p, marks=pytest.mark.slow) for p in NOTEBOOKS],
     ids=lambda p: p.stem)

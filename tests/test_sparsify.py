@@ -585,6 +585,7 @@ def test_dgc_chains_with_an_optimizer_and_trains():
   assert float(loss(params)) < 0.01 * start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["random_k", "variance_balanced"])
 def test_unbiased_sparse_compressors_under_error_feedback_keep_the_scaled_residual(mesh, name):
   """Under error_feedback=True an unbiased compressor runs as C/(1+ω): its payload no longer
