@@ -22,7 +22,7 @@ from commopt.comm import _collectives, _plan, _strategies
 from commopt.comm._plan import (Planned, axis_sizes, planner_of, ring_sent_bytes,
                                 step_planner_of)
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses
-from commopt.parallel._layout import update_with_value
+from commopt.parallel._layout import model_axes, runs_shard_local, update_with_value
 
 __all__ = [
     "CommPlan",
@@ -285,20 +285,18 @@ def _describe(tx) -> str:
 
 
 def _model_mesh(params, axis_name, workers):
-  """``(mesh, specs)`` where ``params`` are placed (``NamedSharding``) on a mesh with model
-  axes that the step runs shard-local, as :func:`~commopt.data_parallel` does: some leaf
-  cut over them, or every axis explicit. Else None."""
+  """``(mesh, specs)`` where ``params`` are placed (``NamedSharding``) on one mesh on which
+  :func:`~commopt.data_parallel` runs ``tx`` on each device's blocks
+  (``parallel._layout.runs_shard_local``); else None."""
   shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
   if not shardings or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
     return None
   mesh = shardings[0].mesh
-  data = set(base.axis_names(axis_name))
-  other = [a for a in mesh.axis_names if a not in data and mesh.shape[a] > 1]
-  cut = any(a in other for s in shardings for a in _collectives.spec_axes(s.spec))
-  explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-  if not other or not (cut or explicit) or any(s.mesh != mesh for s in shardings):
+  if any(s.mesh != mesh for s in shardings):
     return None
-  if not data <= set(mesh.axis_names):
+  if not runs_shard_local(mesh, axis_name, [s.spec for s in shardings]):
+    return None
+  if not set(base.axis_names(axis_name)) <= set(mesh.axis_names):
     raise ValueError(f"comm_plan: `params` are placed on a mesh with axes "
                      f"{tuple(mesh.axis_names)}, which lacks axis_name={axis_name!r}.")
   counts = tuple(mesh.shape[a] for a in base.axis_names(axis_name))
@@ -310,16 +308,15 @@ def _model_mesh(params, axis_name, workers):
   return mesh, specs
 
 
-def _shards(abstract, specs, mesh, axis_name) -> dict:
-  """``{path: (whole_size, senders)}`` of each leaf's block (:class:`_plan.Shard`)."""
-  data = set(base.axis_names(axis_name))
-  other = [a for a in mesh.axis_names if a not in data and mesh.shape[a] > 1]
+def _shards(abstract, specs, mesh, model) -> dict:
+  """``{path: (whole_size, senders)}`` of each leaf's block (:class:`_plan.Shard`), the
+  senders being the ranks of the ``model`` axes the leaf is replicated over."""
   out = {}
   for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],
                              jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
     cut = set(_collectives.spec_axes(spec))
     out[jax.tree_util.keystr(path)] = (math.prod(x.shape),
-                                      math.prod(mesh.shape[a] for a in other if a not in cut))
+                                      math.prod(mesh.shape[a] for a in model if a not in cut))
   return out
 
 
@@ -353,13 +350,12 @@ def _traced_plan(tx, params, workers, axis_name, step, on_mesh=None) -> tuple[li
     # As the shard-local step runs it: each device's blocks, in a shard_map manual over
     # every mesh axis, the parameters' specs stated.
     mesh, specs = on_mesh
-    shards = _shards(abstract, specs, mesh, axis_name)
-    data = base.axis_names(axis_name)
+    data, model = base.axis_names(axis_name), model_axes(mesh, axis_name)
+    shards = _shards(abstract, specs, mesh, model)
     shapes = jax.tree.map(lambda x: tuple(x.shape), abstract)
 
     def one_device(g, p):
-      other = [a for a in mesh.axis_names if a not in data and mesh.shape[a] > 1]
-      with _collectives.model_sharding(specs, shapes, mesh, other):
+      with _collectives.model_sharding(specs, shapes, mesh, model):
         one_worker(jax.tree.map(lambda x: x.reshape(x.shape[len(data):]), g), p)
       return jnp.zeros(())
 

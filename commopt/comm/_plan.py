@@ -101,6 +101,11 @@ class _Recording:
     self.records: dict = {}
     self.inside = False
 
+  def shard(self, path, x):
+    """``x`` (a leaf's abstract value at ``path``) as the :class:`Shard` it is, if one."""
+    got = self.shards.get(jax.tree_util.keystr(path))
+    return x if got is None else Shard(x.shape, x.dtype, *got)
+
 
 class Shard(jax.ShapeDtypeStruct):
   """One device's block of a leaf on a mesh with model axes, as a plan reads it.
@@ -242,9 +247,7 @@ def traced_plans(rec: _Recording, jaxpr) -> tuple[list, list]:
   for token in sorted(kept & rec.records.keys()):
     planner, step_planner, abstract = rec.records[token]
     if rec.shards:
-      abstract = jax.tree_util.tree_map_with_path(
-          lambda p, x: Shard(x.shape, x.dtype, *rec.shards[jax.tree_util.keystr(p)])
-          if jax.tree_util.keystr(p) in rec.shards else x, abstract)
+      abstract = jax.tree_util.tree_map_with_path(lambda p, x: rec.shard(p, x), abstract)
     if rec.step is None:
       entries += planner(abstract, rec.workers)
     elif step_planner is not None:

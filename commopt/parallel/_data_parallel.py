@@ -35,8 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from commopt._src import base
 from commopt.comm import _plan
 from commopt.parallel import _layout as lay
-from commopt.parallel._layout import Layout, LayoutSolver
-from commopt.parallel._placement import (Placer, check_batch, explicit, layouts_of,
+from commopt.parallel._layout import Layout, LayoutSolver, explicit
+from commopt.parallel._placement import (Placer, check_batch, layouts_of,
                                          local_workers, placed_on_trace)
 from commopt.parallel._steps import (LossContract, ReplicatedStep, ShardLocalStep, StepBody,
                                      WholeLeafStep)
@@ -162,7 +162,7 @@ class DataParallel(LossContract):
   @functools.cached_property
   def _other_axes(self) -> tuple[str, ...]:
     """The mesh's other axes (of size above one): tensor-parallel parameters' axes."""
-    return tuple(a for a in self.mesh.axis_names if a not in self.axes and self.mesh.shape[a] > 1)
+    return lay.model_axes(self.mesh, self.axes)
 
   # -- layout --------------------------------------------------------------------
 

@@ -63,6 +63,29 @@ class Layout(NamedTuple):
   shard_local: bool = False
 
 
+def explicit(mesh) -> bool:
+  """Whether every axis of ``mesh`` is explicit (shardings are part of the array types)."""
+  return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def model_axes(mesh, data_axes) -> tuple[str, ...]:
+  """The mesh's axes besides ``data_axes`` of size above one: those parameters are sharded
+  over (tensor parallel, FSDP inside a replica)."""
+  data = set(base.axis_names(data_axes))
+  return tuple(a for a in mesh.axis_names if a not in data and mesh.shape[a] > 1)
+
+
+def runs_shard_local(mesh, data_axes, specs) -> bool:
+  """Whether ``tx`` runs on each device's blocks of parameters of these ``specs`` (a flat
+  list of ``PartitionSpec``\\ s): some spec cuts a model axis, or the mesh has model axes
+  and is explicit (replicated parameters too: each device's block is the whole leaf).
+  Then the optimizer runs in a ``shard_map`` manual over every axis, whose dense buckets
+  the model ranks split (``comm._exchange``) and whose 16-bit all-reduces XLA:CPU
+  compiles (manual over the data axes alone, it aborts on them)."""
+  other = model_axes(mesh, data_axes)
+  return any(a in other for s in specs for a in spec_axes(s)) or bool(other and explicit(mesh))
+
+
 def keystr(path) -> str:
   return jax.tree_util.keystr(path) or "<root>"
 
@@ -399,14 +422,7 @@ class LayoutSolver:
         lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
                                           sharding=NamedSharding(dp.mesh, s)),
         params, param_specs)
-    # On a mesh with model axes, parameters sharded over them run shard-local; on an
-    # explicit mesh replicated ones too (each device's shard is the whole leaf): the
-    # optimizer then runs in a shard_map manual over every axis, whose dense buckets the
-    # model ranks split (comm._exchange), and whose 16-bit all-reduces XLA:CPU compiles
-    # (manual over the data axes alone, it aborts on them).
-    explicit = all(t == jax.sharding.AxisType.Explicit for t in dp.mesh.axis_types)
-    if dp.shard_local is not False and (
-        any(e is not None for s in flat_specs for e in s) or (dp._other_axes and explicit)):
+    if dp.shard_local is not False and runs_shard_local(dp.mesh, dp.axes, flat_specs):
       result = self._shard_local(params, abstract, param_specs)
       if result is not None:
         self._layouts[key] = result

@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commopt._src import vma
 from commopt._src.vma import spec_axes
 from commopt.parallel import _layout as lay
 from commopt.parallel import _resize
-from commopt.parallel._layout import Layout, keystr
+from commopt.parallel._layout import Layout, explicit, keystr
 
 _SIGNATURES_KEPT = 64
 """Argument signatures :meth:`Placer.placed` remembers per step (then it starts again)."""
@@ -371,11 +371,6 @@ class Placer:
     placed_leaves = [jax.make_array_from_callback(t.shape, t.sharding, lambda idx, v=v: v[idx])
                      for t, v in zip(flat, leaves)]
     return jax.tree_util.tree_unflatten(treedef, placed_leaves)
-
-
-def explicit(mesh) -> bool:
-  """Whether every axis of ``mesh`` is explicit (shardings are part of the array types)."""
-  return all(t == AxisType.Explicit for t in mesh.axis_types)
 
 
 def leaf_spec(x) -> P:

@@ -53,8 +53,7 @@ def _dropped_coordinates(compressor: base.Compressor) -> Optional[str]:
   """Why ``compressor`` drops coordinates (sends only some of a shard's), as declared: a
   sparse payload (values and their indices), indices in its payload, or fewer payload bits
   than coordinates; None if it sends every coordinate."""
-  caps = compressor.capabilities
-  if "sparse_values" in caps or "sparse" in caps:
+  if compressor.sparse_values:
     return "its payload is the values it keeps and their indices"
   bits = compressor.payload_bits((_PROBE,), jnp.float32)
   if bits < _PROBE:
