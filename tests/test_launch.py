@@ -18,7 +18,7 @@ import pytest
 
 from commopt import launch
 from commopt.launch import __main__ as launch_cli
-from commopt.testing.processes import all_gone, kill_own, pids_in
+from commopt.testing.processes import SLEEPING_WORKER, all_gone, kill_own, pids_in
 
 # The checks read processes' states and parents from /proc.
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -26,13 +26,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
-SLEEPS = """
-import os, pathlib, sys, time
-from commopt import launch
-ctx = launch.initialize()
-pathlib.Path(sys.argv[1], f"{ctx.process_id}.pid").write_text(str(os.getpid()))
-time.sleep(600)
-"""
+SLEEPS = SLEEPING_WORKER
 
 # A training loop in lockstep (a collective per step) that saves when asked.
 SAVES = """

@@ -18,20 +18,14 @@ import subprocess
 import sys
 import time
 
-from commopt.testing.processes import alive, all_gone, kill_own, pids_in
+from commopt.testing.processes import SLEEPING_WORKER, alive, all_gone, kill_own, pids_in
 
 from harness import ROOT
 
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 """The environment of the processes a trial starts."""
 
-SLEEPS = """
-import os, pathlib, sys, time
-from commopt import launch
-ctx = launch.initialize()
-pathlib.Path(sys.argv[1], f"{ctx.process_id}.pid").write_text(str(os.getpid()))
-time.sleep(600)
-"""
+SLEEPS = SLEEPING_WORKER
 
 RAISES = """
 import os, pathlib, sys, time

@@ -14,6 +14,16 @@ import signal
 import time
 from typing import Iterable
 
+SLEEPING_WORKER = """
+import os, pathlib, sys, time
+from commopt import launch
+ctx = launch.initialize()
+pathlib.Path(sys.argv[1], f"{ctx.process_id}.pid").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+"""A worker script for ``commopt.launch``: it joins the job, writes its process id to
+``<argv[1]>/<process id>.pid`` and sleeps, for a test or a trial to kill what it started."""
+
 
 def alive(pid: int) -> bool:
   """Whether process ``pid`` runs; a zombie (ended, not yet reaped) counts as ended."""
