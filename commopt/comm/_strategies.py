@@ -201,7 +201,8 @@ def hierarchical(p_reduce: Callable, u: jax.Array, residual: Optional[jax.Array]
       feedback.
     memory: a second (server) memory, ``[n]`` in leaf coordinates or already
       this rank's part of its shard (as ``p_reduce`` keeps it), or None.
-    slow, fast: the axis names.
+    slow: the slow axis's name.
+    fast: the fast axis's name.
 
   Returns:
     ``(mean [n], new residual or None, new memory or None)``, the memories in

@@ -156,7 +156,8 @@ def nnx_data_parallel(model: nnx.Module, loss_fn: Callable, tx: optax.GradientTr
       by :meth:`NnxDataParallel.init`.
     loss_fn: ``loss_fn(model, batch) -> loss``, or ``(loss, aux)`` with ``has_aux``.
     tx: the optax transformation (with a reduction over ``axis_name``).
-    mesh, axis_name: as for :func:`~commopt.data_parallel`.
+    mesh: as for :func:`~commopt.data_parallel`.
+    axis_name: as for :func:`~commopt.data_parallel`.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux comes back per worker.
     wrt: the variables to train (an nnx filter, default ``nnx.Param``).
     **options: ``model_state_sync``, ``skip_nonfinite``, ``donate`` as for
