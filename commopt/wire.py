@@ -22,7 +22,7 @@ from commopt.comm import _collectives, _plan, _strategies
 from commopt.comm._plan import (Planned, axis_sizes, planner_of, ring_sent_bytes,
                                 step_planner_of)
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses
-from commopt.parallel._layout import model_axes, runs_shard_local, update_with_value
+from commopt.transforms._layout import model_axes, runs_shard_local, update_with_value
 
 __all__ = [
     "CommPlan",

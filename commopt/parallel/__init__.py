@@ -17,7 +17,7 @@
 
 from commopt.parallel._data_parallel import DataParallel, Layout, data_parallel
 from commopt.parallel._eager import EagerDiLoCo, EagerState, eager_diloco
-from commopt.parallel._layout import local_value_and_grad, stack_workers, unstack_workers
+from commopt.transforms._layout import local_value_and_grad, stack_workers, unstack_workers
 from commopt.parallel._overlapped import (
     OverlappedDataParallel,
     OverlappedDiLoCo,

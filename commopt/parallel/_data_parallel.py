@@ -3,7 +3,7 @@
 :class:`DataParallel` holds the options and the public methods, and the few
 objects that do the work:
 
-- its :class:`~._layout.LayoutSolver` (:mod:`._layout`): the step's
+- its :class:`~commopt.transforms._layout.LayoutSolver` (:mod:`commopt.transforms._layout`): the step's
   :class:`Layout`, found by tracing ``tx`` (which state leaves are per-worker,
   their specs, whether ``tx`` reads ``value``), and the check of ``tx``'s axis
   names when the step is built;
@@ -34,8 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commopt._src import base
 from commopt.comm import _plan
-from commopt.parallel import _layout as lay
-from commopt.parallel._layout import Layout, LayoutSolver, explicit
+from commopt.transforms import _layout as lay
+from commopt.transforms._layout import Layout, LayoutSolver, explicit
 from commopt.parallel._placement import (Placer, check_batch, layouts_of,
                                          local_workers, placed_on_trace)
 from commopt.parallel._steps import (LossContract, ReplicatedStep, ShardLocalStep, StepBody,
@@ -165,6 +165,10 @@ class DataParallel(LossContract):
     return lay.model_axes(self.mesh, self.axes)
 
   # -- layout --------------------------------------------------------------------
+
+  def param_specs_of(self, params) -> Any:
+    """The parameters' partition specs over the mesh (checked: none names the data axes)."""
+    return self._placer.specs_of(params, "parameter")
 
   def layout(self, params) -> Layout:
     """The step's :class:`Layout` for ``params`` (arrays, tracers or ``ShapeDtypeStruct``\\ s).

@@ -13,9 +13,9 @@ from flax import nnx
 
 from commopt._src import base
 from commopt.comm import _collectives as coll
-from commopt.parallel import _layout as lay
+from commopt.transforms import _layout as lay
 from commopt.parallel._data_parallel import DataParallel
-from commopt.parallel._layout import explicit
+from commopt.transforms._layout import explicit
 from commopt.parallel._placement import placed_on_trace
 
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from commopt._src import base
 from commopt.parallel._data_parallel import data_parallel
-from commopt.parallel._layout import local_value_and_grad
+from commopt.transforms._layout import local_value_and_grad
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
 from commopt.transforms._control import apply_if_finite
 from commopt.transforms._sync._diloco import diloco

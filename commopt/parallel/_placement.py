@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commopt._src import vma
 from commopt._src.vma import spec_axes
-from commopt.parallel import _layout as lay
+from commopt.transforms import _layout as lay
 from commopt.parallel import _resize
-from commopt.parallel._layout import Layout, explicit, keystr
+from commopt.transforms._layout import Layout, explicit, keystr
 
 _SIGNATURES_KEPT = 64
 """Argument signatures :meth:`Placer.placed` remembers per step (then it starts again)."""

@@ -246,7 +246,7 @@ def _blocks(param_tiling, server_tiling, shape, what: str, fn: str) -> list[tupl
   ``param_tiling``, in the order a server memory split by ``server_tiling`` holds them.
 
   The step tiles a memory that does not mirror its parameter on its first dimension over
-  the parameter's model axes in the mesh's order (:meth:`._layout.LayoutSolver._state_spec`): the
+  the parameter's model axes in the mesh's order (:meth:`commopt.transforms._layout.LayoutSolver._state_spec`): the
   block of the device at coordinates ``c`` is ``c`` read row-major over those axes.
   """
   if not any(server_tiling):

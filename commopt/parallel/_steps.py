@@ -1,7 +1,7 @@
 """The step bodies, one class per parameter layout, and the loss contract they share.
 
 A step body runs the data-parallel step for one kind of parameter layout. It is
-built from the ``DataParallel`` and the step's :class:`~._layout.Layout`, and has
+built from the ``DataParallel`` and the step's :class:`~commopt.transforms._layout.Layout`, and has
 ``init(params)`` and ``step(params, opt_state, batch, model_state, key,
 extra_args)``; both get the parameters and the state already placed by the
 layout (``DataParallel.init`` and ``step_fn`` place them, and place what they
@@ -39,8 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from commopt._src.finite import all_finite
 from commopt.comm import _collectives as coll
-from commopt.parallel import _layout as lay
-from commopt.parallel._layout import Layout, keystr, local_value_and_grad
+from commopt.transforms import _layout as lay
+from commopt.transforms._layout import Layout, keystr, local_value_and_grad
 
 
 class LossContract:
@@ -152,7 +152,7 @@ class StepBody:
   Args:
     dp: the :class:`~commopt.DataParallel` (its options, its optimizer, its
       :class:`LossContract`).
-    layout: the step's :class:`~._layout.Layout` for these parameters.
+    layout: the step's :class:`~commopt.transforms._layout.Layout` for these parameters.
   """
 
   def __init__(self, dp, layout: Layout):
@@ -425,58 +425,22 @@ class ShardLocalStep(ShardedStep):
   ``local_params=True`` each worker's parameters (local SGD, DiLoCo) are stacked
   over the data axes and keep their model sharding.
 
-  It runs when tracing finds ``tx`` safe on shards (:class:`~._layout.LayoutSolver`);
+  It runs when tracing finds ``tx`` safe on shards
+  (:class:`~commopt.transforms._layout.LayoutSolver`);
   a ``tx`` that reduces a sharded leaf by itself (``optax.clip_by_global_norm``)
   runs on whole leaves (:class:`WholeLeafStep`).
   """
   SHARD_LOCAL: ClassVar[bool] = True
 
-  def _sharding(self, shapes):
-    """The context telling the reductions inside how each parameter (of global ``shapes``)
-    is sharded over the model axes."""
-    return coll.model_sharding(self.layout.param_specs, shapes, self.dp.mesh,
-                               self.dp._other_axes)
-
   def init(self, params) -> Any:
     """``tx.init`` on each device's shards; per-worker leaves stacked, sharded leaves kept so."""
-    axes, opt, layout = self.axes, self.opt, self.layout
-    state_specs = lay.unstacked_specs(layout.state_specs, axes)
-
-    def body(p):
-      with self._sharding(jax.tree.map(lambda x: tuple(jnp.shape(x)), params)):
-        state = lay.vary_to_specs(opt.init(p), state_specs)
-      return lay.stack_workers(state, layout.state_specs, axes)
-
-    # Jitted: run eagerly, a shard_map compiles each of its operations on its own.
-    return jax.jit(jax.shard_map(body, mesh=self.dp.mesh, in_specs=(layout.param_specs,),
-                                 out_specs=layout.state_specs))(params)
+    return lay.init_on_blocks(self.opt, self.layout, self.dp.mesh, self.axes,
+                              self.dp._other_axes, params)
 
   def update(self, grads, opt_state, params, extra_args):
     """``(updates, new_state)``: the optimizer on each device's shards (updates stacked
     over the workers with ``local_params``)."""
-    dp, axes, opt, layout = self.dp, self.axes, self.opt, self.layout
-    state_specs = lay.unstacked_specs(layout.state_specs, axes)
-    stacked = lambda specs: jax.tree.map(lambda s: lay.stacked_spec(s, axes), specs,
-                                         is_leaf=lay.is_spec)
-    param_specs = stacked(layout.param_specs) if dp.local_params else layout.param_specs
-    unstack = lambda t: jax.tree.map(lambda x: x[0], t)
-    shapes = jax.tree.map(lambda x: tuple(jnp.shape(x))[1:] if dp.local_params
-                          else tuple(jnp.shape(x)), params)
-
-    def update(g, st, p, extra):
-      g = unstack(g)
-      p = unstack(p) if dp.local_params else p
-      st = lay.unstack_workers(st, layout.state_specs, axes)
-      with self._sharding(shapes):
-        u, new = opt.update(g, st, p, **extra)
-      if dp.local_params:
-        u = jax.tree.map(lambda x: x[None], u)
-      else:
-        self.check_replicated(u)
-      new = lay.vary_to_specs(new, state_specs)
-      return u, lay.stack_workers(new, layout.state_specs, axes)
-
-    return jax.shard_map(
-        update, mesh=dp.mesh,
-        in_specs=(stacked(layout.param_specs), layout.state_specs, param_specs, P()),
-        out_specs=(param_specs, layout.state_specs))(grads, opt_state, params, extra_args)
+    dp = self.dp
+    return lay.update_on_blocks(self.opt, self.layout, dp.mesh, self.axes, dp._other_axes,
+                                dp.local_params, grads, opt_state, params, extra_args,
+                                self.check_replicated)

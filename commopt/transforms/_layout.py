@@ -360,8 +360,10 @@ class LayoutSolver:
   (:class:`._steps.WholeLeafStep`), or is refused with ``shard_local=True``.
 
   Args:
-    dp: the :class:`~commopt.DataParallel` whose options (mesh, axes,
-      ``local_params``, ``shard_local``) and optimizer are traced.
+    dp: what is solved for: a :class:`~commopt.DataParallel`, or the global view of a
+      reducing transform (:class:`commopt.transforms._global_view.View`); the solver reads
+      its ``mesh``, ``axes``, ``axis_name``, ``tx``, ``optimizer``, ``local_params``,
+      ``shard_local``, ``_other_axes`` and ``param_specs_of(params)``.
   """
 
   def __init__(self, dp):
@@ -410,7 +412,7 @@ class LayoutSolver:
   def find(self, params) -> Layout:
     """``DataParallel.layout``: traced once per parameter shapes and specs, then cached."""
     dp = self.dp
-    param_specs = dp._placer.specs_of(params, "parameter")
+    param_specs = dp.param_specs_of(params)
     flat_specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
     key = (jax.tree.structure(params),
            tuple((tuple(jnp.shape(x)), str(getattr(x, "dtype", None) or jnp.result_type(x)), s)
@@ -635,3 +637,63 @@ class LayoutSolver:
         spec = P(order[0] if len(order) == 1 else tuple(order), *[None] * (len(shape) - 1))
       spec = full_spec(spec, len(shape))
     return stacked_spec(spec, self.dp.axes) if stacked else spec
+
+
+# -- the optimizer on each device's blocks: the shard-local step and the global view ----
+
+def init_on_blocks(opt, layout: Layout, mesh, axes, other_axes, params) -> Any:
+  """``opt.init`` on each device's blocks of ``params`` (global arrays of
+  ``layout.param_specs``), in a ``shard_map`` manual over every mesh axis: per-worker leaves
+  stacked over the data ``axes``, leaves sharded over model axes kept so.
+
+  The step of parameters sharded over model axes (``ShardLocalStep.init``) and the global
+  view of a reducing transform (:mod:`commopt.transforms._global_view`) both call it.
+  """
+  state_specs = unstacked_specs(layout.state_specs, axes)
+  shapes = jax.tree.map(lambda x: tuple(jnp.shape(x)), params)
+
+  def body(p):
+    with coll.model_sharding(layout.param_specs, shapes, mesh, other_axes):
+      state = vary_to_specs(opt.init(p), state_specs)
+    return stack_workers(state, layout.state_specs, axes)
+
+  # Jitted: run eagerly, a shard_map compiles each of its operations on its own.
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(layout.param_specs,),
+                               out_specs=layout.state_specs))(params)
+
+
+def update_on_blocks(opt, layout: Layout, mesh, axes, other_axes, local_params: bool,
+                     grads, opt_state, params, extra_args, check: Callable) -> tuple[Any, Any]:
+  """``(updates, new_state)``: ``opt.update`` on each device's blocks, in a ``shard_map``
+  manual over every mesh axis, of the per-worker ``grads`` stacked ``[num_workers, ...]``
+  over the data ``axes`` (updates stacked so too with ``local_params``, else replicated
+  over the data axes, which ``check`` verifies inside the map).
+
+  The step of parameters sharded over model axes (``ShardLocalStep.update``) and the
+  global view of a reducing transform both call it.
+  """
+  state_specs = unstacked_specs(layout.state_specs, axes)
+  stacked = lambda specs: jax.tree.map(lambda s: stacked_spec(s, axes), specs,
+                                       is_leaf=is_spec)
+  param_specs = stacked(layout.param_specs) if local_params else layout.param_specs
+  unstack = lambda t: jax.tree.map(lambda x: x[0], t)
+  shapes = jax.tree.map(lambda x: tuple(jnp.shape(x))[1:] if local_params
+                        else tuple(jnp.shape(x)), params)
+
+  def update(g, st, p, extra):
+    g = unstack(g)
+    p = unstack(p) if local_params else p
+    st = unstack_workers(st, layout.state_specs, axes)
+    with coll.model_sharding(layout.param_specs, shapes, mesh, other_axes):
+      u, new = opt.update(g, st, p, **extra)
+    if local_params:
+      u = jax.tree.map(lambda x: x[None], u)
+    else:
+      check(u)
+    new = vary_to_specs(new, state_specs)
+    return u, stack_workers(new, layout.state_specs, axes)
+
+  return jax.shard_map(
+      update, mesh=mesh,
+      in_specs=(stacked(layout.param_specs), layout.state_specs, param_specs, P()),
+      out_specs=(param_specs, layout.state_specs))(grads, opt_state, params, extra_args)
