@@ -12,6 +12,7 @@ from commopt._src import bits as bitops
 from commopt._src.base import AxisName, check_axis_name
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
+from commopt.transforms import _global_view
 
 
 def _bitsliced_count(words: list[jax.Array]) -> list[jax.Array]:
@@ -128,4 +129,6 @@ def majority_vote(*, axis_name: AxisName = None) -> optax.GradientTransformation
                                            4 * -(-base.leaf_size(leaf.shape) // 32), True)]
 
   return _plan.with_planner(
-      optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn), plan)
+      _global_view.accepting(
+          optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn),
+          axis_name, "majority_vote"), plan)

@@ -26,6 +26,7 @@ from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.comm._strategies import compensate, remember
 from commopt.comm._exchange import worker_key as worker_key_for
+from commopt.transforms import _global_view
 
 PayloadAttack = Callable[..., Any]
 """``payload_attack(payload, *, key, axis_name) -> payload``: corrupts what a worker sends."""
@@ -420,7 +421,9 @@ def robust_transform(fn: str, rule: Rule, axis_name: AxisName, *,
       entries += _plan.gather_plan(jax.tree_util.keystr(path), axis_name, sizes, nbytes, packed)
     return entries
 
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn), plan)
+  return _plan.with_planner(
+      _global_view.accepting(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                             axis_name, fn), plan)
 
 
 __all__ = ["CenteredClipState", "PayloadAttack", "RobustState", "Rule", "robust_aggregate",

@@ -12,6 +12,7 @@ import optax
 
 from commopt._src import base, feedback, finite, tree, vma
 from commopt._src.tree import DEFAULT_MIN_SIZE, compresses  # noqa: F401  (re-exported)
+from commopt.transforms import _global_view
 from commopt.comm import _collectives as coll
 from commopt.comm import _exchange, _plan, _strategies
 from commopt.comm._channel import Channel
@@ -430,6 +431,8 @@ def compressed_mean(
                                       min_size, step)
 
   return _plan.with_planner(
-      optax.GradientTransformationExtraArgs(functools.partial(_init, cfg),
-                                            functools.partial(_update, cfg)),
+      _global_view.accepting(
+          optax.GradientTransformationExtraArgs(functools.partial(_init, cfg),
+                                                functools.partial(_update, cfg)),
+          axis_name, "compressed_mean"),
       planner, planner)

@@ -31,6 +31,7 @@ from commopt.comm import _plan
 from commopt.transforms._compressed_mean import compressed_mean
 from commopt.transforms._control import _check_axes
 from commopt.transforms._sync import _wide
+from commopt.transforms import _global_view
 
 
 class MomentumOptions(NamedTuple):
@@ -228,7 +229,7 @@ def _widened(params):
 
 
 def planned(init_fn, update_fn, reducer, axis_name,
-            exchange_at: Callable[[int], Optional[str]]):
+            exchange_at: Callable[[int], Optional[str]], fn: str):
   """The transform with its wire plans: a compressed step's exchange, and per step
   ``exchange_at(step)``'s: ``"dense"`` (one float all-reduce per leaf), ``"compressed"``
   (the reducer's) or None (nothing). Every exchange carries the widened values."""
@@ -245,5 +246,6 @@ def planned(init_fn, update_fn, reducer, axis_name,
                           base.leaf_size(x.shape) * jnp.dtype(x.dtype).itemsize, packed=False)
             for path, x in jax.tree_util.tree_flatten_with_path(_widened(params))[0]]
 
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn), planner,
-                            step_planner)
+  tx = _global_view.accepting(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                              axis_name, fn)
+  return _plan.with_planner(tx, planner, step_planner)

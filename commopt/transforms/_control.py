@@ -25,6 +25,7 @@ import optax
 from commopt._src import base, finite, vma
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
+from commopt.transforms import _global_view
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -353,7 +354,8 @@ def apply_if_finite(inner: optax.GradientTransformation, *,
                                   optax.safe_int32_increment(state.total_notfinite)),
         inner_state=new_inner)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _global_view.accepting(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                                axis_name, "apply_if_finite")
 
 
 def _shared(tree, axis_name) -> list:

@@ -6,6 +6,7 @@ import optax
 
 from commopt._src import base
 from commopt.compressors import chunk_top_k
+from commopt.transforms import _global_view
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE, compressed_mean
 
 
@@ -81,9 +82,9 @@ def demo(learning_rate: optax.ScalarOrSchedule, *, axis_name, k: int = 32, chunk
                                          combine=combine),
                              axis_name=axis_name, error_feedback=True, residual_decay=decay,
                              strategy=strategy, min_size=min_size, seed=seed)
-  return optax.named_chain(
+  return _global_view.accepting(optax.named_chain(
       ("momentum_in", optax.scale_by_learning_rate(learning_rate, flip_sign=False)),
       ("exchange", exchange),
       ("sign", optax.scale_by_sign() if sign else optax.identity()),
       ("weight_decay", optax.add_decayed_weights(weight_decay)),
-      ("step", optax.scale_by_learning_rate(learning_rate)))
+      ("step", optax.scale_by_learning_rate(learning_rate))), axis_name, "demo")

@@ -16,6 +16,7 @@ from commopt.compressors._topk import top_k
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms import _compressed_mean as cm
+from commopt.transforms import _global_view
 
 DGC_WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004, 0.001)
 """DGC's warm-up: sparsity 75% → 93.75% → 98.4375% → 99.6% → 99.9%, as densities."""
@@ -270,5 +271,7 @@ def dgc(*, axis_name: Optional[str] = None,
                          inner=inner_state)
 
   # The plan is the inner reduction's: the steady-state (last) density's payload.
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn),
-                            _plan.planner_of(inner))
+  return _plan.with_planner(
+      _global_view.accepting(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                             axis_name, "dgc"),
+      _plan.planner_of(inner))

@@ -19,6 +19,7 @@ from commopt.compressors._sketch import (
     sketch_seeds,
 )
 from commopt.transforms._control import _check_axes
+from commopt.transforms import _global_view
 
 ZEROING = ("subtract", "buckets")
 
@@ -178,4 +179,6 @@ def fetch_sgd(learning_rate: Union[float, optax.Schedule], k: int, rows: int, co
     return [_plan.planned("<sketch>", "all-reduce", axis_name, _plan.total_workers(sizes),
                           rows * cols * 4, packed=True)]
 
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn), planner)
+  return _plan.with_planner(
+      _global_view.accepting(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                             axis_name, "fetch_sgd"), planner)

@@ -676,9 +676,11 @@ def update_on_blocks(opt, layout: Layout, mesh, axes, other_axes, local_params: 
   stacked = lambda specs: jax.tree.map(lambda s: stacked_spec(s, axes), specs,
                                        is_leaf=is_spec)
   param_specs = stacked(layout.param_specs) if local_params else layout.param_specs
+  if params is None:   # a transform that takes no parameters (compressed_mean)
+    param_specs = P()
   unstack = lambda t: jax.tree.map(lambda x: x[0], t)
-  shapes = jax.tree.map(lambda x: tuple(jnp.shape(x))[1:] if local_params
-                        else tuple(jnp.shape(x)), params)
+  shapes = jax.tree.map(lambda x: tuple(jnp.shape(x))[1:] if local_params or params is None
+                        else tuple(jnp.shape(x)), grads if params is None else params)
 
   def update(g, st, p, extra):
     g = unstack(g)

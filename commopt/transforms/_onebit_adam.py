@@ -134,7 +134,7 @@ def onebit_adam(learning_rate: Union[float, optax.Schedule], freeze_step: int, *
                                 reducer_state=red)
 
   return planned(init_fn, update_fn, o.reducer, o.axis_name,
-                 lambda step: "dense" if step < freeze_step else "compressed")
+                 lambda step: "dense" if step < freeze_step else "compressed", o.fn)
 
 
 def _compressed_branch(o):

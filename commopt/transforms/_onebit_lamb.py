@@ -162,7 +162,7 @@ def onebit_lamb(learning_rate: Union[float, optax.Schedule], freeze_step: int, *
       freeze_step, min_coeff=min_coeff, max_coeff=max_coeff, coeff_beta=coeff_beta,
       factor_min=factor_min, factor_max=factor_max, factor_threshold=factor_threshold)
   return planned(_init_fn(o.common), _update_fn(o), o.common.reducer, o.common.axis_name,
-                 lambda step: "dense" if step < o.freeze_step else "compressed")
+                 lambda step: "dense" if step < o.freeze_step else "compressed", o.common.fn)
 
 
 class _LambOptions(NamedTuple):

@@ -29,6 +29,7 @@ from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import compressed_mean
 from commopt.transforms._control import _check_axes
+from commopt.transforms import _global_view
 
 # Rows each kernel shape's backward pass saw when last traced: lets
 # sfb_mean refuse a `batch_rows` that does not match, at trace time.
@@ -245,5 +246,7 @@ def sfb_mean(batch_rows: int, mask: Union[Any, Callable[[Any], Any]], *, axis_na
                                      packed=True)
     return entries
 
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(init, update), planner)
+  return _plan.with_planner(
+      _global_view.accepting(optax.GradientTransformationExtraArgs(init, update), axis_name,
+                             "sfb_mean"), planner)
 

@@ -206,7 +206,7 @@ def zero_one_adam(learning_rate: Union[float, optax.Schedule], *, axis_name,
                        min_size=min_size, seed=seed, exp_avg_mask=exp_avg_mask),
       var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
   return planned(_init_fn(o.common), _update_fn(o), o.common.reducer, o.common.axis_name,
-                 lambda step: _exchange_at(o, step))
+                 lambda step: _exchange_at(o, step), o.common.fn)
 
 
 class _ZeroOneOptions(NamedTuple):

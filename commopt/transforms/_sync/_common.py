@@ -22,6 +22,7 @@ from commopt._src import base, feedback, finite
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import compressed_mean
 from commopt.transforms._control import _check_axes, _check_inner, _hold_state
+from commopt.transforms import _global_view
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -99,7 +100,7 @@ def _outer(outer, fn: str, compressor=None, error_feedback=False):
   return _check_inner(outer, fn)
 
 
-def _planned(init_fn, update_fn, reducer, synced=None):
+def _planned(init_fn, update_fn, reducer, synced=None, *, axis_name, fn: str):
   """The transform, with :func:`commopt.wire.comm_plan` giving its exchange's collectives:
   what one synchronisation sends, and with ``step``, what runs at that step
   (everything when ``synced(step)``, else nothing; every step without ``synced``).
@@ -112,8 +113,9 @@ def _planned(init_fn, update_fn, reducer, synced=None):
     step_planner = lambda params, workers, step: (
         planner(params, workers) if bool(synced(step)) else [])
     exchanges = lambda state: synced(state.count)
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(init_fn, update_fn),
-                            planner, step_planner, exchanges)
+  tx = _global_view.accepting(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                              axis_name, fn)
+  return _plan.with_planner(tx, planner, step_planner, exchanges)
 
 
 def _require_params(fn: str, params, what: str = "each worker's own parameters") -> None:

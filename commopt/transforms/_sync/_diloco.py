@@ -108,7 +108,8 @@ def diloco(inner: optax.GradientTransformation,
                                   seed, residual_decay),
                  period=base.check_positive_int("period", period, fn=fn),
                  warmup_steps=base.check_int("warmup_steps", warmup_steps, fn=fn, minimum=0))
-  return _planned(mode.init, mode.update, mode.reducer, mode.synced)
+  return _planned(mode.init, mode.update, mode.reducer, mode.synced, axis_name=axis_name,
+                  fn=fn)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

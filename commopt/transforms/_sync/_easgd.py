@@ -83,7 +83,7 @@ def easgd(inner: optax.GradientTransformation, *, axis_name, alpha: float, perio
                              what="a number >= 0 (or None)")
   mode = _EASGD(fn=fn, axis_name=axis_name, inner=inner, reducer=reducer, alpha=alpha,
                 beta=beta, period=base.check_positive_int("period", period, fn=fn))
-  return _planned(mode.init, mode.update, reducer, mode.synced)
+  return _planned(mode.init, mode.update, reducer, mode.synced, axis_name=axis_name, fn=fn)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -20,6 +20,7 @@ from commopt.transforms._sync._common import (
     _Mode, _advance, _exchange_options, _inner_step, _moved, _reducer, _require_params,
     _to_target_or_local, _wide, _zero_count, is_sync_step, _take_verdict)
 from commopt.transforms._sync._diloco import diloco
+from commopt.transforms import _global_view
 
 
 def local_sgd(inner: optax.GradientTransformation, *, axis_name,
@@ -151,7 +152,9 @@ def _hierarchical_local_sgd(inner, axis_name, period, warmup_steps, compressor, 
   mode = _HierarchicalLocalSGD(
       fn=fn, axis_name=axis_name, inner=inner, levels=tuple(levels), warmup_steps=warmup_steps,
       reducers=tuple(level_reducer(i, axes) for i, (axes, _) in enumerate(levels)))
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(mode.init, mode.update),
+  return _plan.with_planner(_global_view.accepting(
+                                optax.GradientTransformationExtraArgs(mode.init, mode.update),
+                                axis_name, fn),
                             mode.planner, mode.step_planner,
                             lambda state: mode.level_at(state.count) >= 0)
 

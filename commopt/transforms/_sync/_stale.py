@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base, finite
+from commopt.transforms import _global_view
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
@@ -134,7 +135,9 @@ def stale(inner: optax.GradientTransformation, *, axis_name, max_staleness: int,
   mode = _Stale(fn=fn, axis_name=axis_name, inner=inner, reducer_for=reducer_for,
                 max_staleness=s, distribution=distribution, mean_staleness=mean_staleness,
                 seed=seed)
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(mode.init, mode.update),
+  return _plan.with_planner(_global_view.accepting(
+                                optax.GradientTransformationExtraArgs(mode.init, mode.update),
+                                axis_name, fn),
                             mode.planner)
 
 

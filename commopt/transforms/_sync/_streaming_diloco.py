@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from commopt._src import base
+from commopt.transforms import _global_view
 from commopt.comm import _collectives as coll
 from commopt.comm import _plan
 from commopt.transforms._compressed_mean import DEFAULT_MIN_SIZE
@@ -111,7 +112,9 @@ def streaming_diloco(inner: optax.GradientTransformation,
   mixing = base.check_number("mixing", mixing, fn=fn, low=0, high=1, low_open=False)
   mode = _StreamingDiLoCo(fn=fn, axis_name=axis_name, inner=inner, outer=outer, reducer=reducer,
                           period=period, fragments=fragments, delay=delay, mixing=mixing)
-  return _plan.with_planner(optax.GradientTransformationExtraArgs(mode.init, mode.update),
+  return _plan.with_planner(_global_view.accepting(
+                                optax.GradientTransformationExtraArgs(mode.init, mode.update),
+                                axis_name, fn),
                             _plan.planner_of(reducer), mode.step_planner, mode.exchanges)
 
 
